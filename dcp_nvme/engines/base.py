@@ -1,0 +1,45 @@
+"""The engine protocol: how bytes move between memory and one file. Knows nothing of DCP."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..layout import ReadRequest
+from ..stats import IOStats
+
+
+@dataclass
+class FileWriteResult:
+    """A written and fsynced container: its size and the crc32c of every checksum block."""
+
+    path: str
+    size: int
+    data_start: int
+    checksum_block: int
+    crcs: list[int]
+    header_crc: int
+    stats: IOStats = field(repr=False)
+
+
+class Engine(Protocol):
+    """Moves bytes with at most ``queue_depth`` requests of ``block_size`` bytes in flight."""
+
+    name: str
+
+    def write_file(
+        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int
+    ) -> FileWriteResult:
+        """Write ``header`` then the sources (flat uint8 tensors) back to back; fsync; return crcs."""
+        ...
+
+    def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
+        """Run the requests into the destination tensors (flat uint8), verifying their checks."""
+        ...
+
+    def close(self) -> None:
+        """Free buffers and threads; the engine may be used again afterwards."""
+        ...

@@ -1,0 +1,402 @@
+"""POSIX engine: worker threads doing positional I/O, optionally with O_DIRECT.
+
+Writes stream the container as ``block_size`` requests with ``queue_depth`` in flight. A request
+whose bytes are one aligned span of host memory (a staging arena) is written straight from it;
+anything else (scattered tensors, device memory, the unaligned tail) is first copied into one of
+``queue_depth`` page-aligned bounce buffers, which are reused across saves. Reads are the mirror
+image. ``os.pwrite``/``os.preadv``, ``crc32c`` and torch copies all release the GIL, so the
+threads overlap copying, checksumming and the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import crc32c
+import torch
+
+from ..config import ALIGN, IOConfig
+from ..errors import ChecksumMismatchError, DCPNVMeError
+from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
+from ..memory import aligned_buffer
+from ..stats import IOStats
+from .base import FileWriteResult
+
+log = logging.getLogger(__name__)
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_IOV_MAX = 1024
+_warned_dirs: set[str] = set()
+
+
+def _note_fallback(path: str, reason: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in _warned_dirs:
+        _warned_dirs.add(directory)
+        log.warning("O_DIRECT refused for %s (%s); using buffered I/O + fsync there", directory, reason)
+
+
+def open_file(path: str, flags: int, direct: bool) -> tuple[int, bool]:
+    """Open with O_DIRECT when asked and allowed; return the fd and whether O_DIRECT is on."""
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            _note_fallback(path, os.strerror(exc.errno))
+    elif direct:
+        _note_fallback(path, "this platform has no O_DIRECT")
+    return os.open(path, flags, 0o644), False
+
+
+def pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:
+    while len(buffer):
+        written = os.pwrite(fd, buffer, offset)
+        buffer, offset = buffer[written:], offset + written
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy between flat uint8 tensors; host to host by memmove (12 GB/s here, GIL released),
+    where torch's copy_ split over 2 threads ran 3.6 GB/s and fought the I/O threads."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+    else:
+        dst.copy_(src)
+
+
+def _memory_at(address: int, length: int) -> memoryview:
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+
+class _BouncePool:
+    """``count`` page-aligned buffers of ``size`` bytes, handed out one per request in flight."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self.buffers = [aligned_buffer(size) for _ in range(count)]
+        self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in range(count):
+            self.free.put(index)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * len(self.buffers)
+
+
+class PosixEngine:
+    """Threads + pwrite/preadv, with O_DIRECT where the filesystem takes it."""
+
+    name = "posix"
+
+    def __init__(self, config: IOConfig) -> None:
+        self.config = config
+        self._pool: _BouncePool | None = None
+        self._pool_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ shared
+
+    def _bounce(self) -> _BouncePool:
+        with self._pool_lock:
+            if self._pool is None:
+                # room for an unaligned request rounded out to ALIGN on both sides
+                self._pool = _BouncePool(self.config.queue_depth, self.config.block_size + 2 * ALIGN)
+            return self._pool
+
+    @property
+    def bounce_bytes(self) -> int:
+        return self._pool.nbytes if self._pool else 0
+
+    def close(self) -> None:
+        self._pool = None
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["config"])
+
+    def _run_bounded(self, tasks: Iterable, work) -> None:
+        """Run ``work(task)`` on queue_depth threads; stop early and re-raise the first error."""
+        depth = self.config.queue_depth
+        slots = threading.BoundedSemaphore(depth)
+        failure: list[BaseException] = []
+        pending: set[Future] = set()
+        lock = threading.Lock()
+
+        def done(future: Future) -> None:
+            with lock:
+                pending.discard(future)
+            if future.exception() is not None and not failure:
+                failure.append(future.exception())
+            slots.release()
+
+        with ThreadPoolExecutor(depth, thread_name_prefix="dcp-nvme-io") as pool:
+            for task in tasks:
+                slots.acquire()
+                if failure:
+                    slots.release()
+                    break
+                future = pool.submit(work, task)
+                with lock:
+                    pending.add(future)
+                future.add_done_callback(done)
+        if failure:
+            raise failure[0]
+
+    # ------------------------------------------------------------------ write
+
+    def write_file(
+        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int
+    ) -> FileWriteResult:
+        if len(header) % ALIGN:
+            raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
+        if self.config.block_size % checksum_block:
+            raise ValueError("checksum_block must divide block_size")
+        sizes = [int(s.numel()) for s in sources]
+        data_size = sum(sizes)
+        data_start = len(header)
+        crcs = [0] * (-(-data_size // checksum_block))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        fd, direct = open_file(path, flags, self.config.direct_io)
+        stats = IOStats("write")
+        started = time.perf_counter()
+        try:
+            fd, direct = self._write_header(path, fd, direct, header)
+            stats.direct_io = direct
+            addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in sources]
+
+            def write_window(window: Window) -> None:
+                self._write_window(fd, direct, data_start, window, sources, addresses,
+                                   checksum_block, crcs, stats)
+
+            self._run_bounded(plan_windows(sizes, self.config.block_size), write_window)
+            if direct and data_size % ALIGN:
+                os.ftruncate(fd, data_start + data_size)  # drop the O_DIRECT tail padding
+            sync_started = time.perf_counter()
+            os.fsync(fd)
+            stats.fsync_seconds = time.perf_counter() - sync_started
+        except OSError as exc:
+            raise _with_path(exc, path) from exc
+        finally:
+            os.close(fd)
+        stats.seconds = time.perf_counter() - started
+        return FileWriteResult(path, data_start + data_size, data_start, checksum_block, crcs,
+                               crc32c.crc32c(header), stats)
+
+    def _write_header(self, path: str, fd: int, direct: bool, header: bytes) -> tuple[int, bool]:
+        """Write the header; it is also the probe that O_DIRECT writes really work here."""
+        pool = self._bounce()
+        index = pool.free.get()
+        try:
+            if len(header) <= pool.size:
+                buffer = pool.buffers[index]
+                buffer[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+                view = buffer.numpy()[: len(header)].data
+            else:  # a header larger than a request (hundreds of thousands of items)
+                big = aligned_buffer(len(header), pin=False)
+                big.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+                view = big.numpy().data
+            try:
+                pwrite_all(fd, view, 0)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                _note_fallback(path, "write refused: " + os.strerror(exc.errno))
+                os.close(fd)
+                fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, False)
+                pwrite_all(fd, view, 0)
+            return fd, direct
+        finally:
+            pool.free.put(index)
+
+    def _write_window(self, fd, direct, data_start, window, sources, addresses, checksum_block,
+                      crcs, stats) -> None:
+        span = _contiguous_address(window, addresses)
+        aligned = span is not None and (
+            not direct or (span % ALIGN == 0 and window.length % ALIGN == 0)
+        )
+        pool = None
+        if aligned:
+            view, copied = _memory_at(span, window.length), 0
+        else:
+            pool = self._bounce()
+            index = pool.free.get()
+            buffer = pool.buffers[index]
+            for piece in window.pieces:
+                src = sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
+                copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
+            length = align_up(window.length) if direct else window.length
+            if length > window.length:
+                buffer[window.length : length].zero_()
+            view, copied = buffer.numpy()[:length].data, window.length
+        try:
+            begun = stats.begin()
+            pwrite_all(fd, view, data_start + window.offset)
+            stats.end(begun, window.length, copied)
+            first = window.offset // checksum_block
+            for rel in range(0, window.length, checksum_block):
+                crcs[first + rel // checksum_block] = crc32c.crc32c(
+                    view[rel : min(rel + checksum_block, window.length)]
+                )
+        finally:
+            if pool is not None:
+                pool.free.put(index)
+
+    # ------------------------------------------------------------------ read
+
+    def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
+        stats = IOStats("read")
+        started = time.perf_counter()
+        handles: dict[str, tuple[int, bool]] = {}
+        handles_lock = threading.Lock()
+        dest_arrays = [d.numpy() if d.device.type == "cpu" else None for d in dests]
+
+        def handle(path: str) -> tuple[int, bool]:
+            with handles_lock:
+                if path not in handles:
+                    try:
+                        handles[path] = open_file(path, os.O_RDONLY, self.config.direct_io)
+                    except OSError as exc:
+                        raise _with_path(exc, path) from exc
+                return handles[path]
+
+        def run(request: ReadRequest) -> None:
+            fd, direct = handle(request.file)
+            try:
+                if direct or any(a is None for d, _, _ in request.pieces if d != SCRATCH
+                                 for a in [dest_arrays[d]]):
+                    self._read_bounced(fd, direct, request, dests, stats)
+                else:
+                    self._read_scattered(fd, request, dest_arrays, stats)
+            except OSError as exc:
+                raise _with_path(exc, request.file) from exc
+
+        try:
+            self._run_bounded(requests, run)
+        finally:
+            for fd, direct in handles.values():
+                stats.direct_io = stats.direct_io or direct
+                os.close(fd)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def _read_bounced(self, fd, direct, request, dests, stats) -> None:
+        lo = align_down(request.file_offset) if direct else request.file_offset
+        hi = align_up(request.file_offset + request.length) if direct else request.file_offset + request.length
+        pool = self._bounce()
+        if hi - lo > pool.size:
+            raise ValueError(f"read request of {hi - lo} bytes exceeds the {pool.size}-byte buffer")
+        index = pool.free.get()
+        try:
+            buffer = pool.buffers[index]
+            view = buffer.numpy()[: hi - lo].data
+            begun = stats.begin()
+            got = _pread_into(fd, [view], lo)
+            stats.end(begun, request.length, request.length)
+            _check_length(request, lo + got)
+            base = request.file_offset - lo
+            _verify(request, [view[base : base + request.length]])
+            position = base
+            for dest, dest_offset, length in request.pieces:
+                if dest != SCRATCH:
+                    copy_bytes(dests[dest][dest_offset : dest_offset + length],
+                               buffer[position : position + length])
+                position += length
+        finally:
+            pool.free.put(index)
+
+    def _read_scattered(self, fd, request, dest_arrays, stats) -> None:
+        scratch_len = sum(n for d, _, n in request.pieces if d == SCRATCH)
+        scratch = memoryview(bytearray(scratch_len)) if scratch_len else None
+        views, used = [], 0
+        for dest, dest_offset, length in request.pieces:
+            if dest == SCRATCH:
+                views.append(scratch[used : used + length])
+                used += length
+            else:
+                views.append(dest_arrays[dest][dest_offset : dest_offset + length].data)
+        begun = stats.begin()
+        got = _pread_into(fd, views, request.file_offset)
+        stats.end(begun, request.length)
+        _check_length(request, request.file_offset + got)
+        _verify(request, views)
+
+
+def _contiguous_address(window: Window, addresses: Sequence[int | None]) -> int | None:
+    """The address of the window's bytes if they are one span of host memory, else None."""
+    first = window.pieces[0]
+    start = addresses[first.source]
+    if start is None:
+        return None
+    start += first.src_offset
+    expected = start
+    for piece in window.pieces:
+        base = addresses[piece.source]
+        if base is None or base + piece.src_offset != expected:
+            return None
+        expected += piece.length
+    return start
+
+
+def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:
+    """preadv until every view is full or the file ends; returns the bytes read."""
+    total = 0
+    pending = [v for v in views if len(v)]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        got = os.preadv(fd, batch, offset + total)
+        if got == 0:
+            break
+        total += got
+        while pending and got >= len(pending[0]):
+            got -= len(pending[0])
+            pending.pop(0)
+        if got:
+            pending[0] = pending[0][got:]
+    return total
+
+
+def _check_length(request: ReadRequest, end_read: int) -> None:
+    needed = request.file_offset + request.length
+    if end_read < needed:
+        raise DCPNVMeError(
+            f"{request.file} is truncated: needed bytes up to {needed}, the file ends at "
+            f"{end_read}. The checkpoint is damaged; load an earlier one or restore this file."
+        )
+
+
+def _verify(request: ReadRequest, views: list[memoryview]) -> None:
+    """Check each block of the request against its expected crc32c (views in file order)."""
+    if not request.checks:
+        return
+    position, index = 0, 0  # start offset of views[index] within the request
+    for rel, length, expected in request.checks:
+        while position + len(views[index]) <= rel:
+            position += len(views[index])
+            index += 1
+        crc, cursor, i, pos = 0, rel, index, position
+        while cursor < rel + length:
+            view = views[i]
+            take = view[cursor - pos : min(len(view), rel + length - pos)]
+            crc = crc32c.crc32c(take, crc)
+            cursor += len(take)
+            pos += len(view)
+            i += 1
+        if crc != expected:
+            start = request.file_offset + rel
+            raise ChecksumMismatchError(request.file, start, start + length, expected, crc)
+
+
+def _with_path(exc: OSError, path: str) -> OSError:
+    if exc.filename:
+        return exc
+    return type(exc)(exc.errno, f"{exc.strerror} (while doing I/O on {path})", path)

@@ -1,0 +1,325 @@
+"""NVMeWriter: DCP's StorageWriter over one coalesced, checksummed container per rank.
+
+Order of calls (DCP's): reset -> set_up_storage_writer -> prepare_local_plan ->
+prepare_global_plan (coordinator) -> write_data (every rank) -> finish (coordinator).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .config import IOConfig, resolve_config
+from .engines import Engine, select_engine
+from .errors import CheckpointExistsError
+from .layout import ItemSpec, plan_container
+from .manifest import (
+    MANIFEST,
+    ChunkRecord,
+    FileRecord,
+    StoredItem,
+    build_manifest_doc,
+    chunks_table,
+    data_file_name,
+    dtype_name,
+    encode_json,
+    files_table,
+    new_save_key,
+    save_key_of,
+    table_entry,
+)
+from .memory import tensor_bytes
+from .stats import PhaseTimer
+from .store import LocalStore
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+"""dtypes safetensors readers understand; any other dtype is stored as raw U8 bytes."""
+
+_ENGINE_CACHE: dict[tuple[str, IOConfig], Engine] = {}
+
+
+def shared_engine(config: IOConfig, has_device_tensors: bool) -> tuple[Engine, str]:
+    """One engine per configuration per process, so its buffers are reused across saves."""
+    engine, reason = select_engine(config, has_device_tensors)
+    key = (engine.name, config)
+    if key not in _ENGINE_CACHE:
+        _ENGINE_CACHE[key] = engine
+    return _ENGINE_CACHE[key], reason
+
+
+def is_local_path(checkpoint_id: Any) -> bool:
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return False
+    text = os.fspath(checkpoint_id)
+    return "://" not in text or text.startswith("file://")
+
+
+def local_path(checkpoint_id: str | os.PathLike) -> str:
+    text = os.fspath(checkpoint_id)
+    return text[len("file://"):] if text.startswith("file://") else text
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What the coordinator hands each rank in its plan's ``storage_data``."""
+
+    rank: int
+    save_key: str
+
+
+def _item_key(item: WriteItem) -> str:
+    """The item's name inside its container; unique per container."""
+    fqn, offset = item.index.fqn, item.index.offset
+    if item.type == WriteItemType.BYTE_IO or offset is None or not any(offset):
+        return fqn
+    return f"{fqn}@{','.join(str(o) for o in offset)}"
+
+
+def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, ChunkRecord]:
+    """An item's bytes (flat uint8, no copy when contiguous) and how it is described."""
+    key = _item_key(item)
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        source = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        spec = ItemSpec(key, len(raw), "U8", (len(raw),))
+        record = ChunkRecord(item.index.fqn, "bytes", (), (), (), "uint8", "", 0, len(raw), key)
+        return spec, source, record
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{item.index.fqn}: the planner resolved a {type(data).__name__}, not a tensor")
+    tensor = data.detach()
+    if tensor.is_quantized or tensor.is_sparse or tensor.layout != torch.strided:
+        raise TypeError(f"{item.index.fqn}: {tensor.layout}/{tensor.dtype} tensors are not supported; "
+                        "dequantize or densify them before saving")
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()  # only the view's bytes, never the whole storage
+    source = tensor_bytes(tensor)
+    chunk = item.tensor_data.chunk
+    st_dtype = SAFETENSORS_DTYPES.get(tensor.dtype)
+    shape = tuple(tensor.shape) if st_dtype else (source.numel(),)
+    spec = ItemSpec(key, source.numel(), st_dtype or "U8", shape)
+    record = ChunkRecord(
+        item.index.fqn, "tensor", tuple(chunk.offsets), tuple(chunk.sizes),
+        tuple(item.tensor_data.size), dtype_name(tensor.dtype), "", 0, source.numel(), key,
+    )
+    return spec, source, record
+
+
+class NVMeWriter(StorageWriter):
+    """Save a DCP checkpoint as one safetensors container per rank plus a Parquet manifest.
+
+    Args:
+        path: the checkpoint directory (created if missing).
+        queue_depth: requests in flight per rank (env ``DCP_NVME_QUEUE_DEPTH``).
+        block_size: bytes per request, e.g. ``"8MiB"`` (env ``DCP_NVME_BLOCK_SIZE``).
+        direct_io: O_DIRECT where the filesystem allows it (env ``DCP_NVME_DIRECT_IO``).
+        engine: ``"auto"``, ``"posix"`` or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
+        overwrite: replace a committed checkpoint at ``path``; the old one stays loadable until
+            the new one commits.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        queue_depth: int | None = None,
+        block_size: int | str | None = None,
+        direct_io: bool | None = None,
+        engine: str | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        super().__init__()
+        self.path = local_path(path)
+        self.config: IOConfig = resolve_config(
+            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine
+        )
+        self.overwrite = overwrite
+        self.is_coordinator = False
+        self.save_key: str | None = None
+        self.last_stats: dict[str, Any] | None = None
+        """This rank's figures for its last save: bytes, seconds by phase, GB/s, requests."""
+        self.last_manifest: dict[str, Any] | None = None
+        """On the coordinator, the committed manifest document of the last save."""
+
+    # ------------------------------------------------------------------ DCP protocol
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = local_path(checkpoint_id)
+        self.save_key = None
+        self._plan_started = time.perf_counter()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create checkpoint directory {self.path}: {exc.strerror}") from exc
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        store = LocalStore(self.path)
+        if store.has(MANIFEST) and not self.overwrite:
+            raise CheckpointExistsError(
+                f"{self.path} already holds a committed checkpoint; pass overwrite=True to "
+                "replace it (it stays loadable until the new one commits) or save elsewhere"
+            )
+        for plan in plans:  # fail before any byte is written, not after
+            encode_json(plan.planner_data)
+        key = new_save_key()
+        return [replace(plan, storage_data=RankPlan(rank, key)) for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target: RankPlan = plan.storage_data
+        self.save_key = target.save_key
+        future: Future[list[WriteResult]] = Future()
+        if not plan.items:
+            self.last_stats = {"rank": target.rank, "bytes": 0, "items": 0}
+            future.set_result([])
+            return future
+        timer = PhaseTimer()
+        with timer.span("resolve"):
+            resolved = [resolve_item(item, planner.resolve_data(item)) for item in plan.items]
+            specs = [spec for spec, _, _ in resolved]
+            sources = [source for _, source, _ in resolved]
+        name = data_file_name(target.rank, target.save_key)
+        layout = plan_container(specs, {
+            "format": "dcp_nvme", "format_version": "1",
+            "rank": str(target.rank), "save_key": target.save_key,
+        })
+        has_device = any(s.device.type != "cpu" for s in sources)
+        engine, reason = shared_engine(self.config, has_device)
+        path = os.path.join(self.path, name)
+        try:
+            with timer.span("write"):
+                written = engine.write_file(path, layout.header, sources, self.config.checksum_block)
+        except BaseException:
+            try:  # a failed save leaves no partial data behind (it would never load anyway)
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        io_stats = written.stats.to_dict()
+        stats = {
+            "rank": target.rank, "file": name, "items": len(plan.items), "bytes": written.size,
+            "engine": engine.name, "engine_reason": reason, "config": self.config.to_dict(),
+            "phases": {k: round(v, 6) for k, v in timer.phases.items()}, "io": io_stats,
+        }
+        self.last_stats = stats
+        log.info("dcp_nvme: rank %d wrote %s: %.3f GB in %.3f s (%.2f GB/s), %d requests, depth %d, "
+                 "p50 %.2f ms, p99 %.2f ms", target.rank, name, written.size / 1e9,
+                 io_stats["seconds"], io_stats["gbps"], io_stats["requests"],
+                 io_stats["max_inflight"], io_stats["latency_p50_ms"], io_stats["latency_p99_ms"])
+        file_record = FileRecord(name, target.rank, written.size, written.data_start,
+                                 written.checksum_block, written.header_crc, tuple(written.crcs))
+        results = []
+        for position, (item, (_, source, record)) in enumerate(zip(plan.items, resolved)):
+            placed = replace(record, file=name, byte_offset=layout.data_start + layout.offsets[position])
+            stored = StoredItem(placed, file_record if position == 0 else None,
+                                stats if position == 0 else None)
+            results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        started = time.perf_counter()
+        store = LocalStore(self.path)
+        key = self.save_key or _key_from_results(results)
+        chunks, files, rank_stats = _collect(metadata, results)
+        index_bytes = chunks_table(chunks)
+        blocks_bytes = files_table(files)
+        index_name, blocks_name = f"index.{key}.parquet", f"blocks.{key}.parquet"
+        store.write_atomic(index_name, index_bytes)
+        store.write_atomic(blocks_name, blocks_bytes)
+        doc = build_manifest_doc(
+            save_key=key, files=files,
+            index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
+            world_size=len(results), planner_data=metadata.planner_data,
+            dcp_version=metadata.version,
+            storage_meta={"checkpoint_id": self.path},
+            extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
+        )
+        import json
+
+        store.write_atomic(MANIFEST, json.dumps(doc, indent=1).encode())  # the commit
+        _remove_stale(store, key)
+        doc["commit_seconds"] = time.perf_counter() - started
+        self.last_manifest = doc
+        if self.last_stats is not None:
+            self.last_stats["phases"]["commit"] = round(doc["commit_seconds"], 6)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_local_path(checkpoint_id)
+
+
+def _key_from_results(results: list[list[WriteResult]]) -> str:
+    for rank_results in results:
+        for result in rank_results:
+            key = save_key_of(result.storage_data.chunk.file)
+            if key:
+                return key
+    return new_save_key()  # nothing was written by any rank (an empty state dict)
+
+
+def _collect(metadata: Metadata, results: list[list[WriteResult]]):
+    """Chunk records in the metadata's order, file records by rank, and each rank's figures."""
+    order: dict[MetadataIndex, int] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        chunks = getattr(entry, "chunks", None)
+        if chunks is None:
+            order[MetadataIndex(fqn)] = len(order)
+        else:
+            for chunk in chunks:
+                order[MetadataIndex(fqn, chunk.offsets)] = len(order)
+    records, files, stats = [], [], []
+    for rank_results in results:
+        for result in rank_results:
+            stored: StoredItem = result.storage_data
+            records.append(stored.chunk)
+            if stored.file is not None:
+                files.append(stored.file)
+            if stored.stats is not None:
+                stats.append(stored.stats)
+    written = {r.index for r in records}
+    missing = [index for index in order if index not in written]
+    if missing:
+        raise RuntimeError(f"no rank wrote {len(missing)} item(s) of the plan, e.g. {missing[0]}")
+    records.sort(key=lambda r: order.get(r.index, len(order)))
+    files.sort(key=lambda f: f.rank)
+    return records, files, stats
+
+
+def _remove_stale(store: LocalStore, key: str) -> None:
+    """After a commit: files of replaced or crashed saves, and temp files, are garbage."""
+    for name in store.names():
+        stale_key = save_key_of(name)
+        if (stale_key and stale_key != key) or (name.startswith(".") and ".tmp-" in name):
+            store.remove(name)
