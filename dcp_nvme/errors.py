@@ -23,7 +23,7 @@ class ManifestError(DCPNVMeError, ValueError):
     """The manifest is unreadable, from an unknown format version, or inconsistent."""
 
 
-class ChecksumMismatchError(DCPNVMeError, IOError):
+class ChecksumMismatchError(DCPNVMeError):
     """Bytes read back differ from what was written."""
 
     def __init__(self, path: str, start: int, end: int, expected: int, actual: int, items: str = ""):

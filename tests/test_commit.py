@@ -1,0 +1,137 @@
+"""The commit protocol: a checkpoint exists only once its manifest is committed."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_nvme import (
+    CheckpointExistsError,
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    NVMeReader,
+    NVMeWriter,
+)
+from dcp_nvme.manifest import MANIFEST
+
+
+def _save(path, value, **kw):
+    dcp.save({"w": torch.full((1000,), float(value))}, storage_writer=NVMeWriter(path, **kw), no_dist=True)
+
+
+def _load(path):
+    dest = {"w": torch.zeros(1000)}
+    dcp.load(dest, storage_reader=NVMeReader(path), no_dist=True)
+    return dest["w"][0].item()
+
+
+def _causes(exc):
+    """DCP wraps rank failures in CheckpointException; its failures map holds the originals."""
+    if not isinstance(exc, CheckpointException):
+        return [exc]
+    return [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+
+
+def test_save_into_committed_checkpoint_needs_overwrite(tmp_path):
+    _save(tmp_path / "c", 1)
+    with pytest.raises(CheckpointException) as info:
+        _save(tmp_path / "c", 2)
+    assert any(isinstance(c, CheckpointExistsError) for c in _causes(info.value))
+    assert "overwrite=True" in str(info.value)
+    assert _load(tmp_path / "c") == 1
+    _save(tmp_path / "c", 2, overwrite=True)
+    assert _load(tmp_path / "c") == 2
+    names = os.listdir(tmp_path / "c")
+    assert len([n for n in names if n.endswith(".safetensors")]) == 1  # the old data is gone
+
+
+def test_missing_directory_and_plain_directory_are_refused(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        NVMeReader(tmp_path / "nope").read_metadata()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="not a dcp_nvme checkpoint"):
+        NVMeReader(tmp_path / "empty").read_metadata()
+
+
+def test_directory_written_by_dcp_filesystemwriter_is_named(tmp_path):
+    dcp.save({"w": torch.ones(3)}, storage_writer=FileSystemWriter(tmp_path / "fs"), no_dist=True)
+    with pytest.raises(CheckpointNotFoundError, match="FileSystemReader"):
+        NVMeReader(tmp_path / "fs").read_metadata()
+
+
+def test_uncommitted_data_is_refused(tmp_path):
+    _save(tmp_path / "c", 1)
+    os.unlink(tmp_path / "c" / MANIFEST)
+    with pytest.raises(CheckpointNotCommittedError, match="did not finish"):
+        NVMeReader(tmp_path / "c").read_metadata()
+    with pytest.raises(CheckpointException, match="did not finish"):  # what dcp.load reports
+        _load(tmp_path / "c")
+
+
+CRASHING_SAVE = textwrap.dedent("""
+    import sys, time, torch, torch.distributed.checkpoint as dcp
+    from dcp_nvme import NVMeWriter
+    from dcp_nvme.engines import posix
+    real = posix.pwrite_all
+    def slow(fd, buffer, offset):  # a slow drive: the parent kills us mid-write
+        real(fd, buffer, offset)
+        time.sleep(0.05)
+    posix.pwrite_all = slow
+    state = {"w": torch.full((1000,), 2.0), "big": torch.randn(16 << 20 >> 2)}
+    dcp.save(state, storage_writer=NVMeWriter(sys.argv[1], overwrite=True, block_size=65536), no_dist=True)
+    print("finished", flush=True)
+""")
+
+
+def test_killed_save_leaves_earlier_checkpoint_loadable(tmp_path):
+    path = tmp_path / "c"
+    _save(path, 1)
+    before = set(os.listdir(path))
+    process = subprocess.Popen([sys.executable, "-c", CRASHING_SAVE, str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (set(os.listdir(path)) - before):
+        time.sleep(0.02)
+    time.sleep(0.2)  # well inside the 256 writes x 50 ms of the new data file
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert b"finished" not in process.stdout.read()
+    new_files = set(os.listdir(path)) - before
+    assert any(n.endswith(".safetensors") for n in new_files)  # the crash left partial data
+    assert _load(path) == 1  # ... which is not the committed checkpoint
+    _save(path, 3, overwrite=True)  # the next committed save cleans the debris
+    assert _load(path) == 3
+    assert not (set(os.listdir(path)) & new_files)
+
+
+def test_failed_write_commits_nothing_and_removes_its_data(tmp_path, monkeypatch):
+    from dcp_nvme.engines import posix
+
+    def full_disk(fd, buffer, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(posix, "pwrite_all", full_disk)
+    with pytest.raises(CheckpointException) as info:
+        _save(tmp_path / "c", 1)
+    assert "No space left on device" in str(info.value)
+    assert not os.path.exists(tmp_path / "c" / MANIFEST)
+    assert not [n for n in os.listdir(tmp_path / "c") if n.endswith(".safetensors")]
+
+
+def test_unwritable_directory_is_a_clear_error(tmp_path):
+    if os.geteuid() == 0:
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        target = blocker / "ckpt"  # a path under a regular file cannot be created, even by root
+    else:
+        target = "/proc/ckpt"
+    with pytest.raises(CheckpointException, match="cannot create checkpoint directory"):
+        _save(target, 1)
