@@ -17,6 +17,7 @@ from .errors import (
     ManifestError,
 )
 from .reader import NVMeReader
+from .staging import NVMeStager
 from .writer import NVMeWriter
 
 __all__ = [

@@ -1,0 +1,501 @@
+"""NVMeStager: DCP's AsyncStager over a reusable, page-aligned staging arena.
+
+``dcp.async_save(sd, storage_writer=NVMeWriter(path), async_stager=NVMeStager())`` blocks the
+training thread for one copy of the state into the arena; the write runs in the background.
+
+Layout: tensors are packed back to back in the order DCP's default planner will hand them to
+NVMeWriter (the flattened state-dict traversal order), from a page-aligned base. The writer's
+container packs items the same way, so each write window is one aligned span of the arena and
+the POSIX engine writes it straight from there (no bounce copy). Within each mapping, keys that
+hold tensors are placed before non-tensor leaves: a pickled object between two tensors would
+shift every later tensor off the 4 KiB grid.
+
+Reuse: the arena is allocated and first-touched once and reused while the state's structure
+(paths, dtypes, shapes, devices, order) is unchanged; it is rebuilt when the structure changes.
+
+Safety: an arena is never re-staged while a save that reads it is in flight. The stager learns
+that a save finished without help from the caller: ``stage`` returns a Future; DCP's upload
+executor (THREAD and PROCESS) holds that Future until the upload ends and resolves it on its
+upload thread. The arena is free again once the Future is garbage (the upload released it) or
+every other thread that consumed it has exited (DCP's one-shot upload thread, covering a failed
+upload whose traceback still holds the Future). ``on_busy`` picks wait (default) or fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from .config import ALIGN
+from .errors import DCPNVMeError
+from .memory import aligned_buffer, cuda_available
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NVMeStager", "StagingBusyError", "plan_arena"]
+
+_HELPER_PREFIX = "dcp-nvme-stage"
+
+
+class StagingBusyError(DCPNVMeError, RuntimeError):
+    """Every staging arena is still being written by an earlier save (``on_busy="error"``)."""
+
+
+# --------------------------------------------------------------------------- pure: structure
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor leaf as the arena stores it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * self.dtype.itemsize
+
+
+def plan_arena(specs: list[TensorSpec]) -> tuple[list[int], int]:
+    """Offsets of the tensors packed back to back, and the arena size.
+
+    A tensor starts right after the previous one unless its dtype needs a larger alignment
+    (a typed view cannot start mid-element); such padding breaks the zero-copy write from
+    there on, which the writer detects and handles by copying.
+    """
+    offsets, cursor = [], 0
+    for spec in specs:
+        itemsize = spec.dtype.itemsize
+        cursor = -(-cursor // itemsize) * itemsize
+        offsets.append(cursor)
+        cursor += spec.nbytes
+    return offsets, cursor
+
+
+def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The tensor whose bytes are stored, and the DTensor spec to rebuild around it (or None)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return tensor._local_tensor, tensor._spec
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        raise TypeError(
+            f"NVMeStager cannot stage a {type(tensor).__name__}; use plain tensors or DTensors "
+            "(ShardedTensor is deprecated by DCP), or stage with DCP's DefaultStager"
+        )
+    return tensor, None
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def _is_terminal_list(value: list) -> bool:
+    """DCP's _traverse rule: a list is one leaf unless it holds tensors, mappings or such lists."""
+    for entry in value:
+        if isinstance(entry, torch.Tensor) or isinstance(entry, Mapping):
+            return False
+        if isinstance(entry, list) and not _is_terminal_list(entry):
+            return False
+    return True
+
+
+def describe(state_dict: Mapping, tensors: list[torch.Tensor], objects: list[Any]) -> tuple:
+    """A hashable template of the state's structure, in DCP's traversal order (tensors first
+    within each mapping); fills ``tensors`` (the leaves to copy) and ``objects`` (the rest)."""
+
+    def node(value: Any, path: str) -> tuple:
+        if isinstance(value, Mapping):
+            keys = list(value.keys())
+            ordered = [k for k in keys if _has_tensor(value[k])] + [
+                k for k in keys if not _has_tensor(value[k])]
+            return ("map", tuple((k, node(value[k], f"{path}.{k}" if path else str(k)))
+                                 for k in ordered))
+        if isinstance(value, list) and not _is_terminal_list(value):
+            return ("list", tuple(node(v, f"{path}.{i}") for i, v in enumerate(value)))
+        if isinstance(value, torch.Tensor):
+            local, spec = _local(value)
+            if local.is_quantized or local.is_sparse or local.layout != torch.strided:
+                raise TypeError(f"{path}: {local.layout}/{local.dtype} tensors cannot be staged; "
+                                "dequantize or densify them first")
+            if local.device.type == "meta":
+                raise TypeError(f"{path}: a meta tensor has no data to save")
+            tensors.append(local)
+            leaf = TensorSpec(local.dtype, tuple(local.shape), str(local.device))
+            return ("tensor", leaf, spec, value.requires_grad)
+        objects.append(value)
+        return ("object",)
+
+    return node(state_dict, "")
+
+
+def _tensor_specs(template: tuple) -> list[TensorSpec]:
+    out: list[TensorSpec] = []
+
+    def walk(n: tuple) -> None:
+        if n[0] == "map":
+            for _, child in n[1]:
+                walk(child)
+        elif n[0] == "list":
+            for child in n[1]:
+                walk(child)
+        elif n[0] == "tensor":
+            out.append(n[1])
+
+    walk(template)
+    return out
+
+
+def _materialize(template: tuple, views: list[torch.Tensor], objects: list[Any]) -> Any:
+    """Build the staged state dict: arena views for tensors, copies of everything else."""
+    tensor_iter, object_iter = iter(views), iter(objects)
+
+    def build(n: tuple) -> Any:
+        kind = n[0]
+        if kind == "map":
+            return {k: build(child) for k, child in n[1]}
+        if kind == "list":
+            return [build(child) for child in n[1]]
+        if kind == "tensor":
+            view = next(tensor_iter)
+            if n[2] is not None:
+                from torch.distributed.tensor import DTensor
+
+                return DTensor(view, n[2], requires_grad=False)
+            return view
+        value = next(object_iter)
+        if value is None or isinstance(value, (int, float, str, bytes, bool)):
+            return value  # immutable: nothing the caller does later can change it
+        return copy.deepcopy(value)
+
+    return build(template)
+
+
+# --------------------------------------------------------------------------- arena and leases
+
+
+class _Lease:
+    """Tracks one staged save: busy until DCP's upload let go of the Future it was given."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = weakref.ref(future)
+        self.claimers: list[threading.Thread] = []
+
+    def busy(self) -> bool:
+        if self._future() is None:
+            return False
+        return not (self.claimers and not any(t.is_alive() for t in self.claimers))
+
+
+class _StagedFuture(Future):
+    """A Future whose consumers are noted: the upload thread that waits on it is the save."""
+
+    def __init__(self, lease_owner: int) -> None:
+        super().__init__()
+        self._owner = lease_owner
+        self.lease: _Lease | None = None
+
+    def result(self, timeout: float | None = None) -> Any:
+        thread = threading.current_thread()
+        lease = self.lease
+        if (lease is not None and thread.ident != self._owner
+                and not thread.name.startswith(_HELPER_PREFIX) and thread not in lease.claimers):
+            lease.claimers.append(thread)
+        return super().result(timeout)
+
+
+class _Arena:
+    """One staging buffer, the structure it is laid out for, and the views into it."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.template: tuple | None = None
+        self.views: list[torch.Tensor] = []
+        self.pinned = False
+        self.registered = False
+        self.lease: _Lease | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def busy(self) -> bool:
+        return self.lease is not None and self.lease.busy()
+
+    def release_memory(self) -> None:
+        if self.registered and self.buffer is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.buffer, self.template, self.views = None, None, []
+        self.pinned = self.registered = False
+
+
+def _allocate(nbytes: int, pin: bool, shared: bool) -> tuple[torch.Tensor, bool, bool]:
+    """A page-aligned, first-touched buffer; returns (buffer, pinned, registered with CUDA)."""
+    if not shared:
+        buffer = aligned_buffer(nbytes, pin=pin)
+        return buffer, bool(pin and buffer.is_pinned()), False
+    # shared memory (fd-backed mmap, page aligned): DCP's PROCESS executor then hands the
+    # arena to its checkpoint process by file descriptor instead of copying it
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+    buffer.zero_()
+    if buffer.data_ptr() % ALIGN:
+        raise RuntimeError("shared memory arena is not page aligned")
+    registered = False
+    if pin:
+        rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+        registered = int(rc) == 0
+        if not registered:
+            log.warning("cudaHostRegister of the %d-byte shared arena failed (%s); unpinned",
+                        buffer.numel(), rc)
+    return buffer, registered, registered
+
+
+def _views(buffer: torch.Tensor, specs: list[TensorSpec], offsets: list[int]) -> list[torch.Tensor]:
+    views = []
+    for spec, offset in zip(specs, offsets):
+        raw = buffer[offset : offset + spec.nbytes]
+        views.append(raw.view(spec.dtype).reshape(spec.shape))
+    return views
+
+
+def _copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One memmove per contiguous host tensor (GIL released, ~3x torch's copy_ here)."""
+    if src.is_contiguous() and not (src.is_conj() or src.is_neg()):
+        nbytes = src.numel() * src.element_size()
+        if nbytes:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    else:
+        dst.copy_(src)
+
+
+# --------------------------------------------------------------------------- the stager
+
+
+class NVMeStager(AsyncStager):
+    """Stage a state dict into a reused arena laid out in NVMeWriter's write order.
+
+    Args:
+        buffers: arenas kept (1 = the state's bytes once). With 2, a save can be staged while
+            the previous one is still being written, for twice the memory.
+        on_busy: ``"wait"`` (default): a save whose arena is still being written waits for
+            that write to finish; ``"error"``: raise :class:`StagingBusyError` instead.
+        wait_timeout: seconds ``"wait"`` waits before raising StagingBusyError (None: forever).
+        shared_memory: allocate the arena in shared memory, for
+            ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``: the checkpoint process
+            then maps the arena instead of receiving a copy. Without it, the first PROCESS save
+            makes torch move the arena into shared memory once (an extra copy in the
+            background, and the arena loses its pinning).
+        pin_memory: pin the arena for fast device-to-host copies (default: when CUDA exists).
+
+    ``stage`` returns a Future, so ``dcp.async_save`` returns an ``AsyncSaveResponse``: wait on
+    ``resp.staging_completion`` before changing the parameters (the optimizer step), and on
+    ``resp.upload_completion`` for durability (it raises if the background save failed).
+    Host tensors are copied before ``stage`` returns; device tensors are copied on a side
+    stream, so ``staging_completion`` may still be pending when ``async_save`` returns.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(
+        self,
+        *,
+        buffers: int = 1,
+        on_busy: str = "wait",
+        wait_timeout: float | None = None,
+        shared_memory: bool = False,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if buffers < 1:
+            raise ValueError(f"buffers must be >= 1, got {buffers}")
+        if on_busy not in ("wait", "error"):
+            raise ValueError(f"on_busy must be 'wait' or 'error', got {on_busy!r}")
+        self.buffers = buffers
+        self.on_busy = on_busy
+        self.wait_timeout = wait_timeout
+        self.shared_memory = shared_memory
+        self.pin_memory = pin_memory
+        self._setup()
+
+    def _setup(self) -> None:
+        self._arenas = [_Arena() for _ in range(self.buffers)]
+        self._next = 0
+        self._lock = threading.Lock()
+        self._helper: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, Any] = {}
+        self._counters = {"saves": 0, "rebuilds": 0, "waited_seconds": 0.0,
+                          "last_stage_seconds": 0.0, "last_wait_seconds": 0.0,
+                          "last_copy_bytes": 0}
+
+    # pickling carries the options only: arenas and threads belong to one process
+    def __getstate__(self) -> dict:
+        return {"buffers": self.buffers, "on_busy": self.on_busy, "wait_timeout": self.wait_timeout,
+                "shared_memory": self.shared_memory, "pin_memory": self.pin_memory}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def arena_bytes(self) -> int:
+        return sum(a.nbytes for a in self._arenas)
+
+    @property
+    def pinned_bytes(self) -> int:
+        # re-checked: a PROCESS save may have moved an unshared arena into (unpinned) shm
+        return sum(a.nbytes for a in self._arenas if a.pinned and a.buffer.is_pinned())
+
+    def stats(self) -> dict[str, Any]:
+        """Arena and pinned bytes, saves staged, arena rebuilds, and the last stage's timings."""
+        out = dict(self._counters)
+        out.update(arena_bytes=self.arena_bytes, pinned_bytes=self.pinned_bytes,
+                   buffers=self.buffers, shared_memory=self.shared_memory,
+                   busy=sum(a.busy() for a in self._arenas))
+        return out
+
+    # ------------------------------------------------------------------ staging
+
+    def stage(self, state_dict: STATE_DICT_TYPE) -> Future:
+        """Copy ``state_dict`` into a free arena; returns a Future of the staged state dict."""
+        started = time.perf_counter()
+        with self._lock:
+            arena = self._acquire()
+            waited = time.perf_counter() - started
+            tensors: list[torch.Tensor] = []
+            objects: list[Any] = []
+            template = describe(state_dict, tensors, objects)
+            if arena.template != template:
+                self._rebuild(arena, template)
+            future = _StagedFuture(threading.get_ident())
+            future.lease = _Lease(future)
+            arena.lease = future.lease
+            staged = _materialize(template, arena.views, objects)
+            device_pairs = []
+            for src, dst in zip(tensors, arena.views):
+                if src.device.type == "cpu":
+                    _copy_host(dst, src.detach())
+                else:
+                    device_pairs.append((dst, src.detach()))
+            nbytes = sum(v.numel() * v.element_size() for v in arena.views)
+            if device_pairs:
+                self._copy_device(device_pairs, future, staged)
+            else:
+                future.set_result(staged)
+            c = self._counters
+            c["saves"] += 1
+            c["waited_seconds"] += waited
+            c["last_wait_seconds"] = waited
+            c["last_copy_bytes"] = nbytes
+            c["last_stage_seconds"] = time.perf_counter() - started
+            return future
+
+    def _acquire(self) -> _Arena:
+        """The next arena no save is reading; waits or fails per ``on_busy``."""
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
+        order = [self._arenas[(self._next + i) % self.buffers] for i in range(self.buffers)]
+        for arena in order:
+            if not arena.busy():
+                self._next = (self._arenas.index(arena) + 1) % self.buffers
+                return arena
+        if self.on_busy == "error":
+            raise StagingBusyError(
+                f"all {self.buffers} staging arena(s) are still being written by earlier saves; "
+                "wait on the previous response's upload_completion, or create the stager with "
+                "on_busy='wait' or more buffers"
+            )
+        arena = order[0]  # the oldest save finishes first
+        delay = 0.0005
+        while arena.busy():
+            if deadline is not None and time.monotonic() > deadline:
+                raise StagingBusyError(
+                    f"the previous save still holds the staging arena after {self.wait_timeout} s; "
+                    "it is still writing (or a Future returned by stage() is being kept alive)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        self._next = (self._arenas.index(arena) + 1) % self.buffers
+        return arena
+
+    def _rebuild(self, arena: _Arena, template: tuple) -> None:
+        specs = _tensor_specs(template)
+        offsets, total = plan_arena(specs)
+        pin = cuda_available() if self.pin_memory is None else self.pin_memory
+        if arena.buffer is not None:
+            self._counters["rebuilds"] += 1
+        # reuse a large-enough buffer (same bytes, new layout); otherwise free first, so the
+        # peak is one arena, not two
+        if arena.buffer is None or arena.nbytes < total or arena.nbytes > 2 * max(total, ALIGN):
+            arena.release_memory()
+            arena.buffer, arena.pinned, arena.registered = _allocate(total, pin, self.shared_memory)
+            log.info("dcp_nvme: staging arena of %d bytes (pinned=%s, shared=%s)",
+                     arena.nbytes, arena.pinned, self.shared_memory)
+        arena.template = template
+        arena.views = _views(arena.buffer, specs, offsets)
+
+    def _copy_device(self, pairs: list, future: _StagedFuture, staged: Any) -> None:
+        """Device-to-arena copies on a side stream; the Future completes when they land."""
+        events = []
+        by_device: dict[torch.device, list] = {}
+        for dst, src in pairs:
+            by_device.setdefault(src.device, []).append((dst, src))
+        for device, group in by_device.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            # the side stream must see every write the training stream queued to these tensors
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for dst, src in group:
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(stream)  # keep src's memory until the copy ran
+                events.append(stream.record_event())
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix=_HELPER_PREFIX)
+
+        def complete() -> None:
+            try:
+                for event in events:
+                    event.synchronize()
+                future.set_result(staged)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the save
+                future.set_exception(exc)
+
+        self._helper.submit(complete)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: waiting happens on the Future returned by stage."""
+
+    def close(self) -> None:
+        """Wait for saves still reading the arenas, then free the arenas and threads."""
+        with self._lock:
+            for arena in self._arenas:
+                while arena.busy():
+                    time.sleep(0.005)
+                arena.release_memory()
+            if self._helper is not None:
+                self._helper.shutdown(wait=True)
+                self._helper = None

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up ./.venv (once; again when pyproject.toml or constraints.txt change) and run a job:
+#   bash scripts/dev.sh demo [bench options]   the main job: save/load/async figures on a synthetic model
+#   bash scripts/dev.sh test [pytest options]  the test suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+job="${1:-}"
+[ $# -gt 0 ] && shift
+case "$job" in
+  demo|test) ;;
+  *) echo "usage: bash scripts/dev.sh demo|test [options]" >&2; exit 2 ;;
+esac
+
+venv=.venv
+stamp="$venv/.installed"
+want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -c constraints.txt "torch==2.13.0"
+  "$venv/bin/python" -m pip install -q -c constraints.txt -e ".[dev,s3,bench]"
+  echo "$want" > "$stamp"
+fi
+
+case "$job" in
+  demo) exec "$venv/bin/dcp-nvme" bench --size 512MiB --dir "${DCP_NVME_DEMO_DIR:-./bench_out/demo}" "$@" ;;
+  test) exec "$venv/bin/python" -m pytest -q "$@" ;;
+esac
