@@ -27,6 +27,7 @@ from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
 from .memory import tensor_bytes
+from .remote import FsspecEngine, is_remote_url, open_store
 from .stats import IOStats
 from .store import LocalStore
 from .writer import is_local_path, local_path, shared_engine
@@ -70,6 +71,8 @@ class NVMeReader(StorageReader):
         queue_depth, block_size, direct_io, engine: as for NVMeWriter (and the same env vars).
         verify: check every byte read against the manifest's crc32c (env ``DCP_NVME_VERIFY``).
         memory_budget: bytes of temporary buffers held at once for resharded slices.
+        storage_options: for a URL path (``s3://...``, any fsspec URL): the filesystem's options;
+            reads are then ranged GETs, ``queue_depth`` in flight, checksum verified.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class NVMeReader(StorageReader):
         engine: str | None = None,
         verify: bool | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.path = local_path(path)
@@ -90,6 +94,8 @@ class NVMeReader(StorageReader):
             engine=engine, verify=verify,
         )
         self.memory_budget = memory_budget
+        self.storage_options = storage_options
+        self._store = None
         self._manifest: Manifest | None = None
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
@@ -97,13 +103,16 @@ class NVMeReader(StorageReader):
 
     @property
     def store(self) -> LocalStore:
-        return LocalStore(self.path)
+        if self._store is None:  # one fsspec client per checkpoint, not one per call
+            self._store = open_store(self.path, self.storage_options)
+        return self._store
 
     # ------------------------------------------------------------------ DCP protocol
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = local_path(checkpoint_id)
+            self._store = None
         self._manifest = None
         self.storage_data = {}
 
@@ -147,7 +156,7 @@ class NVMeReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_local_path(checkpoint_id)
+        return is_local_path(checkpoint_id) or is_remote_url(checkpoint_id)
 
     # ------------------------------------------------------------------ planning
 
@@ -221,10 +230,13 @@ class NVMeReader(StorageReader):
                 if record is None:
                     raise FileNotFoundError(f"{self.path}: {name} is not listed in the checkpoint's blocks table")
                 blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
-            requests += plan_reads(os.path.join(self.path, name), needs,
+            requests += plan_reads(self.store.path(name), needs,
                                    max_request=self.config.block_size, blocks=blocks)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
-        engine, _ = shared_engine(self.config, has_device)
+        if is_remote_url(self.path):
+            engine = FsspecEngine(self.store.fs, self.config)
+        else:
+            engine, _ = shared_engine(self.config, has_device)
         try:
             stats.merge(engine.read(requests, batch.dests))
         except ChecksumMismatchError as exc:

@@ -138,6 +138,9 @@ class NVMeWriter(StorageWriter):
         engine: ``"auto"``, ``"posix"`` or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
         overwrite: replace a committed checkpoint at ``path``; the old one stays loadable until
             the new one commits.
+        mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each
+            local commit the checkpoint is drained there in the background (``dcp_nvme.tiers``);
+            ``writer.drain_future`` resolves when it is mirrored.
     """
 
     def __init__(
@@ -149,6 +152,8 @@ class NVMeWriter(StorageWriter):
         direct_io: bool | None = None,
         engine: str | None = None,
         overwrite: bool = False,
+        mirror: str | None = None,
+        mirror_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.path = local_path(path)
@@ -156,6 +161,9 @@ class NVMeWriter(StorageWriter):
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine
         )
         self.overwrite = overwrite
+        self.mirror, self.mirror_options = mirror, mirror_options
+        self.drain_future = None
+        """On the coordinator with ``mirror``: a Future of the last save's drain (DrainResult)."""
         self.is_coordinator = False
         self.save_key: str | None = None
         self.last_stats: dict[str, Any] | None = None
@@ -271,6 +279,13 @@ class NVMeWriter(StorageWriter):
         self.last_manifest = doc
         if self.last_stats is not None:
             self.last_stats["phases"]["commit"] = round(doc["commit_seconds"], 6)
+        if self.mirror:  # committed locally; the drain runs on in the background
+            from .tiers import submit_mirror
+
+            self.drain_future = submit_mirror(self.path, self.mirror, self.mirror_options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "drain_future": None}  # a Future does not pickle (PROCESS mode)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)

@@ -1,0 +1,38 @@
+"""Two tiers: checkpoints commit on node-local NVMe, then drain to an fsspec target.
+
+    from dcp_nvme.tiers import drain, drain_state, Drainer, DrainOptions, apply_retention
+    NVMeWriter(local, mirror="s3://bucket/run/step_10")   # drains after each local commit
+
+See docs/tiers.md. ``register`` adds ``dcp-nvme drain`` and ``dcp-nvme status``.
+"""
+
+from .drainer import (
+    Drainer,
+    DrainOptions,
+    DrainResult,
+    default_drainer,
+    drain,
+    set_default_drainer,
+    verify_mirror,
+)
+from .plan import DrainError
+from .retention import apply_retention, plan_retention
+from .state import DRAINING, FAILED, LOCAL, MIRRORED, UNCOMMITTED, DrainState, drain_state
+
+__all__ = [
+    "DRAINING", "FAILED", "LOCAL", "MIRRORED", "UNCOMMITTED",
+    "DrainError", "DrainOptions", "DrainResult", "DrainState", "Drainer",
+    "apply_retention", "default_drainer", "drain", "drain_state", "plan_retention",
+    "register", "set_default_drainer", "submit_mirror", "verify_mirror",
+]
+
+
+def submit_mirror(local: str, target: str, storage_options: dict | None = None):
+    """Hand a just-committed checkpoint to the process-wide Drainer; returns its Future."""
+    return default_drainer().submit(local, target, storage_options=storage_options)
+
+
+def register(subparsers) -> None:
+    from .cli import register as _register
+
+    _register(subparsers)

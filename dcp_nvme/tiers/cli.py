@@ -1,0 +1,94 @@
+"""``dcp-nvme drain PATH --to URL`` and ``dcp-nvme status PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..config import parse_size
+from .drainer import DrainOptions, drain, verify_mirror
+from .retention import apply_retention, committed_checkpoints
+from .state import drain_state, load_journal
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "drain", help="copy a committed checkpoint to its mirror (resumes an interrupted drain)",
+        description="Copy a committed local checkpoint to an fsspec target, verified, manifest "
+                    "last. Without --to, resumes the drain its journal names.")
+    parser.add_argument("path", help="local checkpoint directory")
+    parser.add_argument("--to", dest="target", help="target URL or directory (default: the journal's)")
+    parser.add_argument("--storage-options", default=None,
+                        help="JSON object of fsspec storage options, e.g. '{\"endpoint_url\": ...}'")
+    parser.add_argument("--max-transfers", type=int, default=DrainOptions.max_transfers)
+    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB)")
+    parser.add_argument("--bandwidth", default=None, help="cap, bytes per second, e.g. 200MiB")
+    parser.add_argument("--verify", choices=("sent", "readback"), default="sent")
+    parser.add_argument("--verify-only", action="store_true",
+                        help="do not send: read the mirror back and check every byte")
+    parser.add_argument("--retries", type=int, default=DrainOptions.retries)
+    parser.add_argument("--backoff", type=float, default=DrainOptions.backoff)
+    parser.add_argument("--keep-last", type=int, default=None,
+                        help="then prune the parent run directory to the K newest checkpoints")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=_drain)
+
+    if "status" in getattr(subparsers, "_name_parser_map", {}):
+        name = "drain-status"  # another module owns `status`
+    else:
+        name = "status"
+    parser = subparsers.add_parser(
+        name, help="drain state of a checkpoint, or of every checkpoint in a run directory")
+    parser.add_argument("path")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=_status)
+
+
+def _drain(args: argparse.Namespace) -> int:
+    target = args.target or (load_journal(args.path) or {}).get("target")
+    if not target:
+        raise ValueError(f"{args.path}: no --to given and no drain journal names a target")
+    storage_options = json.loads(args.storage_options) if args.storage_options else None
+    options = DrainOptions(
+        max_transfers=args.max_transfers, part_size=parse_size(args.part_size),
+        bandwidth=parse_size(args.bandwidth) if args.bandwidth else None, verify=args.verify,
+        retries=args.retries, backoff=args.backoff,
+    )
+    if args.verify_only:
+        result = verify_mirror(args.path, target, storage_options=storage_options, options=options)
+    else:
+        result = drain(args.path, target, storage_options=storage_options, options=options)
+    removed = apply_retention(os.path.dirname(os.path.abspath(args.path)), args.keep_last) \
+        if args.keep_last else []
+    if args.json:
+        print(json.dumps({**result.to_dict(), "removed": removed}))
+    else:
+        print(f"{args.path}: mirrored to {target}: {result.bytes_sent} bytes sent, "
+              f"{result.bytes_skipped} already there, {result.seconds:.2f} s")
+        for path in removed:
+            print(f"removed {path} (retention)")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    path = args.path
+    if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
+        paths = [path]
+    else:
+        paths = committed_checkpoints(path) or [path]
+    rows = []
+    for p in paths:
+        state = drain_state(p)
+        rows.append({"path": p, **state.to_dict()})
+    if args.json:
+        json.dump(rows, sys.stdout)
+        print()
+        return 0
+    for row in rows:
+        extra = f" -> {row['target']}" if row["target"] else ""
+        progress = f" ({row['bytes_sent']}/{row['bytes_total']} bytes)" if row["state"] == "draining" else ""
+        note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
+        print(f"{row['path']}: {row['text']}{extra}{progress}{note}")
+    return 0
