@@ -1,0 +1,380 @@
+"""``dcp-nvme tune``: sweep queue depth x block size (x O_DIRECT) with the plugin's own engine.
+
+Each point writes a fresh file of ``--size`` bytes from one aligned buffer through
+``PosixEngine.write_file`` (fsync included), evicts it from the page cache, reads it back
+through ``PosixEngine.read``, and deletes it. The best point is written as JSON to
+``default_tune_file()`` (``$DCP_NVME_TUNE_FILE``, else ``~/.config/dcp_nvme/tune.json``), where
+``resolve_config`` picks it up for every NVMeWriter and NVMeReader that does not say otherwise.
+
+The best point maximises the geometric mean of write and read GB/s; points within 3 % of it
+count as equal and the one with the smallest write window (queue_depth x block_size, which is
+also the bounce-buffer memory per rank) wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import ALIGN, IOConfig, default_tune_file, parse_size
+from .engines.posix import PosixEngine
+from .layout import Need, plan_reads
+from .memory import aligned_buffer
+
+TIE_TOLERANCE = 0.03
+
+
+# --------------------------------------------------------------------------- page cache
+
+
+def evict_from_page_cache(paths: list[str]) -> str:
+    """Drop the files' pages from the page cache; return the method used, for the report.
+
+    Each file is fsynced (the kernel drops clean pages only) and given
+    ``posix_fadvise(POSIX_FADV_DONTNEED)``: unprivileged, and limited to the files under test,
+    where ``/proc/sys/vm/drop_caches`` needs root and empties the cache of the whole machine.
+    ``cached_fraction`` checks that it worked.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return "none (this platform has no posix_fadvise; loads may be served from the page cache)"
+    for path in paths:
+        if not os.path.isfile(path):
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fsync + posix_fadvise(POSIX_FADV_DONTNEED) per file"
+
+
+def cached_fraction(paths: list[str], samples: int = 64) -> float | None:
+    """Share of sampled pages still in the page cache (a non-blocking read tells), or None."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not hasattr(os, "preadv"):
+        return None
+    hits = tried = 0
+    buffer = bytearray(ALIGN)
+    for path in paths:
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        if size < ALIGN:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            step = max(ALIGN, (size // samples) // ALIGN * ALIGN)
+            for offset in range(0, size - ALIGN + 1, step):
+                tried += 1
+                try:
+                    if os.preadv(fd, [buffer], offset, flag) > 0:
+                        hits += 1
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    return None  # the filesystem does not support RWF_NOWAIT
+        finally:
+            os.close(fd)
+    return hits / tried if tried else None
+
+
+def files_under(directory: str) -> list[str]:
+    return [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def machine_info(directory: str) -> dict[str, Any]:
+    """What a reader of the figures needs to know about where they were taken."""
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "cpu_count": os.cpu_count(), "directory": os.path.abspath(directory),
+    }
+    try:
+        info["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    info.update(_filesystem_of(directory))
+    return info
+
+
+def _filesystem_of(directory: str) -> dict[str, Any]:
+    """Mount point, filesystem type and block device model of the directory, where /proc tells."""
+    found: dict[str, Any] = {}
+    path = os.path.realpath(directory)
+    try:
+        best = ""
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                device, mount, fstype = line.split()[:3]
+                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best = mount
+                    found.update(mount=mount, fstype=fstype, device=device)
+    except OSError:
+        return found
+    try:
+        dev = os.stat(path).st_dev
+        sys_block = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+        for rel in ("device/model", "../device/model"):
+            model = os.path.join(sys_block, rel)
+            if os.path.isfile(model):
+                found["device_model"] = Path(model).read_text().strip()
+                break
+        rotational = os.path.join(sys_block, "queue/rotational")
+        if os.path.isfile(rotational):
+            found["rotational"] = Path(rotational).read_text().strip() == "1"
+    except OSError:
+        pass
+    return found
+
+
+# --------------------------------------------------------------------------- probe
+
+
+@dataclass
+class ProbeResult:
+    """One raw engine pass: a file written from an aligned buffer, then read back cold."""
+
+    config: IOConfig
+    nbytes: int
+    write_seconds: float
+    read_seconds: float
+    write_io: dict[str, Any]
+    read_io: dict[str, Any]
+    eviction: str
+
+    @property
+    def write_gbps(self) -> float:
+        return self.nbytes / self.write_seconds / 1e9
+
+    @property
+    def read_gbps(self) -> float:
+        return self.nbytes / self.read_seconds / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "queue_depth": self.config.queue_depth, "block_size": self.config.block_size,
+            "direct_io": self.config.direct_io, "bytes": self.nbytes,
+            "write_seconds": round(self.write_seconds, 6), "read_seconds": round(self.read_seconds, 6),
+            "write_gbps": round(self.write_gbps, 3), "read_gbps": round(self.read_gbps, 3),
+            "write_io": self.write_io, "read_io": self.read_io, "eviction": self.eviction,
+        }
+
+
+def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, keep: bool = False) -> ProbeResult:
+    """Write ``nbytes`` to a new file with the plugin's engine, evict it, read it back, delete it.
+
+    The data comes from (and returns to) one page-aligned buffer, so the engine takes its
+    zero-copy path: this is the best the engine can do on this directory, the device limit as
+    the plugin sees it. The engine is warmed on a small file first so that allocating its
+    bounce buffers is not timed.
+    """
+    nbytes = max(ALIGN, nbytes // ALIGN * ALIGN)
+    os.makedirs(directory, exist_ok=True)
+    engine = PosixEngine(config)
+    source = buffer if buffer is not None else aligned_buffer(nbytes, pin=False)
+    source = source[:nbytes]
+    header = bytes(ALIGN)
+    tag = uuid.uuid4().hex[:8]
+    warm = os.path.join(directory, f".probe-warm-{tag}")
+    path = os.path.join(directory, f"probe-{tag}.bin")
+    try:
+        engine.write_file(warm, header, [source[:ALIGN]], config.checksum_block)
+        os.unlink(warm)
+        started = time.perf_counter()
+        written = engine.write_file(path, header, [source], config.checksum_block)
+        write_seconds = time.perf_counter() - started
+        eviction = evict_from_page_cache([path])
+        dest = aligned_buffer(nbytes, pin=False) if buffer is None else source
+        requests = plan_reads(path, [Need(ALIGN, nbytes, 0, 0)], max_request=config.block_size)
+        started = time.perf_counter()
+        read_stats = engine.read(requests, [dest])
+        read_seconds = time.perf_counter() - started
+    finally:
+        engine.close()
+        for leftover in (warm, path):
+            if not keep and os.path.exists(leftover):
+                os.unlink(leftover)
+    return ProbeResult(config, nbytes, write_seconds, read_seconds, written.stats.to_dict(),
+                       read_stats.to_dict(), eviction)
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+def pick_best(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The point with the best geometric mean of write and read GB/s; near-ties go to the
+    smallest write window (less memory, less queueing behind a checkpoint)."""
+    def score(point: dict[str, Any]) -> float:
+        return math.sqrt(max(point["write_gbps"], 0.0) * max(point["read_gbps"], 0.0))
+
+    if not points:
+        raise ValueError("no tune points to choose from")
+    top = max(score(p) for p in points)
+    near = [p for p in points if score(p) >= (1 - TIE_TOLERANCE) * top]
+    best = min(near, key=lambda p: (p["queue_depth"] * p["block_size"], -score(p)))
+    return {k: best[k] for k in ("queue_depth", "block_size", "direct_io")} | {
+        "write_gbps": best["write_gbps"], "read_gbps": best["read_gbps"], "score_gbps": round(score(best), 3)}
+
+
+def _median_point(runs: list[ProbeResult]) -> dict[str, Any]:
+    point = runs[0].to_dict()
+    if len(runs) > 1:
+        point["write_seconds"] = statistics.median(r.write_seconds for r in runs)
+        point["read_seconds"] = statistics.median(r.read_seconds for r in runs)
+        point["write_gbps"] = round(point["bytes"] / point["write_seconds"] / 1e9, 3)
+        point["read_gbps"] = round(point["bytes"] / point["read_seconds"] / 1e9, 3)
+        point["repeats"] = [r.to_dict() for r in runs]
+    return point
+
+
+def sweep(directory: str, nbytes: int, queue_depths: list[int], block_sizes: list[int],
+          directs: list[bool], repeat: int = 1, progress: bool = True) -> dict[str, Any]:
+    """Measure every point; return the tune document (best, points, machine)."""
+    grid = [(d, q, b) for d in directs for b in block_sizes for q in queue_depths]
+    buffer = aligned_buffer(max(ALIGN, nbytes // ALIGN * ALIGN), pin=False)
+    points = []
+    bar = _progress(len(grid) * repeat, progress)
+    try:
+        for direct, depth, block in grid:
+            config = IOConfig(queue_depth=depth, block_size=block, direct_io=direct, engine="posix")
+            runs = []
+            for _ in range(repeat):
+                if bar is not None:
+                    bar.set_description(f"tune qd={depth} bs={block >> 20}MiB direct={int(direct)}")
+                runs.append(engine_probe(directory, nbytes, config, buffer=buffer))
+                if bar is not None:
+                    bar.update(1)
+            points.append(_median_point(runs))
+    finally:
+        if bar is not None:
+            bar.close()
+    return {
+        "format": "dcp_nvme.tune", "format_version": 1, "created_unix": time.time(),
+        "best": pick_best(points), "size": nbytes, "repeat": repeat, "points": points,
+        "machine": machine_info(directory),
+    }
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, file=sys.stderr, leave=False, unit="pt")
+
+
+def format_curve(doc: dict[str, Any]) -> str:
+    """The sweep as a table a person can scan, the chosen point marked."""
+    best = doc["best"]
+    lines = [f"{'direct':>6} {'queue_depth':>11} {'block_size':>10} {'write GB/s':>10} {'read GB/s':>9} "
+             f"{'w p99 ms':>8} {'depth':>5}"]
+    for p in doc["points"]:
+        chosen = all(p[k] == best[k] for k in ("queue_depth", "block_size", "direct_io"))
+        lines.append(
+            f"{('yes' if p['direct_io'] else 'no'):>6} {p['queue_depth']:>11} {_size(p['block_size']):>10} "
+            f"{p['write_gbps']:>10.2f} {p['read_gbps']:>9.2f} {p['write_io']['latency_p99_ms']:>8.1f} "
+            f"{p['write_io']['max_inflight']:>5}" + ("   <- best" if chosen else ""))
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20}MiB" if nbytes % (1 << 20) == 0 else f"{nbytes >> 10}KiB"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _size_list(text: str) -> list[int]:
+    try:
+        values = [parse_size(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    bad = [v for v in values if v < ALIGN or v % ALIGN]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"block sizes must be multiples of {ALIGN} bytes, got {text!r}")
+    return values
+
+
+def _directs(text: str) -> list[bool]:
+    choices = {"both": [True, False], "on": [True], "off": [False], "true": [True], "false": [False]}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError("--direct takes both, on or off")
+    return choices[text.lower()]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tune", help="sweep queue depth x block size on a directory; save the best for the plugin",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=".", help="directory on the target drive (default: .)")
+    parser.add_argument("--size", type=parse_size, default=parse_size("1GiB"),
+                        help="bytes written and read per point (default 1GiB)")
+    parser.add_argument("--queue-depths", type=_int_list, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--block-sizes", type=_size_list, default=_size_list("1MiB,4MiB,8MiB,16MiB"))
+    parser.add_argument("--direct", type=_directs, default=[True, False],
+                        help="O_DIRECT: both (default), on or off")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per point; the median counts")
+    parser.add_argument("--output", default=None,
+                        help=f"where to write the result (default: {default_tune_file()}, "
+                             "or $DCP_NVME_TUNE_FILE)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_tune)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    if args.repeat < 1:
+        raise ValueError("--repeat must be at least 1")
+    if args.size < ALIGN:
+        raise ValueError(f"--size must be at least {ALIGN} bytes")
+    work = os.path.join(args.dir, f".dcp-nvme-tune-{uuid.uuid4().hex[:8]}")
+    os.makedirs(work)
+    try:
+        doc = sweep(work, args.size, args.queue_depths, args.block_sizes, args.direct,
+                    repeat=args.repeat, progress=not args.no_progress)
+    finally:
+        for leftover in files_under(work):
+            os.unlink(leftover)
+        os.rmdir(work)
+    doc["machine"]["directory"] = os.path.abspath(args.dir)
+    output = Path(args.output) if args.output else default_tune_file()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, output)
+    best = doc["best"]
+    print(f"dcp-nvme tune: {args.size / 2**20:.0f} MiB per point on {doc['machine']['directory']} "
+          f"({doc['machine'].get('fstype', '?')})")
+    print(format_curve(doc))
+    print(f"best: queue_depth={best['queue_depth']} block_size={_size(best['block_size'])} "
+          f"direct_io={best['direct_io']} (write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s)")
+    if output.resolve() == default_tune_file().resolve():
+        print(f"written to {output}; NVMeWriter/NVMeReader use it unless an argument or DCP_NVME_* "
+              "says otherwise")
+    else:
+        print(f"written to {output}; set DCP_NVME_TUNE_FILE={output} for NVMeWriter/NVMeReader to use it")
+    return 0
