@@ -28,7 +28,7 @@ from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, sli
 from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
 from .memory import tensor_bytes
 from .remote import FsspecEngine, is_remote_url, open_store
-from .stats import IOStats
+from .stats import IOStats, PhaseTimer
 from .store import LocalStore
 from .writer import is_local_path, local_path, shared_engine
 
@@ -135,18 +135,20 @@ class NVMeReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         started = time.perf_counter()
-        stats = IOStats("read")
+        stats, timer = IOStats("read"), PhaseTimer()
         needed = 0
         items = sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
         batch = _Batch()
         for item in items:
-            self._add_item(batch, item, planner)
+            with timer.span("plan"):
+                self._add_item(batch, item, planner)
             if batch.temp_bytes >= self.memory_budget:
-                needed += self._run(batch, stats)
+                needed += self._run(batch, stats, timer)
                 batch = _Batch()
-        needed += self._run(batch, stats)
+        needed += self._run(batch, stats, timer)
         stats.seconds = time.perf_counter() - started
-        self.last_stats = {"bytes_needed": needed, **stats.to_dict()}
+        self.last_stats = {"bytes_needed": needed, **stats.to_dict(),
+                           "phases": {k: round(v, 6) for k, v in timer.phases.items()}}
         log.info("dcp_nvme: read %.3f GB (%.3f GB needed) in %.3f s (%.2f GB/s), %d requests, depth %d",
                  stats.bytes / 1e9, needed / 1e9, stats.seconds, stats.gbps, stats.requests,
                  stats.max_inflight)
@@ -218,9 +220,27 @@ class NVMeReader(StorageReader):
 
         batch.after.append(copy_then_commit)
 
-    def _run(self, batch: _Batch, stats: IOStats) -> int:
+    def _run(self, batch: _Batch, stats: IOStats, timer: PhaseTimer) -> int:
         if not batch.after:
             return 0
+        with timer.span("plan"):
+            requests = self._plan_requests(batch)
+        has_device = any(d.device.type != "cpu" for d in batch.dests)
+        if is_remote_url(self.path):
+            engine = FsspecEngine(self.store.fs, self.config)
+        else:
+            engine, _ = shared_engine(self.config, has_device)
+        try:
+            with timer.span("io"):
+                stats.merge(engine.read(requests, batch.dests))
+        except ChecksumMismatchError as exc:
+            raise exc.with_items(_items_in(batch, exc)) from None
+        with timer.span("commit"):  # narrowing copies and DCP's commit_tensor / load_bytes
+            for action in batch.after:
+                action()
+        return sum(n.length for needs in batch.needs.values() for n in needs)
+
+    def _plan_requests(self, batch: _Batch) -> list:
         files = read_files(self.store, self.manifest(), self.path) if self.config.verify else {}
         requests = []
         for name, needs in batch.needs.items():
@@ -232,18 +252,7 @@ class NVMeReader(StorageReader):
                 blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
             requests += plan_reads(self.store.path(name), needs,
                                    max_request=self.config.block_size, blocks=blocks)
-        has_device = any(d.device.type != "cpu" for d in batch.dests)
-        if is_remote_url(self.path):
-            engine = FsspecEngine(self.store.fs, self.config)
-        else:
-            engine, _ = shared_engine(self.config, has_device)
-        try:
-            stats.merge(engine.read(requests, batch.dests))
-        except ChecksumMismatchError as exc:
-            raise exc.with_items(_items_in(batch, exc)) from None
-        for action in batch.after:
-            action()
-        return sum(n.length for needs in batch.needs.values() for n in needs)
+        return requests
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:

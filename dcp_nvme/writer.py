@@ -215,10 +215,11 @@ class NVMeWriter(StorageWriter):
             specs = [spec for spec, _, _ in resolved]
             sources = [source for _, source, _ in resolved]
         name = data_file_name(target.rank, target.save_key)
-        layout = plan_container(specs, {
-            "format": "dcp_nvme", "format_version": "1",
-            "rank": str(target.rank), "save_key": target.save_key,
-        })
+        with timer.span("plan"):
+            layout = plan_container(specs, {
+                "format": "dcp_nvme", "format_version": "1",
+                "rank": str(target.rank), "save_key": target.save_key,
+            })
         has_device = any(s.device.type != "cpu" for s in sources)
         engine, reason = shared_engine(self.config, has_device)
         path = os.path.join(self.path, name)
@@ -232,6 +233,7 @@ class NVMeWriter(StorageWriter):
                 pass
             raise
         io_stats = written.stats.to_dict()
+        timer.add("fsync", written.stats.fsync_seconds)  # a part of "write", shown on its own
         stats = {
             "rank": target.rank, "file": name, "items": len(plan.items), "bytes": written.size,
             "engine": engine.name, "engine_reason": reason, "config": self.config.to_dict(),

@@ -16,7 +16,7 @@ def test_parse_size_units():
 def test_defaults_and_checksum_block():
     config = IOConfig()
     assert (config.queue_depth, config.block_size, config.direct_io) == (8, 8 << 20, True)
-    assert config.checksum_block == 1 << 20
+    assert config.checksum_block == 256 << 10
     assert IOConfig(block_size=12288).checksum_block == 4096  # gcd keeps requests whole blocks
 
 

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.manifest import MANIFEST
 
+
 def _dcp_can_plan(dtype):
     """DCP's own planner sizes items with torch._utils._element_size, which rejects a few
     exotic dtypes (bits*, uint1-7...): those never reach a storage writer."""
