@@ -30,6 +30,7 @@ __all__ = [
     "IOConfig",
     "ManifestError",
     "NVMeReader",
+    "NVMeStager",
     "NVMeWriter",
 ]
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ esac
 
 venv=.venv
 stamp="$venv/.installed"
-want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml constraints.txt integration/requirements.txt | sha256sum | cut -c1-16)"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
@@ -21,6 +21,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -c constraints.txt "torch==2.13.0"
   "$venv/bin/python" -m pip install -q -c constraints.txt -e ".[dev,s3,bench]"
+  # the trainer libraries the integration scenarios drive (lightning, torchtitan, megatron-core)
+  "$venv/bin/python" -m pip install -q -c constraints.txt -r integration/requirements.txt
   echo "$want" > "$stamp"
 fi
 

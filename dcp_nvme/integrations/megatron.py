@@ -1,0 +1,326 @@
+"""Megatron-Core ``dist_checkpointing`` integration.
+
+Provides save/load sharded strategies (subclasses of
+``megatron.core.dist_checkpointing.strategies.torch.TorchDistSaveShardedStrategy``
+/ ``TorchDistLoadShardedStrategy``) that write the sharded part of a Megatron
+checkpoint with dcp_nvme instead of Megatron's ``FileSystemWriterAsync`` and read
+it with ``NVMeReader`` instead of ``_get_filesystem_reader``.
+
+Usage::
+
+    from dcp_nvme.integrations import megatron as nv
+    save_strategy = nv.install(checkpointing_context)   # Megatron-LM: its checkpointing_context (or None)
+    dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=save_strategy)
+    req = dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=save_strategy,
+                                  async_sharded_save=True)     # -> AsyncRequest
+    async_calls_queue.schedule_async_request(req)              # or req.execute_sync()
+    state = dist_checkpointing.load(sharded_sd, ckpt_dir)     # metadata.json says backend 'dcp_nvme'
+
+Layout: ``<ckpt_dir>/common.pt`` and ``<ckpt_dir>/metadata.json`` are written
+by Megatron as usual (``metadata.json`` last: it is Megatron's commit marker);
+the sharded tensors/objects go to ``<ckpt_dir>/<subdir>`` (default
+``dcp_nvme``) through the storage writer, whose own commit marker
+(``manifest.json``) lands there.
+
+Async: ``async_save`` stages the state dict (NVMeStager) and starts
+``torch.distributed.checkpoint.async_save`` on a dedicated gloo process group
+*before returning*; the returned ``AsyncRequest`` has ``async_fn=None`` (no-op)
+and a finalize function that waits for the upload.  Megatron appends its own
+finalize (``metadata.json`` + barrier) after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ._common import make_reader, make_stager, make_writer, wait_future
+
+__all__ = [
+    "BACKEND",
+    "VERSION",
+    "NVMeSaveShardedStrategy",
+    "NVMeLoadShardedStrategy",
+    "register_strategies",
+    "install",
+    "find_latest_checkpoint",
+]
+
+BACKEND = "dcp_nvme"
+VERSION = 1
+DEFAULT_SUBDIR = "dcp_nvme"
+
+# created on first access by __getattr__ (the trainer is imported lazily)
+NVMeSaveShardedStrategy: type
+NVMeLoadShardedStrategy: type
+_CLASSES: dict = {}
+
+
+def _build():
+    import dataclasses
+    from concurrent.futures import Future
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreLoadPlanner,
+        MCoreSavePlanner,
+        TorchDistLoadShardedStrategy,
+        TorchDistSaveShardedStrategy,
+        _replace_sharded_keys_with_state_dict_keys,
+        _replace_state_dict_keys_with_sharded_keys,
+        _restore_dict_types,
+        _unwrap_pyt_sharded_tensor,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    class _AlreadyStaged:
+        """AsyncStager that hands the (already staged) state dict through."""
+
+        should_synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            return state_dict
+
+        def synchronize_staging(self):
+            pass
+
+        def close(self):
+            pass
+
+    class NVMeSaveShardedStrategy(TorchDistSaveShardedStrategy):
+        """Sharded save strategy writing through a DCP StorageWriter (dcp_nvme by default)."""
+
+        def __init__(
+            self,
+            backend: str = BACKEND,
+            version: int = VERSION,
+            keep_only_main_replica: bool = True,
+            *,
+            subdir: str = DEFAULT_SUBDIR,
+            writer_factory=None,
+            stager_factory=None,
+            process_group: Any | None = None,
+        ):
+            super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
+            self.subdir = subdir
+            self.writer_factory = writer_factory
+            self.stager_factory = stager_factory
+            self._pg = process_group
+            self._stager = None
+            self._pending = None
+
+        def _prepare(self, sharded_state_dict, checkpoint_dir):
+            sd, _flat, _rename = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            pyt_state_dict = mcore_to_pyt_state_dict(sd, False)
+            path = Path(checkpoint_dir) / self.subdir if self.subdir else Path(checkpoint_dir)
+            planner = MCoreSavePlanner(
+                dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+            )
+            return pyt_state_dict, make_writer(str(path), self.writer_factory), planner
+
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            self.wait()
+            pyt_state_dict, writer, planner = self._prepare(sharded_state_dict, checkpoint_dir)
+            dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)
+
+        def _stage(self, sharded_state_dict):
+            # Megatron translates ShardedTensors to CheckpointableShardedTensor, which
+            # rejects every tensor op (checkpointable.py: __torch_dispatch__ raises), so
+            # neither torch's DefaultStager nor NVMeStager can stage the translated dict.
+            # Stage the local shards *before* translation instead, through the stager,
+            # as a flat {index: tensor} dict.
+            if self._stager is None:
+                self._stager = make_stager(self.stager_factory)
+            sh_tens = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+            staged = self._stager.stage({str(i): t.data for i, t in enumerate(sh_tens)})
+            if isinstance(staged, Future):
+                staged = staged.result()
+            if getattr(self._stager, "should_synchronize_after_execute", False):
+                self._stager.synchronize_staging()
+            by_id = {id(t): staged[str(i)] for i, t in enumerate(sh_tens)}
+
+            def swap(v):
+                if isinstance(v, ShardedTensor) and id(v) in by_id:
+                    return dataclasses.replace(v, data=by_id[id(v)])
+                return v
+
+            return dict_list_map_outplace(swap, sharded_state_dict)
+
+        def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
+            self.wait()
+            staged_sd = self._stage(sharded_state_dict)
+            pyt_state_dict, writer, planner = self._prepare(staged_sd, checkpoint_dir)
+            if self._pg is None:
+                # collectives of the upload thread must not share the training PG
+                self._pg = dist.new_group(backend="gloo")
+            fut = dcp.async_save(
+                pyt_state_dict,
+                storage_writer=writer,
+                planner=planner,
+                process_group=self._pg,
+                async_stager=_AlreadyStaged(),
+            )
+            self._pending = fut
+
+            def finalize_fn():
+                if self._pending is fut:
+                    self._pending = None
+                wait_future(fut)
+
+            return AsyncRequest(None, (), [finalize_fn])
+
+        def wait(self) -> None:
+            fut, self._pending = self._pending, None
+            wait_future(fut)
+
+        def close(self) -> None:
+            self.wait()
+            if self._stager is not None and hasattr(self._stager, "close"):
+                self._stager.close()
+            self._stager = None
+
+    class NVMeLoadShardedStrategy(TorchDistLoadShardedStrategy):
+        """Sharded load strategy reading through a DCP StorageReader.
+
+        Mirrors ``TorchDistLoadShardedStrategy.load`` (megatron-core 0.16.1), which
+        hard-codes ``_get_filesystem_reader``; only the reader differs.
+        """
+
+        def __init__(self, *, subdir: str = DEFAULT_SUBDIR, reader_factory=None):
+            super().__init__()
+            self.subdir = subdir
+            self.reader_factory = reader_factory
+
+        def _reader(self, checkpoint_dir):
+            path = Path(checkpoint_dir) / self.subdir if self.subdir else Path(checkpoint_dir)
+            return make_reader(str(path), self.reader_factory)
+
+        def load(self, sharded_state_dict, checkpoint_dir):
+            flexible_shape = [
+                t for t in nested_values(sharded_state_dict)
+                if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch
+            ]
+            allow_mismatch = {
+                t.key: t for t in nested_values(sharded_state_dict)
+                if isinstance(t, ShardedTensor) and t.allow_shape_mismatch
+            }
+            orig = sharded_state_dict
+            sd, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+            pyt_state_dict = mcore_to_pyt_state_dict(sd, True)
+            reader = self._reader(checkpoint_dir)
+            dcp.load(
+                pyt_state_dict,
+                storage_reader=reader,
+                planner=MCoreLoadPlanner(
+                    shapes_validation_sharded_tensors=flexible_shape,
+                    allow_shape_mismatch_sharded_tensors=allow_mismatch,
+                ),
+            )
+            out = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+            out = _replace_sharded_keys_with_state_dict_keys(out, flat_mapping, rename_mapping)
+            _restore_dict_types(out, orig)
+            return out
+
+        def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+            if metadata is None:
+                metadata = self._reader(checkpoint_dir).read_metadata()
+            result = {}
+            for k, tp in metadata.state_dict_metadata.items():
+                if isinstance(tp, TensorStorageMetadata):
+                    result[k] = ShardedTensor.from_rank_offsets(
+                        k, torch.empty(tp.size, **tp.properties.__dict__, device="meta")
+                    ).without_data()
+            return result
+
+        def load_sharded_metadata(self, checkpoint_dir):
+            metadata = self._reader(checkpoint_dir).read_metadata()
+            result = {}
+            for key, md in metadata.state_dict_metadata.items():
+                if isinstance(md, BytesStorageMetadata):
+                    obj = ShardedObject.empty_from_unique_key(key)
+                    result[obj.unique_key] = obj
+            result.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+            return result
+
+    _CLASSES["NVMeSaveShardedStrategy"] = NVMeSaveShardedStrategy
+    _CLASSES["NVMeLoadShardedStrategy"] = NVMeLoadShardedStrategy
+
+
+def register_strategies(*, writer_factory=None, reader_factory=None, stager_factory=None,
+                        subdir: str = DEFAULT_SUBDIR) -> None:
+    """Register the strategies under backend ``('dcp_nvme', 1)`` so that
+    ``dist_checkpointing.save(..., sharded_strategy=('dcp_nvme', 1))`` and a plain
+    ``dist_checkpointing.load(sd, dir)`` of a dcp_nvme checkpoint (its
+    ``metadata.json`` names the backend) use them.  Uses Megatron's public
+    ``register_default_strategy``; nothing is patched."""
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
+
+    if not _CLASSES:
+        _build()
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
+        _CLASSES["NVMeSaveShardedStrategy"](subdir=subdir, writer_factory=writer_factory,
+                                            stager_factory=stager_factory),
+    )
+    register_default_strategy(
+        StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
+        _CLASSES["NVMeLoadShardedStrategy"](subdir=subdir, reader_factory=reader_factory),
+    )
+
+
+def install(checkpointing_context: dict | None = None, *, writer_factory=None, reader_factory=None,
+            stager_factory=None, subdir: str = DEFAULT_SUBDIR):
+    """The one call for a Megatron(-LM) run: registers both strategies under ``('dcp_nvme', 1)``
+    (see :func:`register_strategies`) and, when given Megatron-LM's ``checkpointing_context``
+    dict, seeds its ``"save_strategy"`` with the registered save strategy. Returns that strategy.
+
+    Why the context: Megatron-LM's ``save_checkpoint`` takes ``checkpointing_context["save_strategy"]``
+    when present and otherwise calls ``get_default_save_sharded_strategy("torch_dist")``, whose
+    lookup re-registers Megatron's own ``torch_dist`` strategies on every call, so a registration
+    under ``torch_dist`` would not stick. Loads need no context: ``metadata.json`` of a checkpoint
+    written this way names backend ``dcp_nvme``, and ``get_default_load_sharded_strategy`` resolves
+    it to the registered load strategy.
+    """
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+
+    register_strategies(writer_factory=writer_factory, reader_factory=reader_factory,
+                        stager_factory=stager_factory, subdir=subdir)
+    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION)
+    if checkpointing_context is not None:
+        checkpointing_context["save_strategy"] = strategy
+    return strategy
+
+
+def find_latest_checkpoint(root, pattern: str = r"^iter_(\d+)$", subdir: str = DEFAULT_SUBDIR):
+    """Newest ``iter_N`` dir whose Megatron ``metadata.json`` and whose
+    ``<subdir>`` commit marker both exist."""
+    import re
+
+    from ._common import is_committed
+
+    root = Path(root)
+    best = None
+    if root.is_dir():
+        for child in root.iterdir():
+            m = re.search(pattern, child.name)
+            if not m or not (child / "metadata.json").is_file() or not is_committed(child / subdir):
+                continue
+            if best is None or int(m.group(1)) > best[0]:
+                best = (int(m.group(1)), child)
+    return None if best is None else best[1]
+
+
+def __getattr__(name: str):
+    if name in ("NVMeSaveShardedStrategy", "NVMeLoadShardedStrategy"):
+        if not _CLASSES:
+            _build()
+        return _CLASSES[name]
+    raise AttributeError(name)
