@@ -192,22 +192,22 @@ class NVMeReader(StorageReader):
         if runs == 0:
             batch.after.append(commit)
             return
-        direct = (runs == 1 and target.is_contiguous() and target.device.type == "cpu"
-                  and target.dtype == stored)
+        # device targets too: the kvikio engine reads straight into them, POSIX bounces
+        direct = runs == 1 and target.is_contiguous() and target.dtype == stored
         if direct:
             (src, nbytes, _), = slice_runs(shape, offsets, lengths, itemsize)
             batch.need(chunk, src, nbytes, batch.add_dest(tensor_bytes(target)))
             batch.after.append(commit)
             return
         if runs <= MAX_DIRECT_RUNS:
-            temp = torch.empty(lengths, dtype=stored)
+            temp = torch.empty(lengths, dtype=stored, device=target.device)
             dest = batch.add_dest(tensor_bytes(temp))
             for src, nbytes, dst in slice_runs(shape, offsets, lengths, itemsize):
                 batch.need(chunk, src, nbytes, dest, dst)
             view = temp
         else:
             src, nbytes = covering_rows(shape, offsets, lengths, itemsize)
-            temp = torch.empty((lengths[0], *shape[1:]), dtype=stored)
+            temp = torch.empty((lengths[0], *shape[1:]), dtype=stored, device=target.device)
             batch.need(chunk, src, nbytes, batch.add_dest(tensor_bytes(temp)))
             view = temp
             for dim in range(1, len(shape)):
@@ -229,7 +229,7 @@ class NVMeReader(StorageReader):
         if is_remote_url(self.path):
             engine = FsspecEngine(self.store.fs, self.config)
         else:
-            engine, _ = shared_engine(self.config, has_device)
+            engine, _ = shared_engine(self.config, has_device, self.path)
         try:
             with timer.span("io"):
                 stats.merge(engine.read(requests, batch.dests))

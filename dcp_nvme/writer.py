@@ -61,9 +61,13 @@ SAFETENSORS_DTYPES = {
 _ENGINE_CACHE: dict[tuple[str, IOConfig], Engine] = {}
 
 
-def shared_engine(config: IOConfig, has_device_tensors: bool) -> tuple[Engine, str]:
-    """One engine per configuration per process, so its buffers are reused across saves."""
-    engine, reason = select_engine(config, has_device_tensors)
+def shared_engine(
+    config: IOConfig, has_device_tensors: bool, directory: str | None = None
+) -> tuple[Engine, str]:
+    """One engine per configuration per process, so its buffers are reused across saves.
+
+    ``directory`` is where the files are: kvikio's probe runs there (once per directory)."""
+    engine, reason = select_engine(config, has_device_tensors, directory)
     key = (engine.name, config)
     if key not in _ENGINE_CACHE:
         _ENGINE_CACHE[key] = engine
@@ -221,7 +225,7 @@ class NVMeWriter(StorageWriter):
                 "rank": str(target.rank), "save_key": target.save_key,
             })
         has_device = any(s.device.type != "cpu" for s in sources)
-        engine, reason = shared_engine(self.config, has_device)
+        engine, reason = shared_engine(self.config, has_device, self.path)
         path = os.path.join(self.path, name)
         try:
             with timer.span("write"):

@@ -1,48 +1,109 @@
-"""Engine choice, made at run time: POSIX everywhere, kvikio (cuFile) for device memory."""
+"""Engine choice, made at run time: POSIX everywhere, kvikio (cuFile) for device memory.
+
+``auto`` picks kvikio only when CUDA is available, kvikio imports, a probe write and read of
+device memory through kvikio succeeds in the target directory (cached per directory), and there
+are device tensors to move; otherwise POSIX. ``engine="kvikio"`` where that chain breaks raises
+``EngineUnavailableError`` naming the broken link. Nothing here imports kvikio at import time.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
+import threading
 
 from ..config import IOConfig
 from ..errors import EngineUnavailableError
 from .base import Engine, FileWriteResult
 from .posix import PosixEngine
 
-__all__ = ["Engine", "FileWriteResult", "PosixEngine", "select_engine"]
+__all__ = [
+    "Engine",
+    "FileWriteResult",
+    "PosixEngine",
+    "kvikio_unavailable_reason",
+    "select_engine",
+]
 
 log = logging.getLogger(__name__)
 
+_probe_lock = threading.Lock()
+_probes: dict[str, str | None] = {}  # directory -> why kvikio failed there (None: it works)
+_logged: set[tuple[str, str]] = set()
 
-def kvikio_unavailable_reason() -> str | None:
-    """Why the kvikio engine cannot run here, or None when it can."""
+
+def _probe_directory(directory: str | None) -> str:
+    if directory and os.path.isdir(directory):
+        return os.path.abspath(directory)
+    return tempfile.gettempdir()
+
+
+def kvikio_unavailable_reason(directory: str | None = None) -> str | None:
+    """Why the kvikio engine cannot run here (for files in ``directory``), or None when it can."""
     import torch
 
     if not torch.cuda.is_available():
-        return "CUDA is not available to torch (no GPU or no CUDA build)"
+        return "no CUDA: torch sees no GPU (no device, no driver, or a CPU-only torch build)"
     try:
-        import kvikio  # noqa: F401
+        from .kvikio import import_kvikio
+
+        import_kvikio()
     except ImportError as exc:
-        return f"kvikio is not installed ({exc}); pip install 'dcp_nvme[gds]'"
-    return None
+        return f"no kvikio: it is not installed ({exc}); pip install 'dcp_nvme[gds]'"
+    except Exception as exc:  # noqa: BLE001 - e.g. libkvikio failing to load its libraries
+        return f"kvikio failed to import: {type(exc).__name__}: {exc}"
+    where = _probe_directory(directory)
+    with _probe_lock:
+        if where not in _probes:
+            from .kvikio import probe
+
+            _probes[where] = probe(where)
+        return _probes[where]
 
 
-def select_engine(config: IOConfig, has_device_tensors: bool) -> tuple[Engine, str]:
-    """The engine for this pass, and the reason it was chosen (recorded in the manifest)."""
+def _kvikio_engine(config: IOConfig):
+    from .kvikio import KvikioEngine, import_kvikio, kvikio_mode
+
+    kvikio = import_kvikio()
+    return KvikioEngine(config), f"kvikio {getattr(kvikio, '__version__', '?')}, {kvikio_mode(kvikio)} mode"
+
+
+def _chosen(engine: Engine, reason: str) -> tuple[Engine, str]:
+    key = (engine.name, reason)
+    if key not in _logged:  # once per process and outcome, not once per save
+        _logged.add(key)
+        log.info("dcp_nvme: I/O engine %s (%s)", engine.name, reason)
+    return engine, reason
+
+
+def select_engine(
+    config: IOConfig, has_device_tensors: bool, directory: str | None = None
+) -> tuple[Engine, str]:
+    """The engine for this pass, and the reason it was chosen (recorded in the manifest).
+
+    ``directory`` is where the files are; the kvikio probe runs there (default: the temp dir).
+    """
     if config.engine == "posix":
-        return PosixEngine(config), "requested"
+        return _chosen(PosixEngine(config), "requested")
     if config.engine == "kvikio":
-        reason = kvikio_unavailable_reason()
+        reason = kvikio_unavailable_reason(directory)
         if reason:
-            raise EngineUnavailableError(f"engine='kvikio' cannot run here: {reason}")
-        from .kvikio import KvikioEngine
-
-        return KvikioEngine(config), "requested"
+            raise EngineUnavailableError(
+                f"engine='kvikio' cannot run here: {reason}. Use engine='auto' or 'posix'."
+            )
+        engine, how = _kvikio_engine(config)
+        return _chosen(engine, f"requested: {how}")
     if not has_device_tensors:
-        return PosixEngine(config), "auto: no device tensors"
-    reason = kvikio_unavailable_reason()
+        return _chosen(PosixEngine(config), "auto: no device tensors")
+    reason = kvikio_unavailable_reason(directory)
     if reason:
-        return PosixEngine(config), f"auto: {reason}"
-    from .kvikio import KvikioEngine
+        return _chosen(PosixEngine(config), f"auto: {reason}")
+    engine, how = _kvikio_engine(config)
+    return _chosen(engine, f"auto: device tensors, {how}")
 
-    return KvikioEngine(config), "auto: device tensors and kvikio available"
+
+def reset_probe_cache() -> None:
+    """Forget the probe results (tests; or after installing a driver in a running process)."""
+    with _probe_lock:
+        _probes.clear()

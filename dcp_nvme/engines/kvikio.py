@@ -1,0 +1,603 @@
+"""kvikio engine: device memory straight to and from the file through cuFile.
+
+Device tensors are written with ``kvikio.CuFile.pwrite`` and read with ``pread`` from and into
+device memory: GPUDirect Storage where the platform has it, kvikio's compatibility mode (its
+own pinned bounce buffers, inside kvikio) where it does not. This module never copies device
+bytes to the host. Windows or reads that touch only host memory are delegated to a
+``PosixEngine`` (host memory is what that engine is measured and tuned for), so a mixed state
+dict is one file written by both: the header and host windows through POSIX, device windows
+through cuFile, then one ``ftruncate`` + ``fsync`` as in the POSIX engine.
+
+Integrity without a host copy: the crc32c of every checksum block is computed on the device
+with torch ops (``device_crc32c``, two table lookups and XOR trees), bit-identical to the
+``crc32c`` library. The on-disk format therefore does not depend on the engine: a checkpoint
+written by one engine loads and verifies through the other.
+
+Nothing here imports kvikio or touches CUDA at import time; ``probe`` is the run-time check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import importlib
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+
+from ..config import ALIGN, IOConfig
+from ..errors import ChecksumMismatchError
+from ..layout import SCRATCH, ReadRequest, Window, plan_windows
+from ..stats import IOStats
+from .base import FileWriteResult
+from .posix import PosixEngine, _check_length, _note_fallback, _with_path, open_file, pwrite_all
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- device crc32c
+#
+# CRC32C is affine over GF(2). With R(M) the CRC register after feeding M from state 0 (no
+# final xor), crc32c(M) = R(M) ^ crc32c(zeros(len(M))), and R(M) is the XOR over bytes of a
+# value that depends only on the byte and on how many bytes follow it. So: split a block into
+# chunks of _CHUNK bytes, look every byte up in P[distance-in-chunk][byte] and XOR-reduce each
+# chunk; then shift each chunk value by the chunks that follow it (Q[chunks-after][byte k of
+# value][byte]) and XOR-reduce again. Leading zero bytes do not change R, so short blocks are
+# zero-padded in front. All of it is gathers and XORs: the same torch code runs on CPU (tested
+# against the crc32c library) and on the GPU.
+
+_POLY = 0x82F63B78
+_CHUNK = 256
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_table() -> np.ndarray:
+    table = np.arange(256, dtype=np.uint64)
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ _POLY, table >> 1)
+    return table.astype(np.uint64)
+
+
+def _shift_zero_bytes(values: np.ndarray, count: int) -> np.ndarray:
+    """The register after feeding ``count`` zero bytes from each of ``values``."""
+    table = _byte_table()
+    for _ in range(count):
+        values = (values >> 8) ^ table[values & 0xFF]
+    return values
+
+
+def _as_int32(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(values.astype(np.uint32).view(np.int32).copy())
+
+
+@functools.lru_cache(maxsize=1)
+def _chunk_table() -> np.ndarray:
+    """P[d][b]: contribution of byte b followed by d bytes of its chunk, shape (_CHUNK, 256)."""
+    rows = [_byte_table()]
+    for _ in range(_CHUNK - 1):
+        rows.append(_shift_zero_bytes(rows[-1], 1))
+    return np.stack(rows)
+
+
+@functools.lru_cache(maxsize=8)
+def _shift_table(chunks: int) -> np.ndarray:
+    """Q[e][k][x]: (x << 8k) shifted by e chunks of zeros, for e < ``chunks``; (chunks, 4, 256)."""
+    x = np.arange(256, dtype=np.uint64)
+    q = np.empty((1, 4, 256), dtype=np.uint64)
+    for k in range(4):
+        q[0, k] = x << (8 * k)
+    one = _shift_zero_bytes(q[0].reshape(-1), _CHUNK).reshape(1, 4, 256)
+    q = np.concatenate([q, one])
+    while len(q) < chunks:  # doubling: Q[m + e] = shift_m(Q[e]), with shift_m's table Q[m]
+        m = len(q)
+        step = q[m - 1].reshape(-1)
+        shift_m = np.zeros_like(step)  # Q[m] = one more chunk of zeros after Q[m-1]
+        for k in range(4):
+            shift_m ^= q[1, k][(step >> (8 * k)) & 0xFF]
+        table_m = shift_m.reshape(4, 256)
+        flat = q.reshape(-1)
+        shifted = np.zeros_like(flat)
+        for k in range(4):
+            shifted ^= table_m[k][(flat >> (8 * k)) & 0xFF]
+        q = np.concatenate([q, shifted.reshape(q.shape)])
+    return q[:chunks]
+
+
+class _Tables:
+    """The lookup tables as int32 tensors on one device (16 MiB for 1 MiB blocks)."""
+
+    _lock = threading.Lock()
+    _cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def get(cls, device: torch.device, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        chunks = 1 << max(0, chunks - 1).bit_length()  # grow in powers of two
+        key = (str(device), chunks)
+        with cls._lock:
+            if key not in cls._cache:
+                p = _as_int32(_chunk_table()).reshape(-1).to(device)
+                q = _as_int32(_shift_table(chunks)).reshape(-1).to(device)
+                offsets = torch.arange(_CHUNK - 1, -1, -1, dtype=torch.int32, device=device) * 256
+                cls._cache[key] = (p, q, offsets)
+            return cls._cache[key]
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_crc(length: int) -> int:
+    return crc32c.crc32c(bytes(length))
+
+
+def _xor_reduce(values: torch.Tensor) -> torch.Tensor:
+    """XOR over the last dimension."""
+    width = values.shape[-1]
+    if width & (width - 1):  # pad to a power of two with zeros, the XOR identity
+        pad = (1 << width.bit_length()) - width
+        values = torch.cat([values, values.new_zeros(*values.shape[:-1], pad)], dim=-1)
+    while values.shape[-1] > 1:
+        half = values.shape[-1] // 2
+        values = values[..., :half] ^ values[..., half:]
+    return values[..., 0]
+
+
+def _register(blocks: torch.Tensor) -> torch.Tensor:
+    """R(block) for each row of ``blocks`` (uint8, shape (n, L), L a multiple of _CHUNK)."""
+    rows, length = blocks.shape
+    chunks = length // _CHUNK
+    p, q, offsets = _Tables.get(blocks.device, chunks)
+    index = blocks.reshape(rows, chunks, _CHUNK).to(torch.int32) + offsets
+    per_chunk = _xor_reduce(p[index])  # (rows, chunks)
+    distance = torch.arange(chunks - 1, -1, -1, dtype=torch.int32, device=blocks.device) * 1024
+    parts = [q[distance + k * 256 + ((per_chunk >> (8 * k)) & 0xFF)] for k in range(4)]
+    return _xor_reduce(torch.stack(parts, dim=-1).reshape(rows, chunks * 4))
+
+
+def _padded(data: torch.Tensor) -> torch.Tensor:
+    """``data`` with leading zeros up to a multiple of _CHUNK, as one row."""
+    pad = -data.numel() % _CHUNK
+    if pad or data.numel() == 0:
+        data = torch.cat([data.new_zeros(pad or _CHUNK), data])
+    return data.reshape(1, -1)
+
+
+def device_crc32c_async(data: torch.Tensor, block: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Start the crc32c of each ``block`` bytes of flat uint8 ``data`` (the last may be shorter)
+    without waiting: returns the registers of the full blocks and of the tail, on data's device.
+    ``finish_crc32c`` turns them into the crc values."""
+    if data.dim() != 1 or data.dtype != torch.uint8:
+        raise ValueError("device_crc32c needs a flat uint8 tensor")
+    if block <= 0 or block % _CHUNK:
+        raise ValueError(f"checksum block {block} is not a positive multiple of {_CHUNK}")
+    full = data.numel() // block
+    head = _register(data[: full * block].reshape(full, block)) if full else None
+    tail = _register(_padded(data[full * block :])) if data.numel() % block else None
+    return head, tail
+
+
+def finish_crc32c(started: tuple[torch.Tensor | None, torch.Tensor | None], length: int,
+                  block: int) -> list[int]:
+    """The crc values of ``device_crc32c_async``'s result (waits for the device)."""
+    head, tail = started
+    crcs: list[int] = []
+    if head is not None:
+        zero = _zeros_crc(block)
+        crcs += [(value & 0xFFFFFFFF) ^ zero for value in head.tolist()]
+    if tail is not None:
+        crcs.append((tail.item() & 0xFFFFFFFF) ^ _zeros_crc(length % block))
+    return crcs
+
+
+def device_crc32c(data: torch.Tensor, block: int) -> list[int]:
+    """crc32c of each ``block`` bytes of ``data``, computed where ``data`` lives."""
+    return finish_crc32c(device_crc32c_async(data, block), data.numel(), block)
+
+
+# --------------------------------------------------------------------------- kvikio access
+
+PROBE_TIMEOUT_ENV = "DCP_NVME_KVIKIO_PROBE_TIMEOUT"
+_PROBE_BYTES = 2 * ALIGN
+
+
+def import_kvikio() -> ModuleType:
+    """Import kvikio now (never at dcp_nvme's import time)."""
+    return importlib.import_module("kvikio")
+
+
+def explain_failure(exc: BaseException) -> str:
+    """Name what is missing from a kvikio error, keeping its own text."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    lowered = text.lower()
+    if "libcuda" in lowered:
+        return f"libcuda missing (the NVIDIA driver library cannot be loaded): {text}"
+    if any(word in lowered for word in ("cufile", "cu_file", "nvidia-fs", "nvidia_fs", "gds")):
+        return f"cuFile driver refused: {text}"
+    return f"kvikio probe I/O failed: {text}"
+
+
+def _probe_tensor(nbytes: int) -> torch.Tensor:
+    """A device buffer holding a known pattern (patched in CPU tests)."""
+    return (torch.arange(nbytes, dtype=torch.int32, device="cuda") % 251).to(torch.uint8)
+
+
+def _probe_once(directory: str) -> str | None:
+    kvikio = import_kvikio()
+    path = os.path.join(directory, f".dcp_nvme-kvikio-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        data = _probe_tensor(_PROBE_BYTES)
+        handle = kvikio.CuFile(path, "w")
+        try:
+            written = handle.pwrite(data, _PROBE_BYTES, 0).get()
+        finally:
+            handle.close()
+        back = torch.zeros_like(data)
+        handle = kvikio.CuFile(path, "r")
+        try:
+            got = handle.pread(back, _PROBE_BYTES, 0).get()
+        finally:
+            handle.close()
+        if written != _PROBE_BYTES or got != _PROBE_BYTES or not torch.equal(back, data):
+            return (f"kvikio probe I/O in {directory} moved {written}/{got} of {_PROBE_BYTES} bytes "
+                    "or read back different bytes")
+        return None
+    except Exception as exc:  # noqa: BLE001 - every failure is a reason not to use kvikio
+        return explain_failure(exc)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def probe(directory: str, timeout: float | None = None) -> str | None:
+    """Write and read back a few KiB of device memory with kvikio in ``directory``.
+
+    Returns None when it works, else why not. Runs in a thread with a timeout: a cuFile driver
+    that hangs (seen on a machine without a GPU driver) must not hang the save.
+    """
+    if timeout is None:
+        timeout = float(os.environ.get(PROBE_TIMEOUT_ENV, "60"))
+    result: list[str | None] = []
+    thread = threading.Thread(target=lambda: result.append(_probe_once(directory)),
+                              name="dcp-nvme-kvikio-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not result:
+        return f"kvikio probe I/O in {directory} did not finish within {timeout:g} s (cuFile driver hung?)"
+    return result[0]
+
+
+def kvikio_mode(kvikio: ModuleType) -> str:
+    """'GDS' or 'compat' (cuFile without GPUDirect: kvikio bounces through its own buffers)."""
+    try:
+        return "compat" if kvikio.defaults.is_compat_mode_preferred() else "GDS"
+    except Exception:  # noqa: BLE001 - an older or fake kvikio: say nothing wrong
+        return "unknown"
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class _DevicePool:
+    """``count`` device buffers of ``size`` bytes, one per request in flight that needs one."""
+
+    def __init__(self, count: int, size: int, device: torch.device) -> None:
+        self.size = size
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in range(count):
+            self.free.put(index)
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[torch.Tensor]:
+        index = self.free.get()
+        try:
+            yield self.buffers[index]
+        finally:
+            self.free.put(index)
+
+
+class KvikioEngine:
+    """cuFile through kvikio for device memory; a PosixEngine for host memory."""
+
+    name = "kvikio"
+
+    def __init__(self, config: IOConfig, kvikio_module: ModuleType | None = None) -> None:
+        self.config = config
+        self._kvikio = kvikio_module
+        self._configured = False
+        self._posix = PosixEngine(config)
+        self._pools: dict[str, _DevicePool] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.device_bytes = {"write": 0, "read": 0}
+        """Bytes moved by cuFile (not POSIX) since the engine was made: what the GPU check reads."""
+
+    # ------------------------------------------------------------------ shared
+
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` goes through cuFile (CPU tests subclass this to fake a device)."""
+        return tensor.device.type == "cuda"
+
+    @property
+    def kvikio(self) -> ModuleType:
+        with self._lock:
+            if self._kvikio is None:
+                self._kvikio = import_kvikio()
+            if not self._configured:
+                self._configure(self._kvikio)
+                self._configured = True
+            return self._kvikio
+
+    def _configure(self, kvikio: ModuleType) -> None:
+        # Each request is one kvikio task (task_size=block_size); kvikio runs tasks on its own
+        # pool, which must have a thread per request we keep in flight or it would serialize them.
+        try:
+            if kvikio.defaults.get("num_threads") < self.config.queue_depth:
+                kvikio.defaults.set("num_threads", self.config.queue_depth)
+        except Exception as exc:  # noqa: BLE001 - older kvikio: its own default applies
+            log.debug("could not set kvikio num_threads: %s", exc)
+
+    def _pool(self, device: torch.device) -> _DevicePool:
+        key = str(device)
+        with self._lock:
+            if key not in self._pools:
+                self._pools[key] = _DevicePool(self.config.queue_depth,
+                                               self.config.block_size + 2 * ALIGN, device)
+            return self._pools[key]
+
+    @contextlib.contextmanager
+    def _stream(self, device: torch.device) -> Iterator[None]:
+        """This thread's side stream on ``device`` (CUDA), so threads never wait on each other."""
+        if device.type != "cuda":
+            yield
+            return
+        streams = getattr(self._local, "streams", None)
+        if streams is None:
+            streams = self._local.streams = {}
+        if str(device) not in streams:
+            streams[str(device)] = torch.cuda.Stream(device)
+        with torch.cuda.stream(streams[str(device)]):
+            yield
+
+    @staticmethod
+    def _sync(device: torch.device) -> None:
+        """Wait for the current stream of ``device`` (inside ``_stream``: this thread's)."""
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+    def close(self) -> None:
+        with self._lock:
+            self._pools = {}
+        self._posix.close()
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["config"])
+
+    # ------------------------------------------------------------------ write
+
+    def write_file(
+        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int
+    ) -> FileWriteResult:
+        on_device = [self._on_device(s) for s in sources]
+        if not any(on_device):
+            return self._posix.write_file(path, header, sources, checksum_block)
+        if len(header) % ALIGN:
+            raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
+        if self.config.block_size % checksum_block:
+            raise ValueError("checksum_block must divide block_size")
+        kvikio = self.kvikio
+        for device in {s.device for s, dev in zip(sources, on_device) if dev}:
+            self._sync(device)  # the bytes the producers queued must be there before cuFile reads
+        sizes = [int(s.numel()) for s in sources]
+        data_size = sum(sizes)
+        data_start = len(header)
+        crcs = [0] * (-(-data_size // checksum_block))
+        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.config.direct_io)
+        stats = IOStats("write")
+        started = time.perf_counter()
+        try:
+            fd, direct = _write_header(path, fd, direct, header)
+            stats.direct_io = direct
+            handle = _open_cufile(kvikio, path, "r+")  # "r+": no truncation, the header stays
+            addresses = [None if dev else s.data_ptr() for s, dev in zip(sources, on_device)]
+
+            def write_window(window: Window) -> None:
+                if any(on_device[p.source] for p in window.pieces):
+                    self._write_device_window(handle, path, data_start, window, sources, on_device,
+                                              checksum_block, crcs, stats)
+                else:
+                    self._posix._write_window(fd, direct, data_start, window, sources, addresses,
+                                              checksum_block, crcs, stats)
+
+            try:
+                self._posix._run_bounded(plan_windows(sizes, self.config.block_size), write_window)
+            finally:
+                handle.close()
+            os.ftruncate(fd, data_start + data_size)  # drop any O_DIRECT tail padding
+            sync_started = time.perf_counter()
+            os.fsync(fd)  # fsync is per file: it covers cuFile's descriptors too
+            stats.fsync_seconds = time.perf_counter() - sync_started
+        except OSError as exc:
+            raise _with_path(exc, path) from exc
+        finally:
+            os.close(fd)
+        stats.seconds = time.perf_counter() - started
+        return FileWriteResult(path, data_start + data_size, data_start, checksum_block, crcs,
+                               crc32c.crc32c(header), stats)
+
+    def _write_device_window(self, handle, path, data_start, window, sources, on_device,
+                             checksum_block, crcs, stats) -> None:
+        first = window.pieces[0]
+        device = next(sources[p.source].device for p in window.pieces if on_device[p.source])
+        with contextlib.ExitStack() as stack:
+            if len(window.pieces) == 1:  # one span of one tensor: straight from it
+                view, copied = sources[first.source][first.src_offset : first.src_offset + first.length], 0
+            else:  # several tensors: gather on the device (device-to-device), one request
+                buffer = stack.enter_context(self._pool(device).take())
+                with self._stream(device):
+                    for piece in window.pieces:
+                        src = sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
+                        buffer[piece.dst_offset : piece.dst_offset + piece.length].copy_(
+                            src, non_blocking=True)
+                view, copied = buffer[: window.length], window.length
+            with self._stream(device):
+                pending = device_crc32c_async(view, checksum_block)  # overlaps the write
+                if copied:
+                    self._sync(device)  # the gather must land before cuFile reads it
+                offset = data_start + window.offset
+                begun = stats.begin()
+                written = _kvikio_call(handle.pwrite, view, window.length, offset,
+                                       self.config.block_size, path, "write")
+                stats.end(begun, window.length, copied)
+                if written != window.length:
+                    raise OSError(errno.EIO, f"kvikio wrote {written} of {window.length} bytes at "
+                                  f"offset {offset}", path)
+                values = finish_crc32c(pending, window.length, checksum_block)
+        first_block = window.offset // checksum_block
+        crcs[first_block : first_block + len(values)] = values
+        with self._lock:
+            self.device_bytes["write"] += window.length
+
+    # ------------------------------------------------------------------ read
+
+    def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
+        on_device = [self._on_device(d) for d in dests]
+        device_requests, host_requests = [], []
+        for request in requests:
+            touches = any(d != SCRATCH and on_device[d] for d, _, _ in request.pieces)
+            (device_requests if touches else host_requests).append(request)
+        stats = IOStats("read")
+        if host_requests:
+            stats.merge(self._posix.read(host_requests, dests))
+        if not device_requests:
+            return stats
+        kvikio = self.kvikio
+        started = time.perf_counter()
+        device_stats = IOStats("read")
+        handles: dict[str, tuple[Any, int]] = {}
+        lock = threading.Lock()
+
+        def handle(path: str) -> tuple[Any, int]:
+            with lock:
+                if path not in handles:
+                    opened = _open_cufile(kvikio, path, "r")
+                    handles[path] = (opened, os.fstat(opened.fileno()).st_size)
+                return handles[path]
+
+        def run(request: ReadRequest) -> None:
+            self._read_device_request(handle, request, dests, on_device, device_stats)
+
+        for device in {d.device for d, dev in zip(dests, on_device) if dev}:
+            self._sync(device)  # nothing queued may still write the destinations
+        try:
+            self._posix._run_bounded(device_requests, run)
+        finally:
+            for opened, _ in handles.values():
+                opened.close()
+        device_stats.seconds = time.perf_counter() - started
+        stats.merge(device_stats)
+        return stats
+
+    def _read_device_request(self, handle, request, dests, on_device, stats) -> None:
+        opened, file_size = handle(request.file)
+        _check_length(request, min(file_size, request.file_offset + request.length))
+        device = next(dests[d].device for d, _, _ in request.pieces if d != SCRATCH and on_device[d])
+        dest, dest_offset, length = request.pieces[0]
+        single = len(request.pieces) == 1 and dest != SCRATCH and on_device[dest]
+        with contextlib.ExitStack() as stack:
+            if single:  # straight into the destination
+                view = dests[dest][dest_offset : dest_offset + length]
+            else:
+                buffer = stack.enter_context(self._pool(device).take())
+                view = buffer[: request.length]
+            with self._stream(device):
+                begun = stats.begin()
+                got = _kvikio_call(opened.pread, view, request.length, request.file_offset,
+                                   self.config.block_size, request.file, "read")
+                stats.end(begun, request.length, 0 if single else request.length)
+                _check_length(request, request.file_offset + got)
+                _verify_device(request, view)
+                if not single:
+                    position = 0
+                    for dest, dest_offset, length in request.pieces:
+                        if dest != SCRATCH:
+                            dests[dest][dest_offset : dest_offset + length].copy_(
+                                view[position : position + length], non_blocking=on_device[dest])
+                        position += length
+                    self._sync(device)  # the buffer is reused once this returns
+        with self._lock:
+            self.device_bytes["read"] += request.length
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _open_cufile(kvikio: ModuleType, path: str, flags: str) -> Any:
+    try:
+        return kvikio.CuFile(path, flags)
+    except OSError:
+        raise
+    except Exception as exc:  # kvikio reports failures as RuntimeError
+        raise OSError(errno.EIO, f"kvikio could not open the file ({exc})", path) from exc
+
+
+def _kvikio_call(method, view: torch.Tensor, length: int, offset: int, task_size: int,
+                 path: str, op: str) -> int:
+    """Run one request and wait for it; kvikio's RuntimeErrors become OSErrors naming the file."""
+    try:
+        return int(method(view, length, offset, task_size).get())
+    except OSError:
+        raise
+    except Exception as exc:
+        raise OSError(errno.EIO, f"kvikio {op} of {length} bytes at offset {offset} failed ({exc})",
+                      path) from exc
+
+
+def _write_header(path: str, fd: int, direct: bool, header: bytes) -> tuple[int, bool]:
+    """Write the header from an aligned host buffer; like the POSIX engine, it is the probe that
+    O_DIRECT writes work, reopening buffered where the filesystem refuses them."""
+    from ..memory import aligned_buffer
+
+    buffer = aligned_buffer(len(header), pin=False)
+    buffer.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    view = buffer.numpy().data
+    try:
+        pwrite_all(fd, view, 0)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        _note_fallback(path, "write refused: " + os.strerror(exc.errno))
+        os.close(fd)
+        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, False)
+        pwrite_all(fd, view, 0)
+    return fd, direct
+
+
+def _verify_device(request: ReadRequest, view: torch.Tensor) -> None:
+    """Check the request's blocks against their crc32c, computing on the device."""
+    checks = request.checks
+    if not checks:
+        return
+    block = checks[0][1]
+    regular = all(rel == checks[0][0] + i * block and (n == block or i == len(checks) - 1)
+                  for i, (rel, n, _) in enumerate(checks))
+    if regular and block % _CHUNK == 0:
+        start, end = checks[0][0], checks[-1][0] + checks[-1][1]
+        actual = device_crc32c(view[start:end], block)
+    else:
+        actual = [device_crc32c(view[rel : rel + n], _CHUNK * (-(-n // _CHUNK)))[0]
+                  for rel, n, _ in checks]
+    for (rel, length, expected), crc in zip(checks, actual):
+        if crc != expected:
+            start = request.file_offset + rel
+            raise ChecksumMismatchError(request.file, start, start + length, expected, crc)
