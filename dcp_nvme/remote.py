@@ -13,15 +13,15 @@ import ctypes
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
 import numpy as np
 import torch
 
+from .concurrency import run_bounded
 from .config import IOConfig
-from .engines.posix import _check_length, _verify
+from .engines.posix import check_length, verify_checks
 from .layout import SCRATCH, ReadRequest
 from .stats import IOStats
 from .store import LocalStore, fsync_dir
@@ -157,8 +157,8 @@ class FsspecEngine:
             data = self.fs.cat_file(request.file, start=request.file_offset,
                                     end=request.file_offset + request.length)
             stats.end(begun, len(data), len(data))
-            _check_length(request, request.file_offset + len(data))
-            _verify(request, [memoryview(data)])
+            check_length(request, request.file_offset + len(data))
+            verify_checks(request, [memoryview(data)])
             source = np.frombuffer(data, dtype=np.uint8)
             position = 0
             for dest, dest_offset, length in request.pieces:
@@ -166,15 +166,7 @@ class FsspecEngine:
                     _copy_into(dests[dest], dest_offset, source, position, length)
                 position += length
 
-        with ThreadPoolExecutor(self.config.queue_depth, thread_name_prefix="dcp-nvme-fsspec") as pool:
-            futures = [pool.submit(run, request) for request in requests]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
+        run_bounded(self.config.queue_depth, requests, run, "dcp-nvme-fsspec")
         stats.seconds = time.perf_counter() - started
         return stats
 

@@ -41,7 +41,7 @@ from ..errors import ChecksumMismatchError
 from ..layout import SCRATCH, ReadRequest, Window, plan_windows
 from ..stats import IOStats
 from .base import FileWriteResult
-from .posix import PosixEngine, _check_length, _note_fallback, _with_path, open_file, pwrite_all
+from .posix import PosixEngine, _with_path, check_length, open_file, write_header
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +510,7 @@ class KvikioEngine:
 
     def _read_device_request(self, handle, request, dests, on_device, stats) -> None:
         opened, file_size = handle(request.file)
-        _check_length(request, min(file_size, request.file_offset + request.length))
+        check_length(request, min(file_size, request.file_offset + request.length))
         device = next(dests[d].device for d, _, _ in request.pieces if d != SCRATCH and on_device[d])
         dest, dest_offset, length = request.pieces[0]
         single = len(request.pieces) == 1 and dest != SCRATCH and on_device[dest]
@@ -525,7 +525,7 @@ class KvikioEngine:
                 got = _kvikio_call(opened.pread, view, request.length, request.file_offset,
                                    self.config.block_size, request.file, "read")
                 stats.end(begun, request.length, 0 if single else request.length)
-                _check_length(request, request.file_offset + got)
+                check_length(request, request.file_offset + got)
                 _verify_device(request, view)
                 if not single:
                     position = 0
@@ -570,17 +570,7 @@ def _write_header(path: str, fd: int, direct: bool, header: bytes) -> tuple[int,
 
     buffer = aligned_buffer(len(header), pin=False)
     buffer.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    view = buffer.numpy().data
-    try:
-        pwrite_all(fd, view, 0)
-    except OSError as exc:
-        if not direct or exc.errno != errno.EINVAL:
-            raise
-        _note_fallback(path, "write refused: " + os.strerror(exc.errno))
-        os.close(fd)
-        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, False)
-        pwrite_all(fd, view, 0)
-    return fd, direct
+    return write_header(path, fd, direct, buffer.numpy().data)
 
 
 def _verify_device(request: ReadRequest, view: torch.Tensor) -> None:

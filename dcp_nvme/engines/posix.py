@@ -18,11 +18,11 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
 import torch
 
+from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
 from ..errors import ChecksumMismatchError, DCPNVMeError
 from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
@@ -96,6 +96,21 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     stream.synchronize()  # the bounce buffer is written or reused once this returns
 
 
+def write_header(path: str, fd: int, direct: bool, view: memoryview) -> tuple[int, bool]:
+    """Write a container's header (an aligned buffer) at offset 0. It is the first write, so it is
+    also the probe that O_DIRECT writes work: where refused, reopen buffered and say why."""
+    try:
+        pwrite_all(fd, view, 0)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        _note_fallback(path, "write refused: " + os.strerror(exc.errno))
+        os.close(fd)
+        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, False)
+        pwrite_all(fd, view, 0)
+    return fd, direct
+
+
 def _memory_at(address: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
 
@@ -148,32 +163,8 @@ class PosixEngine:
         self.__init__(state["config"])
 
     def _run_bounded(self, tasks: Iterable, work) -> None:
-        """Run ``work(task)`` on queue_depth threads; stop early and re-raise the first error."""
-        depth = self.config.queue_depth
-        slots = threading.BoundedSemaphore(depth)
-        failure: list[BaseException] = []
-        pending: set[Future] = set()
-        lock = threading.Lock()
-
-        def done(future: Future) -> None:
-            with lock:
-                pending.discard(future)
-            if future.exception() is not None and not failure:
-                failure.append(future.exception())
-            slots.release()
-
-        with ThreadPoolExecutor(depth, thread_name_prefix="dcp-nvme-io") as pool:
-            for task in tasks:
-                slots.acquire()
-                if failure:
-                    slots.release()
-                    break
-                future = pool.submit(work, task)
-                with lock:
-                    pending.add(future)
-                future.add_done_callback(done)
-        if failure:
-            raise failure[0]
+        """Run ``work(task)`` with queue_depth in flight; the first error stops and is raised."""
+        run_bounded(self.config.queue_depth, tasks, work)
 
     # ------------------------------------------------------------------ write
 
@@ -228,16 +219,7 @@ class PosixEngine:
                 big = aligned_buffer(len(header), pin=False)
                 big.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
                 view = big.numpy().data
-            try:
-                pwrite_all(fd, view, 0)
-            except OSError as exc:
-                if not direct or exc.errno != errno.EINVAL:
-                    raise
-                _note_fallback(path, "write refused: " + os.strerror(exc.errno))
-                os.close(fd)
-                fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, False)
-                pwrite_all(fd, view, 0)
-            return fd, direct
+            return write_header(path, fd, direct, view)
         finally:
             pool.free.put(index)
 
@@ -325,9 +307,9 @@ class PosixEngine:
             begun = stats.begin()
             got = _pread_into(fd, [view], lo)
             stats.end(begun, request.length, request.length)
-            _check_length(request, lo + got)
+            check_length(request, lo + got)
             base = request.file_offset - lo
-            _verify(request, [view[base : base + request.length]])
+            verify_checks(request, [view[base : base + request.length]])
             position = base
             for dest, dest_offset, length in request.pieces:
                 if dest != SCRATCH:
@@ -350,8 +332,8 @@ class PosixEngine:
         begun = stats.begin()
         got = _pread_into(fd, views, request.file_offset)
         stats.end(begun, request.length)
-        _check_length(request, request.file_offset + got)
-        _verify(request, views)
+        check_length(request, request.file_offset + got)
+        verify_checks(request, views)
 
 
 def _contiguous_address(window: Window, addresses: Sequence[int | None]) -> int | None:
@@ -388,7 +370,7 @@ def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:
     return total
 
 
-def _check_length(request: ReadRequest, end_read: int) -> None:
+def check_length(request: ReadRequest, end_read: int) -> None:
     needed = request.file_offset + request.length
     if end_read < needed:
         raise DCPNVMeError(
@@ -397,7 +379,7 @@ def _check_length(request: ReadRequest, end_read: int) -> None:
         )
 
 
-def _verify(request: ReadRequest, views: list[memoryview]) -> None:
+def verify_checks(request: ReadRequest, views: list[memoryview]) -> None:
     """Check each block of the request against its expected crc32c (views in file order)."""
     if not request.checks:
         return

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..concurrency import run_bounded
 from ..manifest import MANIFEST, FileRecord, read_files, read_manifest, save_key_of
 from ..store import LocalStore
 from .plan import (
@@ -229,15 +230,7 @@ def _send_all(store, sink, journal, work, options, bucket, result, progress) -> 
         tasks = [(send_file, (record, pieces)) for record, pieces in work]
     else:
         tasks = [(send, (record, piece)) for record, pieces in work for piece in pieces]
-    with ThreadPoolExecutor(options.max_transfers, thread_name_prefix="dcp-nvme-drain-io") as pool:
-        futures = [pool.submit(fn, *args) for fn, args in tasks]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+    run_bounded(options.max_transfers, tasks, lambda task: task[0](*task[1]), "dcp-nvme-drain-io")
 
 
 def _readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptions,
@@ -253,8 +246,7 @@ def _readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOpti
         data = sink.read_range(record.name, piece.offset, piece.offset + piece.length)
         verify_piece(record, piece.offset, data, where)
 
-    with ThreadPoolExecutor(options.max_transfers, thread_name_prefix="dcp-nvme-readback") as pool:
-        list(pool.map(check, pieces))
+    run_bounded(options.max_transfers, pieces, check, "dcp-nvme-readback")
     result.bytes_verified_remote += record.size
 
 
