@@ -41,6 +41,7 @@ from .manifest import (
     files_table,
     new_save_key,
     save_key_of,
+    seal,
     table_entry,
 )
 from .memory import tensor_bytes
@@ -277,9 +278,7 @@ class NVMeWriter(StorageWriter):
             storage_meta={"checkpoint_id": self.path},
             extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
         )
-        import json
-
-        store.write_atomic(MANIFEST, json.dumps(doc, indent=1).encode())  # the commit
+        store.write_atomic(MANIFEST, seal(doc))  # the commit
         _remove_stale(store, key)
         doc["commit_seconds"] = time.perf_counter() - started
         self.last_manifest = doc

@@ -118,3 +118,12 @@ def test_no_pickle_on_the_load_path(checkpoint, monkeypatch):
     dest = _dest(state)
     dcp.load(dest, storage_reader=reader, no_dist=True)
     assert all(torch.equal(dest[k], state[k]) for k in state)
+
+
+def test_edited_manifest_fails_its_own_checksum(checkpoint):
+    path, _ = checkpoint
+    doc = json.loads((path / MANIFEST).read_text())
+    doc["config"]["queue_depth"] += 1  # a field nothing else cross-checks
+    (path / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="fails its own checksum"):
+        NVMeReader(path).read_metadata()

@@ -1,0 +1,190 @@
+"""``dcp-nvme list | inspect | verify | export``: the command-line face of ``dcp_nvme.tools``.
+
+Each command prints a table (or ``--json``) and returns its exit status; user errors raise
+OSError/ValueError, which ``dcp_nvme.cli`` prints as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from .export import export_hf
+from .inspection import inspect_checkpoint
+from .listing import list_checkpoints, tiers_available
+from .verify import verify_checkpoint
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _table(rows: list[list[str]], out=sys.stdout) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip(), file=out)
+
+
+def _json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+def _when(unix: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix)) if unix else "-"
+
+
+# --------------------------------------------------------------------------- list
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    entries = list_checkpoints(args.dir)
+    if args.json:
+        _json([e.to_dict() for e in entries])
+        return 0
+    if not entries:
+        print(f"no checkpoints under {args.dir}")
+        return 0
+    tiers = tiers_available()
+    rows = [["STEP", "STATE", "SIZE", "RANKS", "CREATED", *(["TIER"] if tiers else []), "PATH"]]
+    for e in entries:
+        rows.append([
+            "-" if e.step is None else str(e.step), e.state, human_bytes(e.bytes),
+            "-" if e.ranks is None else str(e.ranks), _when(e.created_unix),
+            *([str(e.tier) if e.tier is not None else "-"] if tiers else []), e.path,
+        ])
+    _table(rows)
+    for e in entries:
+        if not e.ok:
+            print(f"  {e.name}: {e.reason}")
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = inspect_checkpoint(args.checkpoint, filter=args.filter)
+    if args.json:
+        _json(info.to_dict())
+        return 0 if info.ok else 1
+    print(f"checkpoint {info.location}: {info.state}")
+    if info.reason:
+        print(f"  problem: {info.reason}")
+    if info.world_size is not None:
+        print(f"  ranks {info.world_size}, save {info.save_key}, created {_when(info.created_unix)}, "
+              f"{len(info.files)} file(s), {human_bytes(sum(f.get('size', 0) for f in info.files))} on disk")
+    if info.partial:
+        print("  data files found (their own safetensors headers; nothing is loadable):")
+        for name, desc in info.partial.items():
+            if "error" in desc:
+                print(f"    {name}: unreadable: {desc['error']}")
+            else:
+                print(f"    {name}: {desc['items']} item(s), {human_bytes(desc['bytes'])} of data, "
+                      f"{human_bytes(desc['size'])} on disk, rank {desc['metadata'].get('rank', '?')}")
+    if info.tensors:
+        rows = [["FQN", "DTYPE", "SHAPE", "SHARDS", "BYTES", "FILES"]]
+        for t in info.tensors:
+            rows.append([t.fqn, t.dtype, "x".join(map(str, t.shape)) or "()", str(t.shards),
+                         human_bytes(t.nbytes), ",".join(_rank_of(f) for f in t.files)])
+        _table(rows)
+    if info.objects:
+        print("non-tensor items:")
+        for o in info.objects:
+            print(f"  {o.fqn}  {human_bytes(o.nbytes)}  {','.join(_rank_of(f) for f in o.files)}")
+    if info.by_dtype:
+        print("by dtype:    " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.by_dtype.items())))
+        print("by top key:  " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.by_top_key.items())))
+        print(f"total:       {len(info.tensors)} tensor(s), {len(info.objects)} other item(s), "
+              f"{human_bytes(info.total_bytes)}")
+    return 0 if info.ok else 1
+
+
+def _rank_of(name: str) -> str:
+    """``rank_00003.<key>.safetensors`` -> ``r3`` keeps the FILES column short."""
+    head = name.split(".", 1)[0]
+    return f"r{int(head[5:])}" if head.startswith("rank_") and head[5:].isdigit() else name
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    progress = not args.no_progress and not args.json
+    report = verify_checkpoint(args.checkpoint, jobs=args.jobs, progress=progress)
+    if args.json:
+        _json(report.to_dict())
+        return 0 if report.ok else 1
+    for problem in report.problems:
+        print(f"BAD {problem}")
+    figures = (f"{report.files} file(s), {human_bytes(report.bytes_read)} read in {report.seconds:.2f} s "
+               f"({report.gbps:.2f} GB/s)")
+    if report.ok:
+        print(f"OK {report.location}: intact; {figures}")
+        return 0
+    print(f"FAILED {report.location}: {len(report.problems)} problem(s); {figures}")
+    return 1
+
+
+# --------------------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    progress = not args.no_progress and not args.json
+    result = export_hf(args.checkpoint, args.out, keys=args.keys, strip_prefix=args.strip_prefix,
+                       dtype=args.dtype, max_shard_size=args.max_shard_size,
+                       overwrite=args.overwrite, progress=progress)
+    if args.json:
+        _json(result.to_dict())
+        return 0
+    print(f"exported {result.tensors} tensor(s), {human_bytes(result.total_size)}, into "
+          f"{len(result.shards)} shard(s) in {result.out} ({result.seconds:.2f} s)")
+    if result.skipped_objects:
+        print(f"skipped {len(result.skipped_objects)} non-tensor item(s): "
+              + ", ".join(result.skipped_objects[:5]) + (" ..." if len(result.skipped_objects) > 5 else ""))
+    return 0
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("list", help="checkpoints under a run directory, newest first")
+    p.add_argument("dir", help="a run directory (or one checkpoint directory)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_list)
+
+    p = subparsers.add_parser("inspect", help="tensors, shapes, dtypes and sizes of a checkpoint (no data read)")
+    p.add_argument("checkpoint", help="checkpoint directory or fsspec URL")
+    p.add_argument("--filter", metavar="GLOB", help="only names matching this glob, e.g. 'model.*'")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = subparsers.add_parser("verify", help="read every byte and check every checksum; exit 0 only if intact")
+    p.add_argument("checkpoint", help="checkpoint directory or fsspec URL")
+    p.add_argument("--jobs", type=int, default=4, metavar="N", help="parallel readers (default 4)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_verify)
+
+    p = subparsers.add_parser("export", help="consolidate into a Hugging Face safetensors model")
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("--to", required=True, choices=["hf"], help="output layout (hf: Hugging Face)")
+    p.add_argument("out", help="output directory (must not exist, or be empty)")
+    p.add_argument("--keys", action="append", metavar="GLOB",
+                   help="export only names matching this glob, e.g. 'model.*' (repeatable)")
+    p.add_argument("--strip-prefix", metavar="PREFIX", help="remove this prefix from names, e.g. 'model.'")
+    p.add_argument("--dtype", help="cast floating-point tensors, e.g. bf16, fp16, fp32")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB (default), 500MB")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,193 @@
+"""``export --to hf``: consolidate a sharded checkpoint into Hugging Face's safetensors layout.
+
+Streaming: each output shard's header is computed up front (every shape and dtype is in the
+index), then tensors are assembled and written one at a time. A tensor is assembled in one
+buffer of its full size, its chunks read straight into place (verified against the container
+checksums), then cast in fixed-size pieces while it is written. Peak memory is the largest
+tensor plus a fixed buffer, whatever the size of the model.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import IOConfig, parse_size
+from ..engines.posix import PosixEngine
+from ..layout import FileBlocks, plan_reads
+from ..manifest import FileRecord, read_files, read_manifest
+from ..memory import tensor_bytes
+from ..store import LocalStore
+from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
+from .source import is_url
+from .st_format import build_header
+from .verify import progress_bar
+
+INDEX_NAME = "model.safetensors.index.json"
+CAST_BUFFER = 16 << 20
+"""Bytes of output cast at once when --dtype changes a tensor's dtype."""
+READ_CONFIG = IOConfig(queue_depth=4, block_size=4 << 20, direct_io=False, verify=True)
+"""Buffered reads go straight into the tensor being assembled: no bounce buffers to hold."""
+
+
+@dataclass
+class ExportResult:
+    out: str
+    shards: list[str] = field(default_factory=list)
+    tensors: int = 0
+    total_size: int = 0
+    """Bytes of tensor data written (the index's ``metadata.total_size``)."""
+    skipped_objects: list[str] = field(default_factory=list)
+    """Non-tensor items of the selection (DCP's BYTE_IO), which have no place in an HF model."""
+    largest_tensor: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def export_hf(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    keys: Sequence[str] | str | None = None,
+    strip_prefix: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    progress: bool = False,
+) -> ExportResult:
+    """Write ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` to ``out``.
+
+    ``keys``: globs on the checkpoint's names (e.g. ``"model.*"``); ``strip_prefix`` is removed
+    from the names that start with it; ``dtype`` casts floating-point tensors. The output appears
+    whole or not at all (written to a temporary sibling, then renamed).
+    """
+    started = time.perf_counter()
+    if is_url(checkpoint):
+        raise ValueError(f"export reads local checkpoints; copy {checkpoint} to local disk first")
+    location = os.fspath(checkpoint)
+    if isinstance(keys, str):
+        keys = [keys]
+    out_dtype = parse_out_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    out_path = Path(out)
+    _check_out(out_path, overwrite)
+    store = LocalStore(location)
+    manifest = read_manifest(store, location)
+    tensors = select_tensors(manifest.chunks, keys=keys, strip_prefix=strip_prefix, dtype=out_dtype,
+                             location=location)
+    files = read_files(store, manifest, location)
+    shards = plan_shards(tensors, limit)
+    result = ExportResult(str(out_path), tensors=len(tensors), total_size=sum(t.nbytes for t in tensors),
+                          largest_tensor=max(t.stored_nbytes for t in tensors))
+    result.skipped_objects = sorted({c.fqn for c in manifest.chunks if c.kind == "bytes"
+                                     and (not keys or any(_match(c.fqn, k) for k in keys))})
+    temp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    engine = PosixEngine(READ_CONFIG)
+    bar = progress_bar(result.total_size, progress, "export")
+    try:
+        weight_map = {}
+        for index, shard in enumerate(shards):
+            name = shard_name(index, len(shards))
+            _write_shard(temp / name, shard, location, files, engine, bar)
+            weight_map.update({t.name: name for t in shard})
+            result.shards.append(name)
+        index_doc = {"metadata": {"total_size": result.total_size}, "weight_map": weight_map}
+        (temp / INDEX_NAME).write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
+        _publish(temp, out_path)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    finally:
+        engine.close()
+        bar(None)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _match(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        if not out.is_dir() or any(out.iterdir()):
+            raise FileExistsError(f"{out} already exists; choose a new output directory or pass --overwrite")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"the parent directory of {out} does not exist")
+
+
+def _publish(temp: Path, out: Path) -> None:
+    """Rename the finished export into place; a replaced export is removed only afterwards."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # an empty directory the user made for us
+    if out.exists():  # only with overwrite (checked up front)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        temp.rename(out)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        temp.rename(out)
+
+
+def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict[str, FileRecord],
+                 engine: PosixEngine, bar: Callable[[int | None], None]) -> None:
+    header = build_header([t.entry for t in shard], {"format": "pt"})
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(header))
+        for tensor in shard:
+            full = assemble(tensor, location, files, engine)
+            _write_tensor(fd, full, tensor.out)
+            del full
+            bar(tensor.nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def assemble(tensor: TensorPlan, location: str, files: dict[str, FileRecord],
+             engine: PosixEngine) -> torch.Tensor:
+    """The full tensor in the stored dtype, read chunk by chunk straight into place."""
+    full = torch.empty(tensor.shape, dtype=tensor.stored)
+    dests = [tensor_bytes(full)]
+    itemsize = tensor.stored.itemsize
+    for chunk in tensor.chunks:
+        record = files.get(chunk.file)
+        if record is None:
+            raise FileNotFoundError(f"{location}: {chunk.file} (holding {chunk.fqn}) is not in the blocks table")
+        blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
+        path = os.path.join(location, chunk.file)
+        for needs in chunk_needs(chunk, itemsize, 0):
+            requests = plan_reads(path, needs, max_request=READ_CONFIG.block_size, blocks=blocks)
+            engine.read(requests, dests)
+    return full
+
+
+def _write_tensor(fd: int, full: torch.Tensor, out: torch.dtype) -> None:
+    flat = full.reshape(-1)
+    if out == full.dtype:
+        if flat.numel():
+            _write_all(fd, tensor_bytes(flat).numpy().data)
+        return
+    step = max(1, CAST_BUFFER // max(out.itemsize, full.dtype.itemsize))
+    for start in range(0, flat.numel(), step):
+        piece = flat[start : start + step].to(out)
+        _write_all(fd, tensor_bytes(piece).numpy().data)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        view = view[os.write(fd, view):]

@@ -1,0 +1,169 @@
+"""``inspect``: what a checkpoint holds, from its manifest and index only (no data read)."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import struct
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import CheckpointNotFoundError
+from .source import Source, open_source
+from .st_format import parse_header
+from .status import FOREIGN, MISSING, NOT_A_CHECKPOINT, Probe, probe
+
+
+@dataclass
+class TensorInfo:
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: int
+    nbytes: int
+    files: tuple[str, ...]
+
+
+@dataclass
+class ObjectInfo:
+    """A non-tensor item (DCP's BYTE_IO: pickled by DCP's planner, opaque bytes to us)."""
+
+    fqn: str
+    nbytes: int
+    files: tuple[str, ...]
+
+
+@dataclass
+class Inspection:
+    location: str
+    state: str
+    reason: str = ""
+    world_size: int | None = None
+    save_key: str | None = None
+    created_unix: float | None = None
+    files: list[dict[str, Any]] = field(default_factory=list)
+    tensors: list[TensorInfo] = field(default_factory=list)
+    objects: list[ObjectInfo] = field(default_factory=list)
+    by_dtype: dict[str, int] = field(default_factory=dict)
+    by_top_key: dict[str, int] = field(default_factory=dict)
+    partial: dict[str, Any] = field(default_factory=dict)
+    """For a checkpoint without a usable manifest: each data file's safetensors header items."""
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "committed"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors) + sum(o.nbytes for o in self.objects)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["total_bytes"] = self.total_bytes
+        return out
+
+
+def top_key(fqn: str) -> str:
+    """The first component of a name: ``model`` of ``model.layers.0.weight``."""
+    return fqn.split(".", 1)[0]
+
+
+def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -> Inspection:
+    """Describe a checkpoint; an unfinished or damaged one is described (``state``, ``reason``).
+
+    Raises CheckpointNotFoundError when there is no dcp_nvme checkpoint at all (missing path,
+    another tool's files). ``filter`` is a glob on names; matching nothing is a ValueError.
+    """
+    source = open_source(location)
+    found = probe(source)
+    if found.state in (MISSING, NOT_A_CHECKPOINT, FOREIGN):
+        raise CheckpointNotFoundError(found.reason)
+    result = Inspection(source.location, found.state, found.reason)
+    if found.manifest is None:
+        result.partial = _partial(source, found)
+        return result
+    doc = found.manifest.doc
+    result.world_size = doc.get("world_size")
+    result.save_key = doc.get("save_key")
+    result.created_unix = doc.get("created_unix")
+    result.files = [dict(f) for f in doc.get("files", []) if isinstance(f, dict)]
+    _summarise(result, found, filter)
+    return result
+
+
+def _summarise(result: Inspection, found: Probe, pattern: str | None) -> None:
+    chunks = found.manifest.chunks
+    if pattern is not None:
+        chunks = [c for c in chunks if fnmatch.fnmatchcase(c.fqn, pattern)]
+        if not chunks:
+            raise ValueError(f"no item of {result.location} matches the filter {pattern!r}")
+    tensors: dict[str, TensorInfo] = {}
+    objects: dict[str, ObjectInfo] = {}
+    for chunk in chunks:
+        if chunk.kind == "bytes":
+            entry = objects.setdefault(chunk.fqn, ObjectInfo(chunk.fqn, 0, ()))
+            entry.nbytes += chunk.length
+            entry.files = _add(entry.files, chunk.file)
+            continue
+        info = tensors.setdefault(chunk.fqn, TensorInfo(chunk.fqn, chunk.dtype, tuple(chunk.global_shape), 0, 0, ()))
+        info.shards += 1
+        info.nbytes += chunk.length
+        info.files = _add(info.files, chunk.file)
+    by_dtype: dict[str, int] = defaultdict(int)
+    by_top: dict[str, int] = defaultdict(int)
+    for info in tensors.values():
+        by_dtype[info.dtype] += info.nbytes
+        by_top[top_key(info.fqn)] += info.nbytes
+    for obj in objects.values():
+        by_dtype["(object)"] += obj.nbytes
+        by_top[top_key(obj.fqn)] += obj.nbytes
+    result.tensors, result.objects = list(tensors.values()), list(objects.values())
+    result.by_dtype, result.by_top_key = dict(by_dtype), dict(by_top)
+
+
+def _add(files: tuple[str, ...], name: str) -> tuple[str, ...]:
+    return files if name in files else (*files, name)
+
+
+def _partial(source: Source, found: Probe) -> dict[str, Any]:
+    """What the data files of an unfinished or unreadable save say about themselves."""
+    out: dict[str, Any] = {}
+    for name in found.data_files:
+        try:
+            header = read_safetensors_header(source, name)
+        except (OSError, ValueError) as exc:
+            out[name] = {"error": str(exc)}
+            continue
+        items = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+        out[name] = {
+            "size": source.size(name),
+            "items": len(items),
+            "bytes": sum(_span(v) for v in items.values()),
+            "metadata": header.get("__metadata__", {}),
+        }
+    return out
+
+
+def _span(entry: dict[str, Any]) -> int:
+    try:
+        start, end = entry["data_offsets"]
+        return int(end) - int(start)
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def read_safetensors_header(source: Source, name: str) -> dict[str, Any]:
+    """A safetensors file's JSON header, reading only the header bytes."""
+    size = source.size(name)
+    first = bytearray(8)
+    if source.read_into(name, 0, memoryview(first)) < 8:
+        raise ValueError(f"{name}: {size} bytes is too short for a safetensors file")
+    (length,) = struct.unpack("<Q", first)
+    if 8 + length > size:
+        raise ValueError(f"{name}: the header claims {length} bytes but the file has {size} "
+                         "(truncated, or not a safetensors file)")
+    prefix = bytearray(8 + length)
+    source.read_into(name, 0, memoryview(prefix))
+    header, _ = parse_header(bytes(prefix), name)
+    return header

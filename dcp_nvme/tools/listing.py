@@ -1,0 +1,110 @@
+"""``list``: the checkpoints under a run directory, newest first, from their small files only."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..manifest import DCP_METADATA, MANIFEST, save_key_of
+from .source import LocalSource
+from .status import parse_step, probe
+
+
+@dataclass
+class CheckpointEntry:
+    path: str
+    name: str
+    step: int | None
+    state: str
+    reason: str
+    bytes: int
+    """Bytes of every file in the directory (what it costs on disk)."""
+    ranks: int | None
+    created_unix: float
+    tier: Any = None
+    """The tier drain state where ``dcp_nvme.tiers`` provides one, else None."""
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "committed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return MANIFEST in names or DCP_METADATA in names or any(save_key_of(n) for n in names)
+
+
+def _tier_state(path: str) -> Any:
+    try:
+        from .. import tiers  # optional module, built separately
+    except ImportError:
+        return None
+    drain_state = getattr(tiers, "drain_state", None)
+    if drain_state is None:
+        return None
+    try:
+        state = drain_state(path)
+    except Exception as exc:  # a tier problem must not hide the checkpoint list
+        return f"unknown ({exc})"
+    return getattr(state, "value", state)
+
+
+def tiers_available() -> bool:
+    try:
+        from .. import tiers
+    except ImportError:
+        return False
+    return hasattr(tiers, "drain_state")
+
+
+def describe(path: str | os.PathLike) -> CheckpointEntry:
+    """One checkpoint directory as a list row."""
+    root = Path(path)
+    source = LocalSource(root)
+    found = probe(source)
+    total = 0
+    newest = 0.0
+    for entry in os.scandir(root):
+        if entry.is_file(follow_symlinks=False):
+            stat = entry.stat(follow_symlinks=False)
+            total += stat.st_size
+            newest = max(newest, stat.st_mtime)
+    ranks = None
+    created = newest
+    if found.manifest is not None:
+        ranks = found.manifest.doc.get("world_size")
+        created = float(found.manifest.doc.get("created_unix") or newest)
+    elif found.data_files:
+        ranks = len(found.data_files)
+    return CheckpointEntry(str(root), root.name, parse_step(root.name), found.state, found.reason,
+                           total, ranks, created, _tier_state(str(root)))
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
+    """Checkpoints in ``run_dir`` (or ``run_dir`` itself if it is one), newest first.
+
+    Newest means highest step when every name carries one, else latest creation time.
+    """
+    root = Path(run_dir)
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist")
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root} is not a directory")
+    if _looks_like_checkpoint(root):
+        candidates = [root]
+    else:
+        candidates = sorted(p for p in root.iterdir() if p.is_dir() and _looks_like_checkpoint(p))
+    entries = [describe(p) for p in candidates]
+    if entries and all(e.step is not None for e in entries):
+        entries.sort(key=lambda e: (e.step, e.created_unix), reverse=True)
+    else:
+        entries.sort(key=lambda e: e.created_unix, reverse=True)
+    return entries

@@ -1,0 +1,85 @@
+"""What state a checkpoint directory is in, from its small files only (no data read)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError
+from ..manifest import DCP_METADATA, MANIFEST, Manifest, read_manifest, save_key_of
+from .source import Source
+
+COMMITTED = "committed"
+INCOMPLETE = "incomplete"
+CORRUPT = "corrupt"
+DAMAGED = "damaged"  # committed, but a listed file is missing or has the wrong size
+FOREIGN = "foreign"  # written by DCP's FileSystemWriter
+MISSING = "missing"
+NOT_A_CHECKPOINT = "not a checkpoint"
+
+_STEP_RE = re.compile(r"^(?:.*?(?:step|ckpt|checkpoint|iter|iteration|epoch)[_\-.]?)?(\d+)$", re.IGNORECASE)
+
+
+def parse_step(name: str) -> int | None:
+    """The training step in a directory name: ``step_1000``, ``step-1000``, ``1000``, ``checkpoint-5``."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class Probe:
+    location: str
+    state: str
+    reason: str = ""
+    manifest: Manifest | None = None
+    data_files: list[str] = field(default_factory=list)
+    """dcp_nvme data files present in the directory (of any save)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.state == COMMITTED
+
+
+def probe(source: Source) -> Probe:
+    """Read the manifest and index if there are any; never raises for a bad checkpoint."""
+    location = source.location
+    if not source.exists():
+        return Probe(location, MISSING, f"{location} does not exist")
+    names = source.names()
+    data_files = [n for n in names if n.endswith(".safetensors") and save_key_of(n)]
+    try:
+        manifest = read_manifest(source, location)
+    except CheckpointNotCommittedError as exc:
+        return Probe(location, INCOMPLETE, str(exc), data_files=data_files)
+    except CheckpointNotFoundError as exc:
+        state = FOREIGN if DCP_METADATA in names else NOT_A_CHECKPOINT
+        return Probe(location, state, str(exc), data_files=data_files)
+    except Exception as exc:  # any damage to the manifest or index: report it, never crash
+        return Probe(location, CORRUPT, _one_line(exc), data_files=data_files)
+    problems = quick_check(source, manifest)
+    if problems:
+        return Probe(location, DAMAGED, "; ".join(problems), manifest, data_files)
+    return Probe(location, COMMITTED, "", manifest, data_files)
+
+
+def quick_check(source: Source, manifest: Manifest) -> list[str]:
+    """Listed files that are missing or have the wrong size (a stat each, no data read)."""
+    problems = []
+    try:
+        files = manifest.doc["files"]
+        listed = [(f["name"], int(f["size"])) for f in files]
+    except (KeyError, TypeError, ValueError) as exc:
+        return [f"{MANIFEST} has a malformed 'files' list ({_one_line(exc)})"]
+    for name, size in listed:
+        if not source.has(name):
+            problems.append(f"{name} is missing")
+            continue
+        actual = source.size(name)
+        if actual != size:
+            problems.append(f"{name} is {actual} bytes, the manifest says {size}")
+    return problems
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
