@@ -449,21 +449,31 @@ class Bench:
         self._drop(path)
 
     def memory_floor(self) -> None:
-        row = self.add(Row("memory.copy", "memory copy floor (memmove into prefaulted memory)", "copy", "floor"))
+        row = self.add(Row("memory.copy", "memory copy floor (plain copy into prefaulted memory)", "copy", "floor"))
         arena = aligned_buffer(self.local_bytes, pin=False)
         sources = [tensor_bytes(t) for t in self.local.values()]
         import ctypes
 
-        def copy() -> None:
+        def by_memmove() -> None:
             base, offset = arena.data_ptr(), 0
             for source in sources:
                 ctypes.memmove(base + offset, source.data_ptr(), source.numel())
                 offset += source.numel()
 
-        for _ in range(self.options.repeat):
-            row.seconds.append(self.group.timed(copy)[0])
+        def by_torch() -> None:  # split over torch's intra-op threads
+            offset = 0
+            for source in sources:
+                arena[offset : offset + source.numel()].copy_(source)
+                offset += source.numel()
+
+        best = []
+        for copy in (by_memmove, by_torch):
+            times = [self.group.timed(copy)[0] for _ in range(self.options.repeat)]
+            if not best or statistics.median(times) < statistics.median(best):
+                best = times
+        row.seconds.extend(best)
         row.bytes = self.total_bytes
-        row.note = "1 thread per rank; an async save's blocking copy cannot beat this"
+        row.note = "the faster of memmove and torch's copy_; an async save's blocking copy cannot beat it"
 
     def device_limit(self) -> None:
         write = self.add(Row("device.write", "device limit: sequential write", "write", "limit"))
