@@ -18,7 +18,7 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class IOStats:
-    """Counters for one engine pass; thread-safe updates through ``request``."""
+    """Counters for one engine pass; I/O threads update them through ``begin`` and ``end``."""
 
     op: str
     bytes: int = 0
