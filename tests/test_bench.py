@@ -112,9 +112,9 @@ def test_ratios_and_targets():
 
 
 def test_reshard_rows_is_a_quarter_of_each_saved_chunk():
-    assert bench._reshard_rows(4096, 1) == 1024
-    assert bench._reshard_rows(4096, 2) == 512
-    assert bench._reshard_rows(10, 1) == 3  # torch.chunk rounding, as DTensor Shard(0)
+    assert bench.reshard_rows(4096, 1) == 1024
+    assert bench.reshard_rows(4096, 2) == 512
+    assert bench.reshard_rows(10, 1) == 3  # torch.chunk rounding, as DTensor Shard(0)
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
@@ -223,7 +223,7 @@ def test_device_limit_without_fio_uses_the_plugins_engine(tmp_path, monkeypatch)
                                  queue_depth=2, block_size=1 << 20, direct_io=True)
     root = tmp_path / "root"
     root.mkdir()
-    run = bench.Bench(options, bench._Group(0, 1), str(root))
+    run = bench.Bench(options, bench.Group(0, 1), str(root))
     run.device_limit()
     write, read = run.rows
     assert (write.key, read.key) == ("device.write", "device.read")

@@ -1,0 +1,59 @@
+"""``dcp-nvme bench``'s arguments and command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+
+from ..config import parse_size
+from .plot import plot
+from .records import BenchOptions
+from .report import format_report
+from .runner import run_bench
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    # the package's docstring describes the whole command; it is --help's description
+    description = sys.modules[__package__].__doc__
+    parser = subparsers.add_parser(
+        "bench", help="measure dcp_nvme against the device limit, DCP FileSystemWriter, torch.save, "
+                      "safetensors", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=parse_size, default=parse_size("512MiB"),
+                        help="total state size, e.g. 512MiB or 2GiB (default 512MiB)")
+    parser.add_argument("--ranks", type=int, default=1, help="processes over gloo sharing the disk (default 1)")
+    parser.add_argument("--dir", default=".", help="directory on the drive to measure (default: .); "
+                        "a temporary sub-directory is created and removed")
+    parser.add_argument("--optim", action="store_true", help="add fp32 Adam moments and master weights")
+    parser.add_argument("--queue-depth", type=int, default=None, help="dcp_nvme requests in flight per rank")
+    parser.add_argument("--block-size", type=parse_size, default=None, help="dcp_nvme bytes per request")
+    parser.add_argument("--direct-io", choices=("on", "off"), default=None, help="dcp_nvme O_DIRECT")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per row; the median is reported")
+    parser.add_argument("--quick", action="store_true", help="FileSystemWriter at thread_count=1 only")
+    parser.add_argument("--json", default=None, help="write every figure and the configuration here")
+    parser.add_argument("--plot", default=None, help="write a bar chart (PNG) here; needs matplotlib")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError("--plot needs matplotlib: pip install 'dcp_nvme[bench]'")
+    options = BenchOptions(
+        size=args.size, ranks=args.ranks, directory=args.dir, optim=args.optim,
+        queue_depth=args.queue_depth, block_size=args.block_size,
+        direct_io=None if args.direct_io is None else args.direct_io == "on",
+        repeat=args.repeat, quick=args.quick, keep=args.keep, progress=not args.no_progress,
+    )
+    doc = run_bench(options)
+    print(format_report(doc))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(doc, handle, indent=1)
+        print(f"\nresults: {args.json}")
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
