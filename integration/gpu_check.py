@@ -71,14 +71,9 @@ def fs_type(path: Path) -> str:
 
 def drop_cache(directory: Path) -> None:
     """Evict a checkpoint's pages so a load reads the disk (clean pages after fsync)."""
-    for file in directory.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    from dcp_nvme.tune import evict_from_page_cache
+
+    evict_from_page_cache([str(f) for f in directory.rglob("*") if f.is_file()])
 
 
 def make_state(total_mb: int, count: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -41,7 +41,7 @@ from ..errors import ChecksumMismatchError
 from ..layout import SCRATCH, ReadRequest, Window, plan_windows
 from ..stats import IOStats
 from .base import FileWriteResult
-from .posix import PosixEngine, _with_path, check_length, open_file, write_header
+from .posix import PosixEngine, _with_path, check_length, finish_file, open_file, write_header
 
 log = logging.getLogger(__name__)
 
@@ -423,10 +423,7 @@ class KvikioEngine:
                 self._posix._run_bounded(plan_windows(sizes, self.config.block_size), write_window)
             finally:
                 handle.close()
-            os.ftruncate(fd, data_start + data_size)  # drop any O_DIRECT tail padding
-            sync_started = time.perf_counter()
-            os.fsync(fd)  # fsync is per file: it covers cuFile's descriptors too
-            stats.fsync_seconds = time.perf_counter() - sync_started
+            finish_file(fd, data_start + data_size, stats)  # fsync is per file: covers cuFile's fds
         except OSError as exc:
             raise _with_path(exc, path) from exc
         finally:

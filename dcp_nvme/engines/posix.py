@@ -111,6 +111,15 @@ def write_header(path: str, fd: int, direct: bool, view: memoryview) -> tuple[in
     return fd, direct
 
 
+def finish_file(fd: int, size: int, stats: IOStats) -> None:
+    """Cut the O_DIRECT tail padding back to the real size, then fsync (timed into ``stats``)."""
+    if os.fstat(fd).st_size != size:
+        os.ftruncate(fd, size)
+    started = time.perf_counter()
+    os.fsync(fd)
+    stats.fsync_seconds = time.perf_counter() - started
+
+
 def _memory_at(address: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
 
@@ -193,11 +202,7 @@ class PosixEngine:
                                    checksum_block, crcs, stats)
 
             self._run_bounded(plan_windows(sizes, self.config.block_size), write_window)
-            if direct and data_size % ALIGN:
-                os.ftruncate(fd, data_start + data_size)  # drop the O_DIRECT tail padding
-            sync_started = time.perf_counter()
-            os.fsync(fd)
-            stats.fsync_seconds = time.perf_counter() - sync_started
+            finish_file(fd, data_start + data_size, stats)
         except OSError as exc:
             raise _with_path(exc, path) from exc
         finally:
