@@ -185,9 +185,10 @@ def files_table(files: Sequence[FileRecord]) -> bytes:
 
 def _read_table(data: bytes, schema: pa.Schema, what: str) -> dict[str, list]:
     try:
-        # ParquetFile, not read_table: read_table's thread pool can abort the interpreter at exit
-        # (apache/arrow#34314; rc 134 in 2-8 of 40 runs here, none with ParquetFile)
-        table = pq.ParquetFile(pa.BufferReader(data)).read()
+        # no Arrow thread pool: its threads, once started, can abort the interpreter at exit
+        # ("terminate called without an active exception", apache/arrow#34314; 1 in 100 CLI runs
+        # under load here). A single-threaded read of a small index starts none.
+        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
     except (pa.ArrowException, OSError) as exc:
         raise ManifestError(f"{what} is not a readable Parquet file: {exc}") from None
     missing = [name for name in schema.names if name not in table.column_names]
