@@ -55,6 +55,7 @@ class FsspecStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, fs=None) -> None:
         self.url = os.fspath(url).rstrip("/")
+        self.location = self.url
         if fs is None:
             fs, root = filesystem(self.url, storage_options)
         else:
@@ -95,6 +96,11 @@ class FsspecStore:
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         return self.fs.cat_file(self.path(name), start=start, end=end)
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
+        data = self.read_range(name, offset, offset + len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
     def size(self, name: str) -> int:
         self._refresh(self.path(name))

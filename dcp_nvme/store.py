@@ -7,6 +7,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Protocol
+
+
+class Store(Protocol):
+    """What readers and tools need of a checkpoint directory, local or behind fsspec."""
+
+    location: str
+
+    def exists(self) -> bool: ...
+    def has(self, name: str) -> bool: ...
+    def names(self) -> list[str]: ...
+    def read(self, name: str) -> bytes: ...
+    def size(self, name: str) -> int: ...
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from ``offset``; returns the bytes read (fewer at end of file)."""
+        ...
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -22,6 +39,7 @@ class LocalStore:
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
+        self.location = os.fspath(root)  # as the user wrote it, for messages
 
     def path(self, name: str) -> str:
         return str(self.root / name)
@@ -40,6 +58,19 @@ class LocalStore:
 
     def size(self, name: str) -> int:
         return (self.root / name).stat().st_size
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
+        fd = os.open(self.root / name, os.O_RDONLY)
+        try:
+            total = 0
+            while total < len(buffer):
+                got = os.preadv(fd, [buffer[total:]], offset + total)
+                if got == 0:
+                    break
+                total += got
+            return total
+        finally:
+            os.close(fd)
 
     def make(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -26,9 +26,9 @@ from ..engines.posix import PosixEngine
 from ..layout import FileBlocks, plan_reads
 from ..manifest import FileRecord, read_files, read_manifest
 from ..memory import tensor_bytes
+from ..remote import is_remote_url
 from ..store import LocalStore
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
-from .source import is_url
 from .st_format import build_header
 from .verify import progress_bar
 
@@ -73,7 +73,7 @@ def export_hf(
     whole or not at all (written to a temporary sibling, then renamed).
     """
     started = time.perf_counter()
-    if is_url(checkpoint):
+    if is_remote_url(checkpoint):
         raise ValueError(f"export reads local checkpoints; copy {checkpoint} to local disk first")
     location = os.fspath(checkpoint)
     if isinstance(keys, str):

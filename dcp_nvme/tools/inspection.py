@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from .source import Source, open_source
+from ..remote import open_store
+from ..store import Store
 from .st_format import parse_header
 from .status import FOREIGN, MISSING, NOT_A_CHECKPOINT, Probe, probe
 
@@ -75,7 +76,7 @@ def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -
     Raises CheckpointNotFoundError when there is no dcp_nvme checkpoint at all (missing path,
     another tool's files). ``filter`` is a glob on names; matching nothing is a ValueError.
     """
-    source = open_source(location)
+    source = open_store(location)
     found = probe(source)
     if found.state in (MISSING, NOT_A_CHECKPOINT, FOREIGN):
         raise CheckpointNotFoundError(found.reason)
@@ -126,7 +127,7 @@ def _add(files: tuple[str, ...], name: str) -> tuple[str, ...]:
     return files if name in files else (*files, name)
 
 
-def _partial(source: Source, found: Probe) -> dict[str, Any]:
+def _partial(source: Store, found: Probe) -> dict[str, Any]:
     """What the data files of an unfinished or unreadable save say about themselves."""
     out: dict[str, Any] = {}
     for name in found.data_files:
@@ -153,7 +154,7 @@ def _span(entry: dict[str, Any]) -> int:
         return 0
 
 
-def read_safetensors_header(source: Source, name: str) -> dict[str, Any]:
+def read_safetensors_header(source: Store, name: str) -> dict[str, Any]:
     """A safetensors file's JSON header, reading only the header bytes."""
     size = source.size(name)
     first = bytearray(8)

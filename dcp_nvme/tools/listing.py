@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..manifest import DCP_METADATA, MANIFEST, save_key_of
-from .source import LocalSource
+from ..store import LocalStore
 from .status import parse_step, probe
 
 
@@ -68,7 +68,7 @@ def tiers_available() -> bool:
 def describe(path: str | os.PathLike) -> CheckpointEntry:
     """One checkpoint directory as a list row."""
     root = Path(path)
-    source = LocalSource(root)
+    source = LocalStore(root)
     found = probe(source)
     total = 0
     newest = 0.0

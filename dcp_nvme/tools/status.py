@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError
 from ..manifest import DCP_METADATA, MANIFEST, Manifest, read_manifest, save_key_of
-from .source import Source
+from ..store import Store
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
@@ -40,7 +40,7 @@ class Probe:
         return self.state == COMMITTED
 
 
-def probe(source: Source) -> Probe:
+def probe(source: Store) -> Probe:
     """Read the manifest and index if there are any; never raises for a bad checkpoint."""
     location = source.location
     if not source.exists():
@@ -62,7 +62,7 @@ def probe(source: Source) -> Probe:
     return Probe(location, COMMITTED, "", manifest, data_files)
 
 
-def quick_check(source: Source, manifest: Manifest) -> list[str]:
+def quick_check(source: Store, manifest: Manifest) -> list[str]:
     """Listed files that are missing or have the wrong size (a stat each, no data read)."""
     problems = []
     try:

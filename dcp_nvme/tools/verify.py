@@ -31,7 +31,8 @@ from ..manifest import (
     read_manifest,
     save_key_of,
 )
-from .source import Source, open_source
+from ..remote import open_store
+from ..store import Store
 from .st_format import ST_ITEMSIZE, parse_header
 
 DEFAULT_SPAN = 8 << 20
@@ -90,7 +91,7 @@ def verify_checkpoint(
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {jobs}")
-    source = open_source(location)
+    source = open_store(location)
     report = VerifyReport(source.location)
     started = time.perf_counter()
     manifest = _manifest(source, report)
@@ -106,11 +107,11 @@ def verify_checkpoint(
 # --------------------------------------------------------------------------- manifest and tables
 
 
-def _table_names(source: Source) -> list[str]:
+def _table_names(source: Store) -> list[str]:
     return [n for n in source.names() if n.endswith(".parquet")]
 
 
-def _manifest(source: Source, report: VerifyReport) -> Manifest | None:
+def _manifest(source: Store, report: VerifyReport) -> Manifest | None:
     try:
         return read_manifest(source, source.location)
     except CheckpointNotCommittedError as exc:
@@ -125,7 +126,7 @@ def _manifest(source: Source, report: VerifyReport) -> Manifest | None:
     return None
 
 
-def _files(source: Source, manifest: Manifest, report: VerifyReport) -> dict[str, FileRecord] | None:
+def _files(source: Store, manifest: Manifest, report: VerifyReport) -> dict[str, FileRecord] | None:
     name = manifest.doc["blocks"].get("name", "blocks table") if isinstance(manifest.doc["blocks"], dict) else "?"
     try:
         return read_files(source, manifest, source.location)
@@ -214,7 +215,7 @@ def items_in(rows: list[ChunkRecord], start: int, end: int) -> tuple[str, ...]:
     return tuple(r.key for r in rows if r.byte_offset < end and start < r.byte_offset + r.length)
 
 
-def _check_header(source: Source, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport) -> bool:
+def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport) -> bool:
     """Header crc, safetensors parse, and agreement with the index; False when unreadable."""
     prefix = bytearray(record.data_start)
     got = source.read_into(record.name, 0, memoryview(prefix))
@@ -293,7 +294,7 @@ def _tasks(records: list[FileRecord], span: int) -> Iterator[_Task]:
             yield _Task(record, first, min(per_task, len(record.crcs) - first))
 
 
-def _check_span(source: Source, task: _Task, buffer: bytearray) -> tuple[int, list[tuple[int, int, str]]]:
+def _check_span(source: Store, task: _Task, buffer: bytearray) -> tuple[int, list[tuple[int, int, str]]]:
     """Read one task's blocks; return the bytes read and the bad ``(start, end, why)`` ranges."""
     record, length = task.record, task.length
     view = memoryview(buffer)[:length]
@@ -320,7 +321,7 @@ def _merge(ranges: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     return merged
 
 
-def _check_containers(source: Source, manifest: Manifest, files: dict[str, FileRecord],
+def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRecord],
                       report: VerifyReport, jobs: int, progress: bool, span: int) -> None:
     rows = _rows_by_file(manifest)
     readable = []
