@@ -15,7 +15,6 @@ Multi-rank runs shard every tensor by rows (dim 0), the way DTensor ``Shard(0)``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -158,8 +157,3 @@ def build_state(spec: ModelSpec, rank: int = 0, world_size: int = 1, seed: int =
             value.square_()  # second moments are non-negative
         state[tensor.fqn] = value
     return state
-
-
-def iter_local_shapes(spec: ModelSpec, rank: int, world_size: int) -> Iterator[tuple[TensorSpec, tuple[int, ...]]]:
-    for tensor in spec.tensors:
-        yield tensor, local_shape(tensor, rank, world_size)

@@ -182,7 +182,6 @@ class NVMeWriter(StorageWriter):
         if checkpoint_id is not None:
             self.path = local_path(checkpoint_id)
         self.save_key = None
-        self._plan_started = time.perf_counter()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator

@@ -134,9 +134,6 @@ class _BouncePool:
         for index in range(count):
             self.free.put(index)
 
-    @property
-    def nbytes(self) -> int:
-        return self.size * len(self.buffers)
 
 
 class PosixEngine:
@@ -157,10 +154,6 @@ class PosixEngine:
                 # room for an unaligned request rounded out to ALIGN on both sides
                 self._pool = _BouncePool(self.config.queue_depth, self.config.block_size + 2 * ALIGN)
             return self._pool
-
-    @property
-    def bounce_bytes(self) -> int:
-        return self._pool.nbytes if self._pool else 0
 
     def close(self) -> None:
         self._pool = None
