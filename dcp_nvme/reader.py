@@ -27,10 +27,10 @@ from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
 from .memory import tensor_bytes
-from .remote import FsspecEngine, is_remote_url, open_store
+from .remote import FsspecEngine, open_store
 from .stats import IOStats, PhaseTimer
-from .store import LocalStore
-from .writer import is_local_path, local_path, shared_engine
+from .store import LocalStore, is_local_path, is_remote_url, local_path
+from .writer import shared_engine
 
 log = logging.getLogger(__name__)
 

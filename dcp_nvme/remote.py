@@ -24,15 +24,7 @@ from .config import IOConfig
 from .engines.posix import check_length, verify_checks
 from .layout import SCRATCH, ReadRequest
 from .stats import IOStats
-from .store import LocalStore, fsync_dir
-
-
-def is_remote_url(checkpoint_id: Any) -> bool:
-    """A URL with a scheme other than ``file://`` (those are plain local paths here)."""
-    if not isinstance(checkpoint_id, (str, os.PathLike)):
-        return False
-    text = os.fspath(checkpoint_id)
-    return "://" in text and not text.startswith("file://")
+from .store import LocalStore, fsync_dir, is_remote_url, local_path
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None):
@@ -134,7 +126,7 @@ def open_store(location: str | os.PathLike, storage_options: dict[str, Any] | No
     text = os.fspath(location)
     if is_remote_url(text):
         return FsspecStore(text, storage_options)
-    return LocalStore(text[len("file://"):] if text.startswith("file://") else text)
+    return LocalStore(local_path(text))
 
 
 class FsspecEngine:

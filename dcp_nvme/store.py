@@ -7,7 +7,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+
+def is_remote_url(location: Any) -> bool:
+    """A URL with a scheme other than ``file://`` (those are plain local paths here)."""
+    if not isinstance(location, (str, os.PathLike)):
+        return False
+    text = os.fspath(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def is_local_path(location: Any) -> bool:
+    return isinstance(location, (str, os.PathLike)) and not is_remote_url(location)
+
+
+def local_path(location: str | os.PathLike) -> str:
+    """A local path, with a ``file://`` prefix removed."""
+    return os.fspath(location).removeprefix("file://")
 
 
 class Store(Protocol):

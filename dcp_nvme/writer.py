@@ -46,7 +46,7 @@ from .manifest import (
 )
 from .memory import tensor_bytes
 from .stats import PhaseTimer
-from .store import LocalStore
+from .store import LocalStore, is_local_path, local_path
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +73,6 @@ def shared_engine(
     if key not in _ENGINE_CACHE:
         _ENGINE_CACHE[key] = engine
     return _ENGINE_CACHE[key], reason
-
-
-def is_local_path(checkpoint_id: Any) -> bool:
-    if not isinstance(checkpoint_id, (str, os.PathLike)):
-        return False
-    text = os.fspath(checkpoint_id)
-    return "://" not in text or text.startswith("file://")
-
-
-def local_path(checkpoint_id: str | os.PathLike) -> str:
-    text = os.fspath(checkpoint_id)
-    return text[len("file://"):] if text.startswith("file://") else text
 
 
 @dataclass(frozen=True)

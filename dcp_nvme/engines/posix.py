@@ -135,7 +135,6 @@ class _BouncePool:
             self.free.put(index)
 
 
-
 class PosixEngine:
     """Threads + pwrite/preadv, with O_DIRECT where the filesystem takes it."""
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from ..remote import FsspecStore, filesystem, is_local_fs, is_remote_url
-from ..store import LocalStore, fsync_dir
+from ..remote import FsspecStore, filesystem, is_local_fs
+from ..store import LocalStore, fsync_dir, is_remote_url, local_path
 from .plan import Piece
 
 
@@ -81,7 +81,7 @@ class _LocalReadStore(LocalStore):
 
 class LocalSink(Sink):
     def __init__(self, target: str) -> None:
-        root = target[len("file://"):] if target.startswith("file://") else target
+        root = local_path(target)
         super().__init__(target, _LocalReadStore(root))
         self.root = root
 

@@ -26,8 +26,7 @@ from ..engines.posix import PosixEngine
 from ..layout import FileBlocks, plan_reads
 from ..manifest import FileRecord, read_files, read_manifest
 from ..memory import tensor_bytes
-from ..remote import is_remote_url
-from ..store import LocalStore
+from ..store import LocalStore, is_remote_url
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
 from .st_format import build_header
 from .verify import progress_bar
