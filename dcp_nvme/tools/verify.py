@@ -14,12 +14,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import crc32c
 
+from ..concurrency import run_bounded
 from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError
 from ..manifest import (
     MANIFEST,
@@ -355,9 +355,7 @@ def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRe
             bar(task.length)
 
     try:
-        with ThreadPoolExecutor(jobs, thread_name_prefix="dcp-nvme-verify") as pool:
-            for future in [pool.submit(run, t) for t in _tasks(readable, span)]:
-                future.result()
+        run_bounded(jobs, _tasks(readable, span), run, "dcp-nvme-verify")
     finally:
         bar(None)
     for name in sorted(bad):
