@@ -29,6 +29,8 @@ from .engines import Engine, select_engine
 from .errors import CheckpointExistsError
 from .layout import ItemSpec, plan_container
 from .manifest import (
+    FORMAT,
+    FORMAT_VERSION,
     MANIFEST,
     ChunkRecord,
     FileRecord,
@@ -209,7 +211,7 @@ class NVMeWriter(StorageWriter):
         name = data_file_name(target.rank, target.save_key)
         with timer.span("plan"):
             layout = plan_container(specs, {
-                "format": "dcp_nvme", "format_version": "1",
+                "format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "rank": str(target.rank), "save_key": target.save_key,
             })
         has_device = any(s.device.type != "cpu" for s in sources)
