@@ -17,10 +17,12 @@ from .errors import (
     ManifestError,
 )
 from .reader import NVMeReader
+from .rundir import CheckpointDir, checkpoints, latest
 from .staging import NVMeStager
 from .writer import NVMeWriter
 
 __all__ = [
+    "CheckpointDir",
     "CheckpointExistsError",
     "CheckpointNotCommittedError",
     "CheckpointNotFoundError",
@@ -32,5 +34,7 @@ __all__ = [
     "NVMeReader",
     "NVMeStager",
     "NVMeWriter",
+    "checkpoints",
+    "latest",
 ]
 __version__ = "0.1.0"
