@@ -9,7 +9,6 @@ whole checksum blocks and is verified before the data is handed to DCP.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import time
@@ -27,6 +26,7 @@ from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
 from .memory import tensor_bytes
+from .objects import bytes_for_planner, check_destination_kind
 from .remote import FsspecEngine, open_store
 from .stats import IOStats, PhaseTimer
 from .store import LocalStore, is_local_path, is_remote_url, local_path
@@ -71,6 +71,10 @@ class NVMeReader(StorageReader):
         queue_depth, block_size, direct_io, engine: as for NVMeWriter (and the same env vars).
         verify: check every byte read against the manifest's crc32c (env ``DCP_NVME_VERIFY``).
         memory_budget: bytes of temporary buffers held at once for resharded slices.
+        allow_pickle: load non-tensor items with full pickle, which runs any code the
+            checkpoint's author put in them. Off by default: they are decoded by torch's
+            weights-only unpickler (plain Python values, containers, tensors), and an item that
+            needs more is refused with an error naming it. Turn on only for checkpoints you trust.
         storage_options: for a URL path (``s3://...``, any fsspec URL): the filesystem's options;
             reads are then ranged GETs, ``queue_depth`` in flight, checksum verified.
     """
@@ -86,6 +90,7 @@ class NVMeReader(StorageReader):
         verify: bool | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__()
         self.path = local_path(path)
@@ -94,6 +99,7 @@ class NVMeReader(StorageReader):
             engine=engine, verify=verify,
         )
         self.memory_budget = memory_budget
+        self.allow_pickle = allow_pickle
         self.storage_options = storage_options
         self._store = None
         self._manifest: Manifest | None = None
@@ -137,6 +143,9 @@ class NVMeReader(StorageReader):
         started = time.perf_counter()
         stats, timer = IOStats("read"), PhaseTimer()
         needed = 0
+        for item in plan.items:  # refuse before any byte lands in the caller's state_dict
+            if item.type == LoadItemType.BYTE_IO:
+                check_destination_kind(planner, item.dest_index.fqn, str(self.path))
         items = sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
         batch = _Batch()
         for item in items:
@@ -175,7 +184,8 @@ class NVMeReader(StorageReader):
             dest = torch.empty(chunk.length, dtype=torch.uint8)
             batch.need(chunk, 0, chunk.length, batch.add_dest(dest))
             batch.temp_bytes += chunk.length
-            batch.after.append(lambda: planner.load_bytes(item, io.BytesIO(dest.numpy().tobytes())))
+            batch.after.append(lambda: planner.load_bytes(item, bytes_for_planner(
+                dest.numpy().tobytes(), item.dest_index.fqn, str(self.path), allow_pickle=self.allow_pickle)))
             return
         stored = parse_dtype(chunk.dtype)
         itemsize = torch.empty((), dtype=stored).element_size()
