@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .config import IOConfig, resolve_config
+from .config import IOConfig, check_option, resolve_config
 from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
@@ -98,8 +99,8 @@ class NVMeReader(StorageReader):
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
             engine=engine, verify=verify,
         )
-        self.memory_budget = memory_budget
-        self.allow_pickle = allow_pickle
+        self.memory_budget = check_option("memory_budget", memory_budget)
+        self.allow_pickle = check_option("allow_pickle", allow_pickle)
         self.storage_options = storage_options
         self._store = None
         self._manifest: Manifest | None = None
@@ -234,12 +235,15 @@ class NVMeReader(StorageReader):
         if not batch.after:
             return 0
         with timer.span("plan"):
-            requests = self._plan_requests(batch)
+            requests, request_size = self._plan_requests(batch)
+        # the checkpoint's checksum block, not this reader's block_size, sets the smallest request
+        config = self.config if request_size <= self.config.block_size else \
+            replace(self.config, block_size=request_size)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
         if is_remote_url(self.path):
-            engine = FsspecEngine(self.store.fs, self.config)
+            engine = FsspecEngine(self.store.fs, config)
         else:
-            engine, _ = shared_engine(self.config, has_device, self.path)
+            engine, _ = shared_engine(config, has_device, self.path)
         try:
             with timer.span("io"):
                 stats.merge(engine.read(requests, batch.dests))
@@ -250,19 +254,23 @@ class NVMeReader(StorageReader):
                 action()
         return sum(n.length for needs in batch.needs.values() for n in needs)
 
-    def _plan_requests(self, batch: _Batch) -> list:
+    def _plan_requests(self, batch: _Batch) -> tuple[list, int]:
+        """The batch's requests, and the largest request size they were cut to."""
         files = read_files(self.store, self.manifest(), self.path) if self.config.verify else {}
-        requests = []
+        requests, largest = [], self.config.block_size
         for name, needs in batch.needs.items():
-            blocks = None
+            blocks, max_request = None, self.config.block_size
             if self.config.verify:
                 record = files.get(name)
                 if record is None:
                     raise FileNotFoundError(f"{self.path}: {name} is not listed in the checkpoint's blocks table")
                 blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
-            requests += plan_reads(self.store.path(name), needs,
-                                   max_request=self.config.block_size, blocks=blocks)
-        return requests
+                # whole checksum blocks per request, as close to block_size as they allow
+                granule = record.checksum_block
+                max_request = max(granule, max_request // granule * granule)
+                largest = max(largest, max_request)
+            requests += plan_reads(self.store.path(name), needs, max_request=max_request, blocks=blocks)
+        return requests, largest
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:
