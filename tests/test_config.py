@@ -154,7 +154,6 @@ def test_mirror_protocol_is_checked_at_construction(tmp_path):
 def test_overwrite_no_keeps_the_committed_checkpoint(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     from dcp_nvme import NVMeReader, NVMeWriter
