@@ -62,6 +62,10 @@ def _command_in(argv: list[str]) -> str | None:
 
 def one_line(exc: BaseException) -> str:
     """An error as one line: its first non-empty line, with the type where the text alone is unclear."""
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: {rank: (error, trace)}
+    if isinstance(failures, dict) and failures:
+        rank, (cause, _) = min(failures.items())
+        return f"rank {rank}: {one_line(cause)}"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = lines[0] if lines else ""
     if isinstance(exc, (OSError, ValueError, DCPNVMeError)) and text:
@@ -101,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dcp-nvme: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - every error a user meets ends in one line
+    except BaseException as exc:  # noqa: BLE001 - every error ends in one line (DCP's are BaseException)
+        if isinstance(exc, SystemExit):
+            raise
         if debug:
             raise
         where = f"dcp-nvme {command}" if command in COMMANDS else "dcp-nvme"

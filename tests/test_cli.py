@@ -159,3 +159,22 @@ def test_a_closed_pipe_ends_quietly(run_dir: Path):
     shell = subprocess.run(f"'{sys.executable}' -m dcp_nvme list --json '{run_dir}' | head -c 10",
                            shell=True, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)
     assert shell.stdout.startswith("[") and shell.stderr == ""
+
+
+def test_one_line_of_dcp_and_library_errors():
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from dcp_nvme.cli import one_line
+
+    try:
+        raise ValueError("Invalid checkpoint metadata for step")
+    except ValueError as exc:
+        cause = _wrap_exception(exc)
+    wrapped = CheckpointException("read", {1: cause, 0: _wrap_exception(KeyError("x"))})
+    assert one_line(wrapped) == "rank 0: KeyError: 'x'"
+    assert one_line(CheckpointException("read", {1: cause})) == \
+        "rank 1: Invalid checkpoint metadata for step"
+    assert one_line(KeyError("phases")) == "KeyError: 'phases'"
+    assert one_line(FileNotFoundError(2, "No such file or directory", "/x")) == \
+        "[Errno 2] No such file or directory: '/x'"
+    assert one_line(RuntimeError("first\nsecond")) == "RuntimeError: first"
