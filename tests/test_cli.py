@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,23 @@ def test_help_and_version_do_not_import_torch():
             assert all(name in proc.stdout for name in COMMANDS)
         else:
             assert proc.returncode == 2 and "COMMAND" in proc.stdout  # no command: the help, status 2
+
+
+def test_tool_commands_help_does_not_import_torch():
+    script = textwrap.dedent("""
+        import sys
+        from dcp_nvme.cli import main
+        try:
+            main([sys.argv[1], "--help"])
+        except SystemExit as done:
+            assert done.code == 0
+        print("dcp_nvme.tools.commands" in sys.modules, "torch" in sys.modules, file=sys.stderr)
+    """)
+    for command in ("list", "inspect", "verify", "export"):
+        proc = subprocess.run([sys.executable, "-c", script, command], capture_output=True, text=True,
+                              env=ENV, cwd=REPO, timeout=60)
+        assert proc.stderr.split() == ["True", "False"], (command, proc.stderr)
+        assert proc.stdout.startswith(f"usage: dcp-nvme {command}")
 
 
 def test_python_dash_m_dcp_nvme_runs_a_command(tmp_path: Path):
