@@ -42,7 +42,9 @@ class DrainState:
     pid: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.state}: {self.cause}" if self.state == FAILED and self.cause else self.state
+        if not self.cause:
+            return self.state
+        return f"{self.state}: {self.cause}" if self.state == FAILED else f"{self.state} ({self.cause})"
 
     @property
     def interrupted(self) -> bool:
