@@ -156,6 +156,10 @@ def test_local_drain_killed_then_resumed_with_another_part_size(tmp_path, point,
         assert entry["part_size"] == MiB and all({"offset", "length", "tag"} <= set(p) for p in entry["pieces"].values())
         assert len(entry["pieces"]) == (nth if point == "piece-journaled" else nth - 1)
 
+    # temporaries of older, killed drains: removed by the next commit
+    Path(mirror).mkdir(parents=True, exist_ok=True)
+    Path(mirror, ".rank_00000.deadbeef.safetensors.drain-partial").write_bytes(b"x")
+    Path(mirror, f".{MANIFEST}.drain-tmp-999999").write_bytes(b"x")
     # the CLI default part size (64 MiB) differs from the 1 MiB the killed run planned with
     assert cli_main(["drain", local, "--json"]) == 0
     total = data_size(local)
@@ -250,6 +254,27 @@ def test_s3_upload_aborted_behind_the_journal_is_resent(tmp_path, s3_server, s3_
     mirrored_and_equal(local, url, sd, opts(s3_server))
 
 
+def test_second_drain_of_the_same_checkpoint_fails_fast(tmp_path, hook):
+    sd = make_state(35)
+    local = save(tmp_path / "step_35", sd)
+    mirror = str(tmp_path / "pfs" / "step_35")
+    refused = []
+
+    def second_drain(at: str, info: dict) -> None:
+        if at == "piece-journaled" and not refused:
+            with pytest.raises(DrainError, match="another drain of .* is running \\(holder: pid") as info:
+                drain(local, str(tmp_path / "elsewhere"), options=DrainOptions(**FAST))
+            refused.append(info.value)
+
+    hook(second_drain)
+    drain(local, mirror, options=DrainOptions(**{**FAST, "part_size": MiB, "max_transfers": 1}))
+    hook(None)
+    assert refused and f"pid {os.getpid()}" in str(refused[0]) and mirror in str(refused[0])
+    assert drain_state(local).target == mirror  # the refused drain did not touch the journal
+    mirrored_and_equal(local, mirror, sd)
+    drain(local, mirror, options=DrainOptions(**FAST))  # the lock went with the first drain
+
+
 # --------------------------------------------------------------------------- target == source
 
 
@@ -263,7 +288,7 @@ def test_drain_onto_itself_or_overlapping_is_refused(tmp_path):
         with pytest.raises(DrainError, match="refused: .*(itself|inside)"):
             drain(local, target, options=DrainOptions(**FAST))
     assert cli_main(["drain", local, "--to", local, "--keep-last", "1"]) == 1
-    assert sorted(os.listdir(local)) == before  # not even a journal written
+    assert sorted(os.listdir(local)) == before  # not even a journal or lock written
     assert drain_state(local).state == LOCAL
     assert_same(load(NVMeReader(local), sd), sd)
 

@@ -31,7 +31,7 @@ from typing import Any
 import crc32c
 
 from ..concurrency import run_bounded
-from ..errors import ManifestError
+from ..errors import CheckpointNotFoundError, ManifestError
 from ..manifest import MANIFEST, FileRecord, Manifest, read_files, read_manifest, save_key_of
 from ..store import LocalStore
 from .plan import (
@@ -54,7 +54,7 @@ from .plan import (
     verify_piece,
 )
 from .sinks import S3Sink, Sink, open_sink
-from .state import DRAINING, FAILED, MIRRORED, Journal, drain_state
+from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,15 @@ def drain(
     options = options or DrainOptions()
     location = os.fspath(local)
     _refuse_overlap(location, target, open_sink(target, storage_options, filesystem))
+    try:
+        with drain_lock(location, target):
+            return _drain_locked(location, target, storage_options, filesystem, options, progress)
+    except (DrainBusy, CheckpointNotFoundError) as exc:
+        raise DrainError(location, target, str(exc)) from exc
+
+
+def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
+                  options: DrainOptions, progress: Progress | None) -> DrainResult:
     started = time.perf_counter()
     result: DrainResult | None = None
     journal: Journal | None = None
@@ -394,9 +403,14 @@ def _put_confirmed(sink: Sink, name: str, data: bytes, commit: bool = False) -> 
 
 
 def _remove_stale(sink: Sink, save_key: str) -> None:
-    """After the commit: files of other saves (an overwritten checkpoint) leave the target."""
+    """After the commit: files of other saves (an overwritten checkpoint) leave the target, and
+    so do temporary files of drains that were killed (partial files, half-written temps)."""
     try:
         for name in sink.names():
+            if name.startswith(".") and (".drain-partial" in name or ".drain-tmp-" in name):
+                if save_key_of(name[1:].split(".drain-", 1)[0]) != save_key:
+                    sink.remove(name)
+                continue
             stale = save_key_of(name)
             if stale and stale != save_key:
                 sink.remove(name)
@@ -479,6 +493,15 @@ def verify_mirror(local: str | os.PathLike, target: str, *, storage_options: dic
     local blocks table. A mismatch marks the drain ``failed: checksum mismatch`` and raises."""
     options = options or DrainOptions(verify="readback")
     location = os.fspath(local)
+    try:
+        with drain_lock(location, target):
+            return _verify_locked(location, target, storage_options, filesystem, options)
+    except DrainBusy as exc:
+        raise DrainError(location, target, str(exc)) from exc
+
+
+def _verify_locked(location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
+                   options: DrainOptions) -> DrainResult:
     source = _Source(location)
     journal = Journal.open(location, target, source.save_key)
     result = DrainResult(location, target, source.save_key, int(source.manifest.doc.get("total_bytes", 0)))

@@ -10,10 +10,15 @@ another save or target) is in state ``local``.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,7 +27,11 @@ from ..manifest import MANIFEST
 from ..store import LocalStore
 from .plan import Piece, piece_entry
 
+log = logging.getLogger(__name__)
+
 JOURNAL = ".drain.json"
+LOCK = ".drain.lock"
+"""flock'd for the whole of a drain: one drain per checkpoint at a time (it holds the journal)."""
 JOURNAL_VERSION = 2
 """Version 2 records byte ranges; an older journal (piece numbers only) is started afresh."""
 LOCAL, DRAINING, MIRRORED, FAILED, UNCOMMITTED = "local", "draining", "mirrored", "failed", "uncommitted"
@@ -115,6 +124,41 @@ def drain_state(path: str | os.PathLike) -> DrainState:
         )
     except (TypeError, ValueError):
         return DrainState(LOCAL, cause=f"{JOURNAL} is malformed")
+
+
+class DrainBusy(RuntimeError):
+    """Another drain of the same checkpoint holds its lock."""
+
+
+@contextmanager
+def drain_lock(path: str | os.PathLike, target: str) -> Iterator[None]:
+    """Hold ``<checkpoint>/.drain.lock`` (flock, exclusive, non-blocking) for one drain.
+
+    A second drain of the checkpoint, from any process, fails at once with DrainBusy naming
+    the holder's pid and target. The kernel drops the lock when its holder dies, so a killed
+    drain never leaves the checkpoint locked. Where the filesystem has no flock (a Lustre
+    mount without ``-o flock``) the drain runs unlocked, with a warning.
+    """
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
+    lock_path = os.path.join(path, LOCK)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            raise DrainBusy(f"another drain of {path} is running (holder: {holder}); wait for it to "
+                            "finish or stop that process, then drain again") from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            log.warning("dcp_nvme: %s: no file locks here (%s); draining without the drain lock", lock_path, exc)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}, draining to {target}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 class Journal:
