@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     parser.add_argument("--storage-options", default=None,
                         help="JSON object of fsspec storage options, e.g. '{\"endpoint_url\": ...}'")
     parser.add_argument("--max-transfers", type=int, default=DrainOptions.max_transfers)
-    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB)")
+    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB); a file an interrupted drain began keeps the part "
+                             "size it was planned with")
     parser.add_argument("--bandwidth", default=None, help="cap, bytes per second, e.g. 200MiB")
     parser.add_argument("--verify", choices=("sent", "readback"), default="sent")
     parser.add_argument("--verify-only", action="store_true",

@@ -38,6 +38,7 @@ from .plan import (
     S3_MIN_PART,
     STEP,
     DrainError,
+    DrainFault,
     IncompleteOnTarget,
     MiB,
     Piece,
@@ -156,7 +157,7 @@ class _Source:
         self.manifest_bytes = self.store.read(MANIFEST) if self.store.has(MANIFEST) else b""
         self.manifest: Manifest = read_manifest(self.store, location)
         if self.manifest_bytes != self.store.read(MANIFEST):  # a commit landed between the reads
-            raise SourceChanged(f"{location} was committed again while the drain started; retry")
+            raise DrainFault(f"{location} was committed again while the drain started")  # retried
         self.files: dict[str, FileRecord] = read_files(self.store, self.manifest, location)
         self.tables = [(entry["name"], self._table(entry)) for entry in
                        (self.manifest.doc["index"], self.manifest.doc["blocks"])]
@@ -274,8 +275,8 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             if result is not None:
                 result.errors.append(cause)
             final = is_permanent(exc) or attempt > options.retries
-            if final and is_permanent(exc) and sink is not None and journal is not None:
-                _discard(sink, journal)
+            if final and is_permanent(exc) and journal is not None:
+                _discard(sink, journal, lambda: open_sink(target, storage_options, filesystem))
             if journal is not None:
                 journal.update(state=FAILED if final else DRAINING, cause=cause)
             if final:
@@ -419,11 +420,12 @@ def _remove_stale(sink: Sink, save_key: str) -> None:
                     sink.target, classify(exc))
 
 
-def _discard(sink: Sink, journal: Journal) -> None:
+def _discard(sink: Sink | None, journal: Journal, open_target: Callable[[], Sink]) -> None:
     """After a permanent failure: drop this save's unfinished transfers and, unless the target's
     committed manifest is this save's, its data files there too. Best effort."""
     save_key = journal.doc["save_key"]
     try:
+        sink = sink if sink is not None else open_target()
         with journal.lock:
             for name, entry in journal.doc["files"].items():
                 sink.discard(name, entry)
