@@ -275,6 +275,33 @@ def test_second_drain_of_the_same_checkpoint_fails_fast(tmp_path, hook):
     drain(local, mirror, options=DrainOptions(**FAST))  # the lock went with the first drain
 
 
+def test_old_or_garbage_journal_confirms_nothing(tmp_path):
+    sd = make_state(36, floats=300_000)
+    local = save(tmp_path / "step_36", sd)
+    mirror = str(tmp_path / "pfs" / "step_36")
+    first = drain(local, mirror, options=DrainOptions(**FAST))
+    # a journal of an older dcp_nvme (piece numbers, no ranges) saying mirrored is not believed...
+    old = {"target": mirror, "save_key": key_of(local), "state": "mirrored",
+           "files": {data_name(local): {"done": True, "pieces": {"0": ""}}}}
+    Path(local, ".drain.json").write_text(json.dumps(old))
+    state = drain_state(local)
+    assert state.state == LOCAL and "older dcp_nvme" in state.cause
+    # ...a drain confirms the mirror by reading it back, resending nothing
+    again = drain(local, mirror, options=DrainOptions(**FAST))
+    assert again.bytes_sent == 0 and again.bytes_skipped == first.bytes_sent
+    mirrored_and_equal(local, mirror, sd)
+    # a hostile journal: wrong types everywhere, on a fresh target; it claims nothing, breaks nothing
+    other = str(tmp_path / "pfs2" / "step_36")
+    garbage = {"version": 2, "target": other, "save_key": key_of(local), "state": 7, "bytes_sent": "lots",
+               "files": {data_name(local): {"pieces": {"0": 5, "1": {"offset": "x"}}, "upload_id": [1],
+                                            "part_size": "big"}, "x": None}}
+    Path(local, ".drain.json").write_text(json.dumps(garbage))
+    assert cli_main(["status", local]) == 0
+    result = drain(local, other, options=DrainOptions(**FAST))
+    assert result.bytes_sent == data_size(local)
+    mirrored_and_equal(local, other, sd)
+
+
 # --------------------------------------------------------------------------- target == source
 
 

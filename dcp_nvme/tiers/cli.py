@@ -50,7 +50,7 @@ def register(subparsers) -> None:
 
 def _drain(args: argparse.Namespace) -> int:
     target = args.target or (load_journal(args.path) or {}).get("target")
-    if not target:
+    if not isinstance(target, str) or not target:
         raise ValueError(f"{args.path}: no --to given and no drain journal names a target")
     storage_options = json.loads(args.storage_options) if args.storage_options else None
     options = DrainOptions(
@@ -92,5 +92,6 @@ def _status(args: argparse.Namespace) -> int:
         extra = f" -> {row['target']}" if row["target"] else ""
         progress = f" ({row['bytes_sent']}/{row['bytes_total']} bytes)" if row["state"] == "draining" else ""
         note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
-        print(f"{row['path']}: {row['text']}{extra}{progress}{note}")
+        why = f" ({row['cause']})" if row["cause"] and row["state"] != "failed" else ""
+        print(f"{row['path']}: {row['text']}{why}{extra}{progress}{note}")
     return 0

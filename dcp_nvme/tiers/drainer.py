@@ -428,8 +428,9 @@ def _discard(sink: Sink | None, journal: Journal, open_target: Callable[[], Sink
         sink = sink if sink is not None else open_target()
         with journal.lock:
             for name, entry in journal.doc["files"].items():
-                sink.discard(name, entry)
-                entry.update(done=False, pieces={})
+                if isinstance(entry, dict):
+                    sink.discard(name, entry)
+                    entry.update(done=False, pieces={})
         committed = None
         if sink.has(MANIFEST):
             committed = json.loads(sink.read_small(MANIFEST)).get("save_key")

@@ -230,7 +230,7 @@ class S3Sink(Sink):
         bucket, key = self._key(name)
         upload = entry.get("upload_id")
         self._listed[name] = {}
-        if upload:
+        if isinstance(upload, str) and upload:
             try:
                 listed = self._list_parts(bucket, key, upload)
             except FileNotFoundError:  # NoSuchUpload: aborted, expired, completed, or the server lost it

@@ -51,9 +51,7 @@ class DrainState:
     pid: int | None = None
 
     def __str__(self) -> str:
-        if not self.cause:
-            return self.state
-        return f"{self.state}: {self.cause}" if self.state == FAILED else f"{self.state} ({self.cause})"
+        return f"{self.state}: {self.cause}" if self.state == FAILED and self.cause else self.state
 
     @property
     def interrupted(self) -> bool:
@@ -177,6 +175,9 @@ class Journal:
                 or doc.get("target") != target or not isinstance(doc.get("files"), dict)):
             doc = {"version": JOURNAL_VERSION, "target": target, "save_key": save_key, "state": LOCAL,
                    "cause": "", "files": {}, "bytes_sent": 0, "bytes_total": 0, "attempts": 0}
+        for counter in ("bytes_sent", "bytes_total", "attempts"):  # counters only: never trusted
+            if not isinstance(doc.get(counter), int):
+                doc[counter] = 0
         return cls(path, doc)
 
     def file(self, name: str) -> dict[str, Any]:
