@@ -244,9 +244,7 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
         try:
             fresh = _Source(location)
             if source is not None and fresh.save_key != source.save_key:
-                raise SourceChanged(f"{location} was overwritten during the drain (save {source.save_key} "
-                                    f"was replaced by save {fresh.save_key}); nothing of it was committed on "
-                                    "the target; drain again to mirror the new save")
+                raise _overwritten(location, f"save {source.save_key} was replaced by save {fresh.save_key}")
             source = fresh
             if journal is None:
                 journal = Journal.open(location, target, source.save_key)
@@ -267,8 +265,7 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
                 sink.abandon()
             why = source.changed() if source is not None and not isinstance(exc, SourceChanged) else None
             if why is not None:  # e.g. a data file the overwrite's cleanup removed under us
-                changed = SourceChanged(f"{location} was overwritten during the drain ({why}); nothing of "
-                                        "it was committed on the target; drain again to mirror the new save")
+                changed = _overwritten(location, why)
                 changed.__cause__ = exc
                 exc = changed
             cause = classify(exc)
@@ -287,6 +284,11 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
                         location, target, attempt, cause, delay)
             time.sleep(delay)
+
+
+def _overwritten(location: str, why: str) -> SourceChanged:
+    return SourceChanged(f"{location} was overwritten during the drain ({why}); nothing of it was "
+                         "committed on the target; drain again to mirror the new save")
 
 
 def _refuse_overlap(location: str, target: str, sink: Sink) -> None:
@@ -358,8 +360,7 @@ def _attempt(source: _Source, sink: Sink, journal: Journal, options: DrainOption
     _at("before-commit", location=source.location)
     why = source.changed()
     if why is not None:
-        raise SourceChanged(f"{source.location} was overwritten during the drain ({why}); nothing of it was "
-                            "committed on the target; drain again to mirror the new save")
+        raise _overwritten(source.location, why)
     _put_confirmed(sink, MANIFEST, source.manifest_bytes, commit=True)
     _remove_stale(sink, source.save_key)
 
