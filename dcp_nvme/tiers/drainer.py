@@ -22,23 +22,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
-
 from ..concurrency import run_bounded
 from ..errors import CheckpointNotFoundError, ManifestError
-from ..manifest import MANIFEST, FileRecord, Manifest, read_files, read_manifest, save_key_of
-from ..store import LocalStore
+from ..manifest import MANIFEST, FileRecord, save_key_of
 from .plan import (
     S3_MIN_PART,
-    STEP,
     DrainError,
-    DrainFault,
     IncompleteOnTarget,
     MiB,
     Piece,
@@ -52,9 +46,11 @@ from .plan import (
     overlap,
     piece_entry,
     plan_pieces,
+    step,
     verify_piece,
 )
 from .sinks import S3Sink, Sink, open_sink
+from .source import DrainSource, overwritten
 from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
 
 log = logging.getLogger(__name__)
@@ -77,20 +73,6 @@ def set_drain_hook(hook: Hook | None) -> Hook | None:
 def _at(point: str, **info: Any) -> None:
     if _hook is not None:
         _hook(point, info)
-
-
-@contextmanager
-def _step(what: str) -> Iterator[None]:
-    """Name the operation and file on any exception raised inside (the innermost name wins)."""
-    try:
-        yield
-    except Exception as exc:
-        if getattr(exc, STEP, None) is None:
-            try:
-                setattr(exc, STEP, what)
-            except (AttributeError, TypeError):
-                pass
-        raise
 
 
 @dataclass(frozen=True)
@@ -148,60 +130,6 @@ class DrainResult:
 Progress = Callable[[str, Piece], None]
 
 
-class _Source:
-    """The save being drained, read once: its manifest and tables are what the target gets."""
-
-    def __init__(self, location: str) -> None:
-        self.location = location
-        self.store = LocalStore(location)
-        self.manifest_bytes = self.store.read(MANIFEST) if self.store.has(MANIFEST) else b""
-        self.manifest: Manifest = read_manifest(self.store, location)
-        if self.manifest_bytes != self.store.read(MANIFEST):  # a commit landed between the reads
-            raise DrainFault(f"{location} was committed again while the drain started")  # retried
-        self.files: dict[str, FileRecord] = read_files(self.store, self.manifest, location)
-        self.tables = [(entry["name"], self._table(entry)) for entry in
-                       (self.manifest.doc["index"], self.manifest.doc["blocks"])]
-
-    @property
-    def save_key(self) -> str:
-        return self.manifest.save_key
-
-    def _table(self, entry: dict[str, Any]) -> bytes:
-        data = self.store.read(entry["name"])
-        if len(data) != entry["size"] or crc32c.crc32c(data) != entry["crc32c"]:
-            raise ManifestError(f"{self.location}: {entry['name']} does not match {MANIFEST}; not "
-                                "draining a corrupt checkpoint")
-        return data
-
-    def piece(self, record: FileRecord, piece: Piece) -> bytes:
-        """The piece's bytes from local disk, checked against the blocks table."""
-        path = self.store.path(record.name)
-        with _step(f"reading {path} bytes {piece.offset}-{piece.offset + piece.length}"):
-            with open(path, "rb") as handle:
-                data = os.pread(handle.fileno(), piece.length, piece.offset)
-            if len(data) != piece.length:
-                raise ManifestError(f"{path} is truncated at {piece.offset + len(data)} of "
-                                    f"{record.size} bytes")
-            verify_piece(record, piece.offset, data, path)  # what we send is right
-        return data
-
-    def changed(self) -> str | None:
-        """Why the local checkpoint is no longer the save being drained, or None."""
-        try:
-            current = self.store.read(MANIFEST)
-        except FileNotFoundError:
-            return f"{self.location}/{MANIFEST} is gone"
-        except OSError:
-            return None  # cannot tell; the error being handled says what went wrong
-        if current == self.manifest_bytes:
-            return None
-        try:
-            key = json.loads(current).get("save_key")
-        except (ValueError, AttributeError):
-            key = "?"
-        return f"save {self.save_key} was replaced by save {key}"
-
-
 def drain(
     local: str | os.PathLike,
     target: str,
@@ -236,15 +164,15 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
     started = time.perf_counter()
     result: DrainResult | None = None
     journal: Journal | None = None
-    source: _Source | None = None
+    source: DrainSource | None = None
     attempt = 0
     while True:
         attempt += 1
         sink: Sink | None = None
         try:
-            fresh = _Source(location)
+            fresh = DrainSource(location)
             if source is not None and fresh.save_key != source.save_key:
-                raise _overwritten(location, f"save {source.save_key} was replaced by save {fresh.save_key}")
+                raise overwritten(location, f"save {source.save_key} was replaced by save {fresh.save_key}")
             source = fresh
             if journal is None:
                 journal = Journal.open(location, target, source.save_key)
@@ -265,7 +193,7 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
                 sink.abandon()
             why = source.changed() if source is not None and not isinstance(exc, SourceChanged) else None
             if why is not None:  # e.g. a data file the overwrite's cleanup removed under us
-                changed = _overwritten(location, why)
+                changed = overwritten(location, why)
                 changed.__cause__ = exc
                 exc = changed
             cause = classify(exc)
@@ -284,11 +212,6 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
                         location, target, attempt, cause, delay)
             time.sleep(delay)
-
-
-def _overwritten(location: str, why: str) -> SourceChanged:
-    return SourceChanged(f"{location} was overwritten during the drain ({why}); nothing of it was "
-                         "committed on the target; drain again to mirror the new save")
 
 
 def _refuse_overlap(location: str, target: str, sink: Sink) -> None:
@@ -310,13 +233,13 @@ def _plan(record: FileRecord, entry: dict[str, Any], part_size: int, sink: Sink)
     return planned, plan_pieces(record.size, record.data_start, record.checksum_block, planned)
 
 
-def _attempt(source: _Source, sink: Sink, journal: Journal, options: DrainOptions,
+def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOptions,
              result: DrainResult, progress: Progress | None) -> None:
     manifest = source.manifest
     part_size = options.part_size
     if isinstance(sink, S3Sink):
         part_size = max(part_size, S3_MIN_PART)
-    with _step(f"preparing the target {sink.target}"):
+    with step(f"preparing the target {sink.target}"):
         sink.prepare()
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
@@ -326,7 +249,7 @@ def _attempt(source: _Source, sink: Sink, journal: Journal, options: DrainOption
             raise ManifestError(f"{source.location}: {name} is missing from the blocks table")
         entry = journal.file(name)
         planned, pieces = _plan(record, entry, part_size, sink)
-        with _step(f"checking {sink.location(name)} on the target"):
+        with step(f"checking {sink.location(name)} on the target"):
             complete = sink.confirm_file(name, record, pieces, source.piece)
         if complete:
             with journal.lock:
@@ -336,11 +259,11 @@ def _attempt(source: _Source, sink: Sink, journal: Journal, options: DrainOption
             result.bytes_skipped += record.size
             continue
         claimed = matching_pieces(entry["pieces"], pieces)
-        with journal.lock, _step(f"opening the transfer of {sink.location(name)}"):
+        with journal.lock, step(f"opening the transfer of {sink.location(name)}"):
             entry.update(done=False, part_size=planned)
             sink.begin(name, record, entry, resuming=bool(claimed))
             journal.save()
-        with _step(f"confirming the pieces of {sink.location(name)} already on the target"):
+        with step(f"confirming the pieces of {sink.location(name)} already on the target"):
             confirmed = sink.confirm_pieces(name, record, pieces, claimed, source.piece)
         with journal.lock:
             entry["pieces"] = {str(i): piece_entry(pieces[i], tag) for i, tag in confirmed.items()}
@@ -360,7 +283,7 @@ def _attempt(source: _Source, sink: Sink, journal: Journal, options: DrainOption
     _at("before-commit", location=source.location)
     why = source.changed()
     if why is not None:
-        raise _overwritten(source.location, why)
+        raise overwritten(source.location, why)
     _put_confirmed(sink, MANIFEST, source.manifest_bytes, commit=True)
     _remove_stale(sink, source.save_key)
 
@@ -376,10 +299,10 @@ def _finish_file(sink: Sink, journal: Journal, record: FileRecord, pieces: list[
     if missing:
         raise IncompleteOnTarget(f"{where}: piece(s) {missing[:5]} never reached the target; not committing")
     check_coverage(pieces, record.size, where)
-    with _step(f"completing {where}"):
+    with step(f"completing {where}"):
         sink.finish(record.name, pieces, tags, entry)
     _at("file-finished", name=record.name)
-    with _step(f"checking the size of {where}"):
+    with step(f"checking the size of {where}"):
         size = sink.remote_size(record.name)
     if size != record.size:
         raise IncompleteOnTarget(f"{where} is {size} bytes on the target after its transfer, the manifest "
@@ -393,9 +316,9 @@ def _finish_file(sink: Sink, journal: Journal, record: FileRecord, pieces: list[
 def _put_confirmed(sink: Sink, name: str, data: bytes, commit: bool = False) -> None:
     """Write a small file and read it back; a manifest that does not read back is removed."""
     where = sink.location(name)
-    with _step(f"{'committing' if commit else 'writing'} {where}"):
+    with step(f"{'committing' if commit else 'writing'} {where}"):
         sink.put_small(name, data)
-    with _step(f"reading back {where}"):
+    with step(f"reading back {where}"):
         back = sink.read_small(name)
     if back != data:
         if commit:
@@ -443,7 +366,7 @@ def _discard(sink: Sink | None, journal: Journal, open_target: Callable[[], Sink
         log.warning("dcp_nvme: could not clean up the unfinished drain on %s: %s", sink.target, classify(exc))
 
 
-def _send_all(source: _Source, sink: Sink, journal: Journal, work, options: DrainOptions,
+def _send_all(source: DrainSource, sink: Sink, journal: Journal, work, options: DrainOptions,
               bucket: TokenBucket, result: DrainResult, progress: Progress | None) -> None:
     lock = threading.Lock()
 
@@ -452,7 +375,7 @@ def _send_all(source: _Source, sink: Sink, journal: Journal, work, options: Drai
         bucket.take(len(data))
         entry = journal.file(record.name)
         where = sink.location(record.name)
-        with _step(f"sending piece {piece.index} (bytes {piece.offset}-{piece.offset + piece.length}) "
+        with step(f"sending piece {piece.index} (bytes {piece.offset}-{piece.offset + piece.length}) "
                    f"of {where}"):
             tag = sink.put_piece(record.name, piece, data, entry)
         _at("piece-sent", name=record.name, piece=piece)
@@ -483,7 +406,7 @@ def _readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOpti
     pieces = plan_pieces(record.size, record.data_start, record.checksum_block, part_size)
 
     def check(piece: Piece) -> None:
-        with _step(f"reading back {where} bytes {piece.offset}-{piece.offset + piece.length}"):
+        with step(f"reading back {where} bytes {piece.offset}-{piece.offset + piece.length}"):
             data = sink.read_range(record.name, piece.offset, piece.offset + piece.length)
             verify_piece(record, piece.offset, data, where)
 
@@ -506,7 +429,7 @@ def verify_mirror(local: str | os.PathLike, target: str, *, storage_options: dic
 
 def _verify_locked(location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
                    options: DrainOptions) -> DrainResult:
-    source = _Source(location)
+    source = DrainSource(location)
     journal = Journal.open(location, target, source.save_key)
     result = DrainResult(location, target, source.save_key, int(source.manifest.doc.get("total_bytes", 0)))
     started = time.perf_counter()

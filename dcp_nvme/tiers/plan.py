@@ -8,6 +8,8 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import crc32c
@@ -146,6 +148,20 @@ def verify_piece(record: FileRecord, offset: int, data: bytes | memoryview, wher
 
 STEP = "dcp_nvme_drain_step"
 """Attribute the drain sets on an exception: the operation and file it happened in."""
+
+
+@contextmanager
+def step(what: str) -> Iterator[None]:
+    """Name the operation and file on any exception raised inside (the innermost name wins)."""
+    try:
+        yield
+    except Exception as exc:
+        if getattr(exc, STEP, None) is None:
+            try:
+                setattr(exc, STEP, what)
+            except (AttributeError, TypeError):
+                pass
+        raise
 
 
 def classify(exc: BaseException) -> str:
