@@ -266,6 +266,8 @@ def test_retention_keeps_last_k_and_never_undrained(tmp_path, capsys):
     paths = [save(run / f"step_{i}", make_state(i, floats=1000)) for i in range(4)]
     for i in (0, 1, 3):
         drain(paths[i], str(tmp_path / "pfs" / f"step_{i}"), options=DrainOptions(**FAST))
+        sd = make_state(i, floats=1000)  # what "mirrored" promises: the mirror loads bit for bit
+        assert_same(load(NVMeReader(str(tmp_path / "pfs" / f"step_{i}")), sd), sd)
     assert drain_state(paths[2]).state == LOCAL
     removed = apply_retention(run, keep_last=1)
     assert sorted(removed) == sorted(paths[:2])
