@@ -298,7 +298,8 @@ def test_old_or_garbage_journal_confirms_nothing(tmp_path):
     mirrored_and_equal(local, mirror, sd)
     # a hostile journal: wrong types everywhere, on a fresh target; it claims nothing, breaks nothing
     other = str(tmp_path / "pfs2" / "step_36")
-    garbage = {"version": 2, "target": other, "save_key": key_of(local), "state": 7, "bytes_sent": "lots",
+    garbage = {"version": 2, "target": other, "save_key": key_of(local), "state": "draining", "pid": "x",
+               "bytes_sent": "lots",
                "files": {data_name(local): {"pieces": {"0": 5, "1": {"offset": "x"}}, "upload_id": [1],
                                             "part_size": "big"}, "x": None}}
     Path(local, ".drain.json").write_text(json.dumps(garbage))

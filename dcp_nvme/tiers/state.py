@@ -118,7 +118,8 @@ def drain_state(path: str | os.PathLike) -> DrainState:
         return DrainState(
             str(doc.get("state", LOCAL)), doc.get("target"), str(doc.get("cause", "")),
             int(doc.get("bytes_sent", 0)), int(doc.get("bytes_total", 0)),
-            int(doc.get("attempts", 0)), doc.get("updated_unix"), doc.get("pid"),
+            int(doc.get("attempts", 0)), doc.get("updated_unix"),
+            doc.get("pid") if isinstance(doc.get("pid"), int) else None,
         )
     except (TypeError, ValueError):
         return DrainState(LOCAL, cause=f"{JOURNAL} is malformed")
