@@ -8,8 +8,9 @@ import os
 import sys
 
 from ..config import check_option, parse_size
+from ..rundir import checkpoints
 from .drainer import DrainOptions, drain, verify_mirror
-from .retention import apply_retention, committed_checkpoints
+from .retention import apply_retention
 from .state import drain_state, load_journal
 
 
@@ -24,7 +25,8 @@ def register(subparsers) -> None:
                         help="JSON object of fsspec storage options, e.g. '{\"endpoint_url\": ...}'")
     parser.add_argument("--max-transfers", type=int, default=DrainOptions.max_transfers,
                         help=f"pieces in flight at once (default {DrainOptions.max_transfers})")
-    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB)")
+    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB); a file an interrupted drain began keeps the part "
+                             "size it was planned with")
     parser.add_argument("--bandwidth", default=None, help="cap, bytes per second, e.g. 200MiB")
     parser.add_argument("--verify", choices=("sent", "readback"), default="sent",
                         help="sent: check each piece as it is sent (default); readback: also read the "
@@ -53,7 +55,7 @@ def register(subparsers) -> None:
 
 def _drain(args: argparse.Namespace) -> int:
     target = args.target or (load_journal(args.path) or {}).get("target")
-    if not target:
+    if not isinstance(target, str) or not target:
         raise ValueError(f"{args.path}: no --to given and no drain journal names a target")
     target = check_option("mirror", target, "--to")  # an unknown protocol fails now, not after retries
     try:
@@ -88,7 +90,7 @@ def _status(args: argparse.Namespace) -> int:
     if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
         paths = [path]
     else:
-        paths = committed_checkpoints(path) or [path]
+        paths = [str(c.path) for c in checkpoints(path, kinds=("nvme",))] or [path]
     rows = []
     for p in paths:
         state = drain_state(p)
@@ -101,5 +103,6 @@ def _status(args: argparse.Namespace) -> int:
         extra = f" -> {row['target']}" if row["target"] else ""
         progress = f" ({row['bytes_sent']}/{row['bytes_total']} bytes)" if row["state"] == "draining" else ""
         note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
-        print(f"{row['path']}: {row['text']}{extra}{progress}{note}")
+        why = f" ({row['cause']})" if row["cause"] and row["state"] != "failed" else ""
+        print(f"{row['path']}: {row['text']}{why}{extra}{progress}{note}")
     return 0
