@@ -27,7 +27,7 @@ MAX_CHECKSUM_BLOCK = 256 << 10
 """Checksums cover blocks of at most 256 KiB: a verified partial read costs at most 512 KiB
 extra (1 MiB blocks made a resharded quarter-load read 1.9x the bytes it needed)."""
 
-ENGINES = ("auto", "posix", "kvikio")
+ENGINES = ("auto", "posix", "kvikio", "uring")
 
 ENV_PREFIX = "DCP_NVME_"
 TUNE_FILE_ENV = "DCP_NVME_TUNE_FILE"

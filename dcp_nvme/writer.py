@@ -130,7 +130,7 @@ class NVMeWriter(StorageWriter):
         queue_depth: requests in flight per rank (env ``DCP_NVME_QUEUE_DEPTH``).
         block_size: bytes per request, e.g. ``"8MiB"`` (env ``DCP_NVME_BLOCK_SIZE``).
         direct_io: O_DIRECT where the filesystem allows it (env ``DCP_NVME_DIRECT_IO``).
-        engine: ``"auto"``, ``"posix"`` or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
+        engine: ``"auto"``, ``"posix"`` (threads), ``"uring"`` (io_uring) or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
         overwrite: replace a committed checkpoint at ``path``; the old one stays loadable until
             the new one commits.
         mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each

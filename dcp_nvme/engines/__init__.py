@@ -77,6 +77,21 @@ def _chosen(engine: Engine, reason: str) -> tuple[Engine, str]:
     return engine, reason
 
 
+def _uring_engine(config: IOConfig) -> tuple[Engine, str]:
+    """io_uring when the kernel lets this process use it, else the threads engine, said loudly."""
+    from .uring import UringEngine, uring_unavailable_reason
+
+    reason = uring_unavailable_reason()
+    if reason is None:
+        return _chosen(UringEngine(config), "requested")
+    why = f"requested uring, unavailable ({reason}): threads engine instead"
+    if ("uring-fallback", reason) not in _logged:
+        _logged.add(("uring-fallback", reason))
+        log.warning("dcp_nvme: engine='uring' cannot run here: %s; using the threads engine (posix)",
+                    reason)
+    return _chosen(PosixEngine(config), why)
+
+
 def select_engine(
     config: IOConfig, has_device_tensors: bool, directory: str | None = None
 ) -> tuple[Engine, str]:
@@ -86,6 +101,8 @@ def select_engine(
     """
     if config.engine == "posix":
         return _chosen(PosixEngine(config), "requested")
+    if config.engine == "uring":
+        return _uring_engine(config)
     if config.engine == "kvikio":
         reason = kvikio_unavailable_reason(directory)
         if reason:

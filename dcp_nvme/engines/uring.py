@@ -1,0 +1,295 @@
+"""io_uring engine: one thread per rank keeps ``queue_depth`` requests in flight on one ring.
+
+Same placement, bounce and checksum rules as the threads engine (``posix.py``), different
+submission: instead of ``queue_depth`` threads each blocked in ``pwrite``, one thread queues
+requests on a ring and reaps completions, so no thread wakes per request and no request pays a
+system call of its own. The bounce buffers are registered with the ring once (fixed buffers:
+the kernel pins them at registration, not at every request); where registration is refused
+(e.g. RLIMIT_MEMLOCK) the engine says so once and uses plain reads and writes. Checksums are
+computed on the submitting thread while the kernel moves the other requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import crc32c
+import torch
+
+from ..config import ALIGN, IOConfig
+from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
+from ..stats import IOStats
+from . import ring as uring
+from .base import FileWriteResult
+from .posix import (
+    PosixEngine,
+    _contiguous_address,
+    _with_path,
+    check_length,
+    copy_bytes,
+    finish_file,
+    open_file,
+    verify_checks,
+)
+
+log = logging.getLogger(__name__)
+
+_probe_lock = threading.Lock()
+_probe: list[str | None] = []
+
+
+def uring_unavailable_reason() -> str | None:
+    """Why io_uring cannot run in this process, or None when it can (probed once)."""
+    with _probe_lock:
+        if not _probe:
+            _probe.append(uring.unavailable_reason())
+        return _probe[0]
+
+
+def reset_probe() -> None:
+    with _probe_lock:
+        _probe.clear()
+
+
+@dataclass
+class _Op:
+    """One request in flight: ``length`` bytes at ``address`` <-> file offset ``offset``."""
+
+    task: object
+    address: int
+    length: int
+    offset: int
+    buffer: int  # bounce buffer index, or -1 when the request uses the caller's memory
+    done: int = 0
+
+
+class UringEngine(PosixEngine):
+    """io_uring with a fixed depth per rank, registered bounce buffers, O_DIRECT where allowed."""
+
+    name = "uring"
+
+    def __init__(self, config: IOConfig) -> None:
+        super().__init__(config)
+        self._ring: uring.Ring | None = None
+        self._ring_lock = threading.Lock()  # one pass at a time drives the ring
+
+    def _get_ring(self) -> uring.Ring:
+        if self._ring is None:
+            pool = self._bounce()
+            ring = uring.Ring(self.config.queue_depth)
+            try:
+                ring.register_buffers([(b.data_ptr(), pool.size) for b in pool.buffers])
+            except OSError as exc:
+                log.warning("dcp_nvme: io_uring refused to register %d bounce buffers (%s); "
+                            "using unregistered reads and writes", len(pool.buffers), exc.strerror)
+            self._ring = ring
+        return self._ring
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        super().close()
+
+    @property
+    def registered_buffers(self) -> bool:
+        return self._ring is not None and self._ring.registered
+
+    # ------------------------------------------------------------------ the loop
+
+    def _drive(self, fd: int, tasks, start, finish, write: bool) -> None:
+        """Start ``start(task) -> _Op`` for each task with queue_depth in flight; call
+        ``finish(op)`` as each completes in full. Short transfers are resubmitted for the rest;
+        a failed one raises (after the others in flight have landed)."""
+        ring = self._get_ring()
+        fixed_op = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
+        plain_op = uring.OP_WRITE if write else uring.OP_READ
+        slots: dict[int, _Op] = {}
+        free = list(range(self.config.queue_depth))
+        failure: list[BaseException] = []
+
+        def submit(slot: int, op: _Op) -> None:
+            fixed = op.buffer >= 0 and ring.registered
+            ring.prepare(fixed_op if fixed else plain_op, fd, op.address + op.done,
+                         op.length - op.done, op.offset + op.done, slot,
+                         op.buffer if fixed else 0)
+
+        def fail(exc: BaseException) -> None:
+            if not failure:
+                failure.append(exc)
+
+        def reap(wait: int) -> None:
+            for slot, result in ring.submit_and_wait(wait):
+                op = slots[slot]
+                if result < 0:
+                    fail(OSError(-result, os.strerror(-result)))
+                elif result > 0 and op.done + result < op.length:
+                    op.done += result
+                    submit(slot, op)  # short transfer: the rest goes out again
+                    continue
+                elif result == 0 and write:
+                    fail(OSError(0, f"the kernel wrote 0 of {op.length - op.done} bytes"))
+                else:  # complete, or a read that met the end of the file (finish says so)
+                    op.done += result
+                    try:
+                        finish(op)
+                    except BaseException as exc:  # noqa: BLE001 - raised once the ring is idle
+                        fail(exc)
+                del slots[slot]
+                free.append(slot)
+
+        iterator = iter(tasks)
+        try:
+            for task in iterator:
+                if failure:
+                    break
+                while not free:
+                    reap(1)
+                slot = free.pop()
+                op = start(task)
+                slots[slot] = op
+                submit(slot, op)
+                if not free:
+                    reap(1)
+        finally:
+            while slots:  # never leave the kernel writing into buffers we are about to reuse
+                reap(1)
+        if failure:
+            raise failure[0]
+
+    # ------------------------------------------------------------------ write
+
+    def write_file(
+        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int
+    ) -> FileWriteResult:
+        if len(header) % ALIGN:
+            raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
+        if self.config.block_size % checksum_block:
+            raise ValueError("checksum_block must divide block_size")
+        sizes = [int(s.numel()) for s in sources]
+        data_size = sum(sizes)
+        data_start = len(header)
+        crcs = [0] * (-(-data_size // checksum_block))
+        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.config.direct_io)
+        stats = IOStats("write")
+        started = time.perf_counter()
+        addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in sources]
+        pool = self._bounce()
+        free_buffers = list(range(len(pool.buffers)))
+        begun: dict[int, float] = {}
+
+        def start(window: Window) -> _Op:
+            span = _contiguous_address(window, addresses)
+            if span is not None and (not direct or (span % ALIGN == 0 and window.length % ALIGN == 0)):
+                op = _Op(window, span, window.length, data_start + window.offset, -1)
+            else:
+                index = free_buffers.pop()
+                buffer = pool.buffers[index]
+                for piece in window.pieces:
+                    src = sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
+                    copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
+                length = align_up(window.length) if direct else window.length
+                if length > window.length:
+                    buffer[window.length : length].zero_()
+                op = _Op(window, buffer.data_ptr(), length, data_start + window.offset, index)
+            begun[id(op)] = stats.begin()
+            return op
+
+        def finish(op: _Op) -> None:
+            window: Window = op.task
+            stats.end(begun.pop(id(op)), window.length, window.length if op.buffer >= 0 else 0)
+            view = _view(op.address, window.length)
+            first = window.offset // checksum_block
+            for rel in range(0, window.length, checksum_block):
+                crcs[first + rel // checksum_block] = crc32c.crc32c(
+                    view[rel : min(rel + checksum_block, window.length)])
+            if op.buffer >= 0:
+                free_buffers.append(op.buffer)
+
+        try:
+            with self._ring_lock:
+                fd, direct = self._write_header(path, fd, direct, header)
+                stats.direct_io = direct
+                self._drive(fd, plan_windows(sizes, self.config.block_size), start, finish, True)
+            finish_file(fd, data_start + data_size, stats)
+        except OSError as exc:
+            raise _with_path(exc, path) from exc
+        finally:
+            os.close(fd)
+        stats.seconds = time.perf_counter() - started
+        return FileWriteResult(path, data_start + data_size, data_start, checksum_block, crcs,
+                               crc32c.crc32c(header), stats)
+
+    # ------------------------------------------------------------------ read
+
+    def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
+        """Every request lands in a (registered) bounce buffer, is verified there and copied out."""
+        stats = IOStats("read")
+        started = time.perf_counter()
+        handles: dict[str, tuple[int, bool]] = {}
+        pool = self._bounce()
+        free_buffers = list(range(len(pool.buffers)))
+        begun: dict[int, float] = {}
+        try:
+            by_file: dict[str, list[ReadRequest]] = {}
+            for request in requests:
+                by_file.setdefault(request.file, []).append(request)
+            for path, group in by_file.items():
+                try:
+                    handles[path] = open_file(path, os.O_RDONLY, self.config.direct_io)
+                except OSError as exc:
+                    raise _with_path(exc, path) from exc
+                fd, direct = handles[path]
+
+                def start(request: ReadRequest, direct=direct) -> _Op:
+                    lo = align_down(request.file_offset) if direct else request.file_offset
+                    end = request.file_offset + request.length
+                    hi = align_up(end) if direct else end
+                    if hi - lo > pool.size:
+                        raise ValueError(f"read request of {hi - lo} bytes exceeds the "
+                                         f"{pool.size}-byte buffer")
+                    index = free_buffers.pop()
+                    op = _Op(request, pool.buffers[index].data_ptr(), hi - lo, lo, index)
+                    begun[id(op)] = stats.begin()
+                    return op
+
+                def finish(op: _Op) -> None:
+                    request: ReadRequest = op.task
+                    try:
+                        stats.end(begun.pop(id(op)), request.length, request.length)
+                        check_length(request, op.offset + op.done)
+                        buffer = pool.buffers[op.buffer]
+                        base = request.file_offset - op.offset
+                        view = buffer.numpy()[base : base + request.length].data
+                        verify_checks(request, [view])
+                        position = base
+                        for dest, dest_offset, length in request.pieces:
+                            if dest != SCRATCH:
+                                copy_bytes(dests[dest][dest_offset : dest_offset + length],
+                                           buffer[position : position + length])
+                            position += length
+                    finally:
+                        free_buffers.append(op.buffer)
+
+                try:
+                    with self._ring_lock:
+                        self._drive(fd, group, start, finish, False)
+                except OSError as exc:
+                    raise _with_path(exc, path) from exc
+        finally:
+            for fd, direct in handles.values():
+                stats.direct_io = stats.direct_io or direct
+                os.close(fd)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+
+def _view(address: int, length: int) -> memoryview:
+    import ctypes
+
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
