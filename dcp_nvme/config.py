@@ -28,6 +28,9 @@ MAX_CHECKSUM_BLOCK = 256 << 10
 extra (1 MiB blocks made a resharded quarter-load read 1.9x the bytes it needed)."""
 
 ENGINES = ("auto", "posix", "kvikio", "uring")
+READ_MODES = ("auto", "direct", "buffered")
+"""How containers are read: O_DIRECT, or the page cache with readahead (POSIX_FADV_SEQUENTIAL,
+block_size preads); ``auto`` follows ``direct_io`` unless ``dcp-nvme tune`` stored a winner."""
 
 ENV_PREFIX = "DCP_NVME_"
 TUNE_FILE_ENV = "DCP_NVME_TUNE_FILE"
@@ -156,6 +159,7 @@ _CHECKS: dict[str, Any] = {
     "block_size": lambda n, v, s: check_size(n, v, BLOCK_SIZE_RANGE, s, multiple=ALIGN),
     "direct_io": check_bool,
     "engine": lambda n, v, s: check_choice(n, v, ENGINES, s),
+    "read_mode": lambda n, v, s: check_choice(n, v, READ_MODES, s),
     "verify": check_bool,
     "overwrite": check_bool,
     "allow_pickle": check_bool,
@@ -183,6 +187,7 @@ class IOConfig:
     direct_io: bool = True
     engine: str = "auto"
     verify: bool = True
+    read_mode: str = "auto"
 
     def __post_init__(self) -> None:
         for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
@@ -195,11 +200,17 @@ class IOConfig:
 
         return math.gcd(self.block_size, MAX_CHECKSUM_BLOCK)
 
+    @property
+    def reads_direct(self) -> bool:
+        """Whether reads use O_DIRECT: the read mode when set, else ``direct_io``."""
+        return self.direct_io if self.read_mode == "auto" else self.read_mode == "direct"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify")
+_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify", "read_mode")
+_TUNED = ("queue_depth", "block_size", "direct_io", "read_mode")
 
 
 def _from_env() -> dict[str, Any]:
@@ -220,7 +231,7 @@ def _from_tune_file() -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
         best = doc["best"]
-        values = {k: best[k] for k in ("queue_depth", "block_size", "direct_io") if k in best}
+        values = {k: best[k] for k in _TUNED if k in best}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring tune file %s: %s (rerun `dcp-nvme tune`)", path, exc)
         return {}

@@ -71,6 +71,9 @@ class NVMeReader(StorageReader):
         path: the checkpoint directory.
         queue_depth, block_size, direct_io, engine: as for NVMeWriter (and the same env vars).
         verify: check every byte read against the manifest's crc32c (env ``DCP_NVME_VERIFY``).
+        read_mode: ``"direct"`` (O_DIRECT), ``"buffered"`` (page cache with sequential readahead)
+            or ``"auto"``: what ``dcp-nvme tune`` measured faster on this machine, else as
+            ``direct_io`` (env ``DCP_NVME_READ_MODE``).
         memory_budget: bytes of temporary buffers held at once for resharded slices.
         allow_pickle: load non-tensor items with full pickle, which runs any code the
             checkpoint's author put in them. Off by default: they are decoded by torch's
@@ -89,6 +92,7 @@ class NVMeReader(StorageReader):
         direct_io: bool | None = None,
         engine: str | None = None,
         verify: bool | None = None,
+        read_mode: str | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
@@ -97,7 +101,7 @@ class NVMeReader(StorageReader):
         self.path = local_path(path)
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
-            engine=engine, verify=verify,
+            engine=engine, verify=verify, read_mode=read_mode,
         )
         self.memory_budget = check_option("memory_budget", memory_budget)
         self.allow_pickle = check_option("allow_pickle", allow_pickle)

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -261,11 +261,49 @@ def sweep(directory: str, nbytes: int, queue_depths: list[int], block_sizes: lis
     finally:
         if bar is not None:
             bar.close()
+    best = pick_best(points)
+    best_config = IOConfig(queue_depth=best["queue_depth"], block_size=best["block_size"],
+                           direct_io=best["direct_io"], engine="posix")
+    modes = measure_read_modes(directory, nbytes, best_config, buffer, repeat)
+    best["read_mode"] = pick_read_mode(modes)
     return {
         "format": "dcp_nvme.tune", "format_version": 1, "created_unix": time.time(),
-        "best": pick_best(points), "size": nbytes, "repeat": repeat, "points": points,
-        "machine": machine_info(directory),
+        "best": best, "size": nbytes, "repeat": repeat, "points": points,
+        "read_modes": modes, "machine": machine_info(directory),
     }
+
+
+def measure_read_modes(directory: str, nbytes: int, config: IOConfig, buffer=None,
+                       repeat: int = 1) -> dict[str, float]:
+    """Cold-read GB/s of one file, O_DIRECT against buffered with sequential readahead
+    (``read_mode`` direct / buffered), alternating, median of ``repeat`` rounds each."""
+    nbytes = max(ALIGN, nbytes // ALIGN * ALIGN)
+    source = buffer[:nbytes] if buffer is not None else aligned_buffer(nbytes, pin=False)
+    path = os.path.join(directory, f"probe-read-{uuid.uuid4().hex[:8]}.bin")
+    engine = PosixEngine(replace(config, read_mode="direct"))
+    seconds: dict[str, list[float]] = {"direct": [], "buffered": []}
+    try:
+        engine.write_file(path, bytes(ALIGN), [source], config.checksum_block)
+        requests = plan_reads(path, [Need(ALIGN, nbytes, 0, 0)], max_request=config.block_size)
+        for _ in range(repeat):
+            for mode in seconds:
+                reader = PosixEngine(replace(config, read_mode=mode))
+                evict_from_page_cache([path])
+                started = time.perf_counter()
+                reader.read(requests, [source])
+                seconds[mode].append(time.perf_counter() - started)
+                reader.close()
+    finally:
+        engine.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return {mode: round(nbytes / statistics.median(values) / 1e9, 3) for mode, values in seconds.items()}
+
+
+def pick_read_mode(gbps: dict[str, float]) -> str:
+    """The faster read mode; a near tie (within 3 %) keeps O_DIRECT, which leaves the page cache
+    to the training job."""
+    return "buffered" if gbps["buffered"] > (1 + TIE_TOLERANCE) * gbps["direct"] else "direct"
 
 
 def _progress(total: int, enabled: bool):
@@ -383,6 +421,9 @@ def run_tune(args: argparse.Namespace) -> int:
     print(format_curve(doc))
     print(f"best: queue_depth={best['queue_depth']} block_size={_size(best['block_size'])} "
           f"direct_io={best['direct_io']} (write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s)")
+    modes = doc["read_modes"]
+    print(f"read_mode={best['read_mode']} (cold read: O_DIRECT {modes['direct']:.2f} GB/s, "
+          f"buffered with readahead {modes['buffered']:.2f} GB/s)")
     if output.resolve() == default_tune_file().resolve():
         print(f"written to {output}; NVMeWriter/NVMeReader use it unless an argument or DCP_NVME_* "
               "says otherwise")

@@ -58,6 +58,16 @@ def open_file(path: str, flags: int, direct: bool) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
+def open_for_reading(path: str, config: IOConfig) -> tuple[int, bool]:
+    """Open a container for reading in the configured read mode. Buffered reads tell the kernel
+    the access is sequential (a larger readahead window), so our block_size preads find the next
+    pages already on their way."""
+    fd, direct = open_file(path, os.O_RDONLY, config.reads_direct)
+    if not direct and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return fd, direct
+
+
 def pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:
     while len(buffer):
         written = os.pwrite(fd, buffer, offset)
@@ -266,7 +276,7 @@ class PosixEngine:
             with handles_lock:
                 if path not in handles:
                     try:
-                        handles[path] = open_file(path, os.O_RDONLY, self.config.direct_io)
+                        handles[path] = open_for_reading(path, self.config)
                     except OSError as exc:
                         raise _with_path(exc, path) from exc
                 return handles[path]

@@ -34,6 +34,7 @@ from .posix import (
     copy_bytes,
     finish_file,
     open_file,
+    open_for_reading,
     verify_checks,
 )
 
@@ -241,7 +242,7 @@ class UringEngine(PosixEngine):
                 by_file.setdefault(request.file, []).append(request)
             for path, group in by_file.items():
                 try:
-                    handles[path] = open_file(path, os.O_RDONLY, self.config.direct_io)
+                    handles[path] = open_for_reading(path, self.config)
                 except OSError as exc:
                     raise _with_path(exc, path) from exc
                 fd, direct = handles[path]
