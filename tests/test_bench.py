@@ -21,6 +21,8 @@ SINGLE_RANK_ROWS = {
     "dcp_nvme.async.total", "fs.save.t1", "fs.save.t2", "fs.save.t4", "fs.save.t8", "fs.save.best",
     "torch.save", "safetensors.save", "dcp_nvme.load", "fs.load", "torch.load", "safetensors.load",
     "reshard.dcp_nvme", "reshard.dcp_nvme.noverify", "reshard.fs",
+    "dcp_nvme.load.direct", "dcp_nvme.load.buffered",
+    "engine.threads.save", "engine.threads.load", "engine.uring.save", "engine.uring.load",
 }
 
 
@@ -172,6 +174,11 @@ def test_bench_cli_smoke(tmp_path):
         assert not rows[key]["skipped"], key
     assert rows["dcp_nvme.save"]["extra"]["max_inflight"] >= 1
     assert "latency_p99_ms" in rows["dcp_nvme.load"]["extra"]
+    assert 0 <= rows["dcp_nvme.save"]["extra"]["bounce_share"] <= 1
+    for key in ("engine.threads.save", "engine.threads.load", "engine.uring.save", "engine.uring.load",
+                "dcp_nvme.load.direct", "dcp_nvme.load.buffered"):
+        if not rows[key]["skipped"]:
+            assert rows[key]["extra"]["cpu_seconds_per_gb"] > 0, key
     assert doc["dcp_nvme_stats"]["save"][0]["bytes"] >= config["state_bytes"]
     # the resharded load: DCP's FileSystemReader reads whole chunks, dcp_nvme only what is needed
     # (plus whole checksum blocks when verifying)

@@ -287,6 +287,8 @@ def summarize_ranks(per_rank: list[dict[str, Any]], seconds: float) -> dict[str,
         "fsync_seconds": max(io.get("fsync_seconds", 0.0) for io in ios),
         "direct_io": all(io.get("direct_io", False) for io in ios),
     }
+    if summary["io_bytes"]:  # share of the bytes that went through a bounce buffer (a memcpy)
+        summary["bounce_share"] = round(summary["copied_bytes"] / summary["io_bytes"], 4)
     if not any((stats or {}).get("phases") for stats in per_rank):
         # a load: read_data's own span, the rest is the manifest, DCP planning and committing
         summary["outside_read_data_seconds"] = round(max(0.0, seconds - summary["io_seconds"]), 6)

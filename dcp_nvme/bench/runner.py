@@ -19,6 +19,7 @@ import torch
 from ..config import default_tune_file
 from ..synthetic import ModelSpec, llama_spec
 from ..tune import machine_info
+from .datapath import DataPathRows
 from .device import fio_version
 from .group import Group, free_port
 from .peers import PeerRows
@@ -28,7 +29,7 @@ from .rows import OursRows
 from .targets import check_targets, compute_ratios
 
 
-class Bench(OursRows, PeerRows):
+class Bench(OursRows, DataPathRows, PeerRows):
     """The rows of one run, on one rank. Rank 0 keeps the results."""
 
     def steps(self) -> list[tuple[str, Callable[[], None]]]:
@@ -42,6 +43,8 @@ class Bench(OursRows, PeerRows):
             ("torch.save", self.torch_save),
             ("safetensors save", self.safetensors_save),
             ("dcp_nvme load", self.ours_load),
+            ("read modes", self.read_modes),
+            ("engines: threads vs io_uring", self.engines_cpu),
             ("FileSystemReader", self.fs_load),
             ("torch.load", self.torch_load),
             ("safetensors load", self.safetensors_load),

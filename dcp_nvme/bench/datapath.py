@@ -1,0 +1,87 @@
+"""Data-path rows: the threads and io_uring engines side by side with their CPU cost, and cold
+loads in each read mode. CPU is the process's user+sys time (``getrusage``) over the timed
+call, summed over ranks, per GB moved: what a checkpoint takes from the training job's cores."""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+from ..engines.uring import uring_unavailable_reason
+from .core import BenchCore
+from .records import Row, Skip
+
+ENGINES = (("threads", "posix"), ("uring", "uring"))
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class DataPathRows(BenchCore):
+    def _cpu_timed(self, row: Row, call) -> Any:
+        """Time ``call`` on every rank; record seconds and the CPU seconds all ranks spent."""
+        before = cpu_seconds()
+        seconds, result = self.group.timed(call)
+        spent = sum(self.group.gather(cpu_seconds() - before))
+        row.seconds.append(seconds)
+        row.extra.setdefault("cpu_seconds", []).append(round(spent, 6))
+        return result
+
+    @staticmethod
+    def _cpu_per_gb(row: Row) -> None:
+        spent = sorted(row.extra.get("cpu_seconds", []))
+        if spent and row.bytes:
+            row.extra["cpu_seconds_per_gb"] = round(spent[len(spent) // 2] / (row.bytes / 1e9), 4)
+
+    def engines_cpu(self) -> None:
+        """Sync save and cold load with each host engine, CPU seconds per GB beside GB/s."""
+        from ..reader import NVMeReader
+        from ..writer import NVMeWriter
+
+        dcp, no_dist = self._dcp(), not self.group.is_dist
+        reason = uring_unavailable_reason()
+        for label, engine in ENGINES:
+            save = self.add(Row(f"engine.{label}.save", f"dcp_nvme save, {label} engine", "write", "ours"))
+            load = self.add(Row(f"engine.{label}.load", f"dcp_nvme load (cold), {label} engine", "read", "ours"))
+            if engine == "uring" and reason is not None:
+                save.skipped = load.skipped = f"io_uring unavailable: {reason}"
+                continue
+            kwargs = dict(self.io_kwargs, engine=engine)
+            for _ in range(self.options.repeat):
+                path = self._fresh(f"engine_{label}")
+                writer = NVMeWriter(path, **kwargs)
+                self._cpu_timed(save, lambda: dcp.save(self.state, storage_writer=writer, no_dist=no_dist))
+                self._evict(path)
+                dest = self._zero_dest()
+                reader = NVMeReader(path, **kwargs)
+                self._cpu_timed(load, lambda: dcp.load(dest, storage_reader=reader, no_dist=no_dist))
+                self._check(load, self._dest_local)
+                self._drop(path)
+            save.bytes = load.bytes = self.total_bytes
+            for row in (save, load):
+                self._cpu_per_gb(row)
+                row.note = "cpu_seconds_per_gb: user+sys of the saving/loading processes per GB"
+
+    def read_modes(self) -> None:
+        """Cold loads of the kept dcp_nvme checkpoint with O_DIRECT and with buffered readahead."""
+        from ..reader import NVMeReader
+
+        path = self.kept.get("dcp_nvme")
+        if path is None:
+            raise Skip("no dcp_nvme checkpoint (its save did not run)")
+        dcp, no_dist = self._dcp(), not self.group.is_dist
+        for mode in ("direct", "buffered"):
+            row = self.add(Row(f"dcp_nvme.load.{mode}", f"dcp_nvme load (cold), read_mode={mode}",
+                               "read", "ours"))
+            for _ in range(self.options.repeat):
+                self._evict(path)
+                dest = self._zero_dest()
+                reader = NVMeReader(path, **dict(self.io_kwargs, read_mode=mode))
+                self._cpu_timed(row, lambda: dcp.load(dest, storage_reader=reader, no_dist=no_dist))
+                self._check(row, self._dest_local)
+            row.bytes = self.total_bytes
+            self._cpu_per_gb(row)
+            row.note = ("O_DIRECT into bounce buffers" if mode == "direct" else
+                        "page cache, POSIX_FADV_SEQUENTIAL readahead, block_size preads into the tensors")
