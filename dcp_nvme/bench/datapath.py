@@ -52,11 +52,11 @@ class DataPathRows(BenchCore):
             for _ in range(self.options.repeat):
                 path = self._fresh(f"engine_{label}")
                 writer = NVMeWriter(path, **kwargs)
-                self._cpu_timed(save, lambda: dcp.save(self.state, storage_writer=writer, no_dist=no_dist))
+                self._cpu_timed(save, lambda w=writer: dcp.save(self.state, storage_writer=w, no_dist=no_dist))
                 self._evict(path)
                 dest = self._zero_dest()
                 reader = NVMeReader(path, **kwargs)
-                self._cpu_timed(load, lambda: dcp.load(dest, storage_reader=reader, no_dist=no_dist))
+                self._cpu_timed(load, lambda d=dest, r=reader: dcp.load(d, storage_reader=r, no_dist=no_dist))
                 self._check(load, self._dest_local)
                 self._drop(path)
             save.bytes = load.bytes = self.total_bytes
@@ -79,7 +79,7 @@ class DataPathRows(BenchCore):
                 self._evict(path)
                 dest = self._zero_dest()
                 reader = NVMeReader(path, **dict(self.io_kwargs, read_mode=mode))
-                self._cpu_timed(row, lambda: dcp.load(dest, storage_reader=reader, no_dist=no_dist))
+                self._cpu_timed(row, lambda d=dest, r=reader: dcp.load(d, storage_reader=r, no_dist=no_dist))
                 self._check(row, self._dest_local)
             row.bytes = self.total_bytes
             self._cpu_per_gb(row)
