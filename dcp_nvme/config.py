@@ -81,6 +81,7 @@ BLOCK_SIZE_RANGE = (ALIGN, 256 << 20)
 """Requests of 4 KiB to 256 MiB, a multiple of 4 KiB: queue_depth of them are the bounce
 buffers of a rank, so the largest block times the deepest queue is already 64 GiB."""
 MEMORY_BUDGET_RANGE = (1 << 20, 1 << 40)
+STAGING_BYTES_RANGE = (0, 1 << 50)
 
 
 def _fmt_size(n: int) -> str:
@@ -164,6 +165,7 @@ _CHECKS: dict[str, Any] = {
     "overwrite": check_bool,
     "allow_pickle": check_bool,
     "memory_budget": lambda n, v, s: check_size(n, v, MEMORY_BUDGET_RANGE, s),
+    "max_bytes": lambda n, v, s: check_size(n, v, STAGING_BYTES_RANGE, s),
     "mirror": check_url,
 }
 """The one place each option's form and range is checked: name -> check(name, value, source)."""

@@ -38,7 +38,8 @@ import torch
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from .config import ALIGN
+from . import waves
+from .config import ALIGN, check_option
 from .errors import DCPNVMeError
 from .memory import aligned_buffer, cuda_available
 
@@ -216,14 +217,31 @@ class _StagedFuture(Future):
         super().__init__()
         self._owner = lease_owner
         self.lease: _Lease | None = None
+        self.early: Any = None
+        """A staged state handed to the save before the Future resolves (bounded staging: the
+        save writes the live tensors, then resolves it; see ``waves``)."""
+        self.wave: waves.WaveRelease | None = None
 
     def result(self, timeout: float | None = None) -> Any:
         thread = threading.current_thread()
         lease = self.lease
-        if (lease is not None and thread.ident != self._owner
-                and not thread.name.startswith(_HELPER_PREFIX) and thread not in lease.claimers):
+        consumer = thread.ident != self._owner and not thread.name.startswith(_HELPER_PREFIX)
+        if lease is not None and consumer and thread not in lease.claimers:
             lease.claimers.append(thread)
+        if self.early is not None and consumer and not self.done():
+            self._watch(thread)
+            return self.early
         return super().result(timeout)
+
+    def _watch(self, save_thread: threading.Thread) -> None:
+        """Resolve once the save's thread ends, whatever happened (e.g. it failed before it wrote,
+        or this rank wrote none of the live tensors): the live tensors are no longer read."""
+        wave = self.wave
+        if wave is None or getattr(self, "_watching", False):
+            return
+        self._watching = True
+        threading.Thread(target=lambda: (save_thread.join(), wave.release()),
+                         name=f"{_HELPER_PREFIX}-wave", daemon=True).start()
 
 
 class _Arena:
@@ -315,6 +333,12 @@ class NVMeStager(AsyncStager):
             makes torch move the arena into shared memory once (an extra copy in the
             background, and the arena loses its pinning).
         pin_memory: pin the arena for fast device-to-host copies (default: when CUDA exists).
+        max_bytes: the most bytes an arena may hold (None: the whole state). A state larger than
+            this is saved in two waves: the tensors at the end of the write order that fit are
+            copied into the arena; the save first writes the others from your live tensors, and
+            only then does ``staging_completion`` resolve (training waits for that write); the
+            staged rest is written in the background. Memory stays bounded by ``max_bytes``;
+            the stall grows with what does not fit (see docs/async.md).
 
     ``stage`` returns a Future, so ``dcp.async_save`` returns an ``AsyncSaveResponse``: wait on
     ``resp.staging_completion`` before changing the parameters (the optimizer step), and on
@@ -333,7 +357,14 @@ class NVMeStager(AsyncStager):
         wait_timeout: float | None = None,
         shared_memory: bool = False,
         pin_memory: bool | None = None,
+        max_bytes: int | str | None = None,
     ) -> None:
+        if max_bytes is not None:
+            max_bytes = check_option("max_bytes", max_bytes)
+            if shared_memory:
+                raise ValueError("max_bytes cannot be combined with shared_memory=True: a bounded "
+                                 "save writes live tensors, which a checkpoint process cannot read; "
+                                 "use the THREAD checkpointer")
         if buffers < 1:
             raise ValueError(f"buffers must be >= 1, got {buffers}")
         if on_busy not in ("wait", "error"):
@@ -343,6 +374,7 @@ class NVMeStager(AsyncStager):
         self.wait_timeout = wait_timeout
         self.shared_memory = shared_memory
         self.pin_memory = pin_memory
+        self.max_bytes = max_bytes
         self._setup()
 
     def _setup(self) -> None:
@@ -353,12 +385,13 @@ class NVMeStager(AsyncStager):
         self._streams: dict[torch.device, Any] = {}
         self._counters = {"saves": 0, "rebuilds": 0, "waited_seconds": 0.0,
                           "last_stage_seconds": 0.0, "last_wait_seconds": 0.0,
-                          "last_copy_bytes": 0}
+                          "last_copy_bytes": 0, "last_live_bytes": 0}
 
     # pickling carries the options only: arenas and threads belong to one process
     def __getstate__(self) -> dict:
         return {"buffers": self.buffers, "on_busy": self.on_busy, "wait_timeout": self.wait_timeout,
-                "shared_memory": self.shared_memory, "pin_memory": self.pin_memory}
+                "shared_memory": self.shared_memory, "pin_memory": self.pin_memory,
+                "max_bytes": self.max_bytes}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -394,24 +427,29 @@ class NVMeStager(AsyncStager):
             tensors: list[torch.Tensor] = []
             objects: list[Any] = []
             template = describe(state_dict, tensors, objects)
-            if arena.template != template:
-                self._rebuild(arena, template)
+            first = self._first_staged(_tensor_specs(template))
+            if arena.template != (template, first):
+                self._rebuild(arena, (template, first))
             future = _StagedFuture(threading.get_ident())
             future.lease = _Lease(future)
             arena.lease = future.lease
-            staged = _materialize(template, arena.views, objects)
+            live = [t.detach() for t in tensors[:first]]
+            staged = _materialize(template, live + arena.views, objects)
             device_pairs = []
-            for src, dst in zip(tensors, arena.views):
+            for src, dst in zip(tensors[first:], arena.views):
                 if src.device.type == "cpu":
                     _copy_host(dst, src.detach())
                 else:
                     device_pairs.append((dst, src.detach()))
             nbytes = sum(v.numel() * v.element_size() for v in arena.views)
-            if device_pairs:
+            if live:
+                self._hand_over_live(future, staged, live, device_pairs)
+            elif device_pairs:
                 self._copy_device(device_pairs, future, staged)
             else:
                 future.set_result(staged)
             c = self._counters
+            c["last_live_bytes"] = sum(t.numel() * t.element_size() for t in live)
             c["saves"] += 1
             c["waited_seconds"] += waited
             c["last_wait_seconds"] = waited
@@ -446,8 +484,32 @@ class NVMeStager(AsyncStager):
         self._next = (self._arenas.index(arena) + 1) % self.buffers
         return arena
 
-    def _rebuild(self, arena: _Arena, template: tuple) -> None:
-        specs = _tensor_specs(template)
+    def _first_staged(self, specs: list[TensorSpec]) -> int:
+        """Index of the first tensor the arena holds: 0 when the state fits in ``max_bytes``,
+        else the start of the longest tail of the write order that fits."""
+        if self.max_bytes is None:
+            return 0
+        first = len(specs)
+        while first > 0 and plan_arena(specs[first - 1 :])[1] <= self.max_bytes:
+            first -= 1
+        return first
+
+    def _hand_over_live(self, future: _StagedFuture, staged: Any, live: list[torch.Tensor],
+                        device_pairs: list) -> None:
+        """Bounded staging: the save gets ``staged`` at once (``future.early``); the Future
+        resolves when the save has written the live tensors (``waves``) or has ended."""
+        if device_pairs:  # the arena's device copies land before the save may read them
+            done = _StagedFuture(threading.get_ident())
+            self._copy_device(device_pairs, done, staged)
+            done.result()
+        wave = waves.WaveRelease({t.untyped_storage().data_ptr() for t in live},
+                                 lambda error: future.set_result(staged))
+        future.early, future.wave = staged, wave
+        waves.register(wave)
+
+    def _rebuild(self, arena: _Arena, layout: tuple) -> None:
+        template, first = layout
+        specs = _tensor_specs(template)[first:]
         offsets, total = plan_arena(specs)
         pin = cuda_available() if self.pin_memory is None else self.pin_memory
         if arena.buffer is not None:
@@ -459,7 +521,7 @@ class NVMeStager(AsyncStager):
             arena.buffer, arena.pinned, arena.registered = _allocate(total, pin, self.shared_memory)
             log.info("dcp_nvme: staging arena of %d bytes (pinned=%s, shared=%s)",
                      arena.nbytes, arena.pinned, self.shared_memory)
-        arena.template = template
+        arena.template = layout
         arena.views = _views(arena.buffer, specs, offsets)
 
     def _copy_device(self, pairs: list, future: _StagedFuture, staged: Any) -> None:

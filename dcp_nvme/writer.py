@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from . import waves
 from .config import IOConfig, check_option, resolve_config
 from .engines import Engine, select_engine
 from .errors import CheckpointExistsError
@@ -218,10 +219,17 @@ class NVMeWriter(StorageWriter):
         has_device = any(s.device.type != "cpu" for s in sources)
         engine, reason = shared_engine(self.config, has_device, self.path)
         path = os.path.join(self.path, name)
+        wave = waves.release_for(sources)  # a bounded stager's live tensors are in this save
+        progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
         try:
             with timer.span("write"):
-                written = engine.write_file(path, layout.header, sources, self.config.checksum_block)
-        except BaseException:
+                written = engine.write_file(path, layout.header, sources, self.config.checksum_block,
+                                            **progress)
+            if wave is not None:
+                wave.release()  # every byte is written: the live tensors are free in any case
+        except BaseException as exc:
+            if wave is not None:
+                wave.release(exc)
             try:  # a failed save leaves no partial data behind (it would never load anyway)
                 os.unlink(path)
             except OSError:

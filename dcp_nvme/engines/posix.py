@@ -130,6 +130,26 @@ def finish_file(fd: int, size: int, stats: IOStats) -> None:
     stats.fsync_seconds = time.perf_counter() - started
 
 
+class PrefixTracker:
+    """Turns completions in any order into "the first N bytes are written" for ``on_progress``."""
+
+    def __init__(self, callback) -> None:
+        self.callback = callback
+        self.prefix = 0
+        self._pending: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def done(self, offset: int, length: int) -> None:
+        with self._lock:
+            self._pending[offset] = length
+            before = self.prefix
+            while self.prefix in self._pending:
+                self.prefix += self._pending.pop(self.prefix)
+            prefix = self.prefix
+        if prefix > before:
+            self.callback(prefix)
+
+
 def _memory_at(address: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
 
@@ -180,8 +200,10 @@ class PosixEngine:
     # ------------------------------------------------------------------ write
 
     def write_file(
-        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int
+        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int,
+        on_progress=None,
     ) -> FileWriteResult:
+        """``on_progress(n)``, if given, is called as the first ``n`` data bytes are written."""
         if len(header) % ALIGN:
             raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
         if self.config.block_size % checksum_block:
@@ -198,10 +220,13 @@ class PosixEngine:
             fd, direct = self._write_header(path, fd, direct, header)
             stats.direct_io = direct
             addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in sources]
+            tracker = PrefixTracker(on_progress) if on_progress is not None else None
 
             def write_window(window: Window) -> None:
                 self._write_window(fd, direct, data_start, window, sources, addresses,
                                    checksum_block, crcs, stats)
+                if tracker is not None:
+                    tracker.done(window.offset, window.length)
 
             self._run_bounded(plan_windows(sizes, self.config.block_size), write_window)
             finish_file(fd, data_start + data_size, stats)

@@ -28,6 +28,7 @@ from . import ring as uring
 from .base import FileWriteResult
 from .posix import (
     PosixEngine,
+    PrefixTracker,
     _contiguous_address,
     _with_path,
     check_length,
@@ -166,7 +167,8 @@ class UringEngine(PosixEngine):
     # ------------------------------------------------------------------ write
 
     def write_file(
-        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int
+        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int,
+        on_progress=None,
     ) -> FileWriteResult:
         if len(header) % ALIGN:
             raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
@@ -183,6 +185,7 @@ class UringEngine(PosixEngine):
         pool = self._bounce()
         free_buffers = list(range(len(pool.buffers)))
         begun: dict[int, float] = {}
+        tracker = PrefixTracker(on_progress) if on_progress is not None else None
 
         def start(window: Window) -> _Op:
             span = _contiguous_address(window, addresses)
@@ -211,6 +214,8 @@ class UringEngine(PosixEngine):
                     view[rel : min(rel + checksum_block, window.length)])
             if op.buffer >= 0:
                 free_buffers.append(op.buffer)
+            if tracker is not None:
+                tracker.done(window.offset, window.length)
 
         try:
             with self._ring_lock:
