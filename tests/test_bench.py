@@ -22,6 +22,7 @@ SINGLE_RANK_ROWS = {
     "torch.save", "safetensors.save", "dcp_nvme.load", "fs.load", "torch.load", "safetensors.load",
     "reshard.dcp_nvme", "reshard.dcp_nvme.noverify", "reshard.fs",
     "dcp_nvme.load.direct", "dcp_nvme.load.buffered",
+    "dcp_nvme.async.half.blocking", "dcp_nvme.async.half.total",
     "engine.threads.save", "engine.threads.load", "engine.uring.save", "engine.uring.load",
 }
 
@@ -175,6 +176,8 @@ def test_bench_cli_smoke(tmp_path):
     assert rows["dcp_nvme.save"]["extra"]["max_inflight"] >= 1
     assert "latency_p99_ms" in rows["dcp_nvme.load"]["extra"]
     assert 0 <= rows["dcp_nvme.save"]["extra"]["bounce_share"] <= 1
+    half = rows["dcp_nvme.async.half.blocking"]["extra"]
+    assert half["arena_bytes_max"] <= half["max_bytes_per_rank"] and half["live_bytes_rank0"] > 0
     for key in ("engine.threads.save", "engine.threads.load", "engine.uring.save", "engine.uring.load",
                 "dcp_nvme.load.direct", "dcp_nvme.load.buffered"):
         if not rows[key]["skipped"]:

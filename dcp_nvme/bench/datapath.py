@@ -5,6 +5,7 @@ call, summed over ranks, per GB moved: what a checkpoint takes from the training
 from __future__ import annotations
 
 import resource
+import time
 from typing import Any
 
 from ..engines.uring import uring_unavailable_reason
@@ -85,3 +86,46 @@ class DataPathRows(BenchCore):
             self._cpu_per_gb(row)
             row.note = ("O_DIRECT into bounce buffers" if mode == "direct" else
                         "page cache, POSIX_FADV_SEQUENTIAL readahead, block_size preads into the tensors")
+
+    def bounded_async(self) -> None:
+        """Async save with ``NVMeStager(max_bytes=half the rank's state)``: what bounding host
+        memory costs in blocking time (the head of the state is written while training waits)."""
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+        from ..staging import NVMeStager
+        from ..writer import NVMeWriter
+
+        blocking = self.add(Row("dcp_nvme.async.half.blocking",
+                                "dcp_nvme async save, max_bytes=half: blocking", "write", "ours"))
+        total = self.add(Row("dcp_nvme.async.half.total",
+                             "dcp_nvme async save, max_bytes=half: total", "write", "ours"))
+        dcp = self._dcp()
+        stager = NVMeStager(max_bytes=self.local_bytes // 2)
+        live = []
+        try:
+            for attempt in range(self.options.repeat + 1):  # the first round allocates the arena
+                path = self._fresh("dcp_nvme_async_half")
+                self.group.barrier()
+                started = time.perf_counter()
+                response = dcp.async_save(self.state, storage_writer=NVMeWriter(path, **self.io_kwargs),
+                                          async_stager=stager, no_dist=not self.group.is_dist)
+                assert isinstance(response, AsyncSaveResponse)
+                response.staging_completion.result()
+                blocked = time.perf_counter() - started
+                response.upload_completion.result()
+                finished = time.perf_counter() - started
+                blocked, finished = (max(v) for v in zip(*self.group.gather((blocked, finished))))
+                if attempt:
+                    blocking.seconds.append(blocked)
+                    total.seconds.append(finished)
+                    live.append(stager.stats()["last_live_bytes"])
+                self._drop(path)
+            peak_arena = max(self.group.gather(stager.arena_bytes))
+        finally:
+            stager.close()
+        blocking.bytes = total.bytes = self.total_bytes
+        blocking.extra = {"max_bytes_per_rank": self.local_bytes // 2, "arena_bytes_max": peak_arena,
+                          "live_bytes_rank0": live[-1] if live else 0}
+        blocking.note = ("training waits for a copy of the staged tail plus the write of the head "
+                         "(docs/async.md)")
+        total.note = "until the checkpoint is committed"

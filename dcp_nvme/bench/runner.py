@@ -39,6 +39,7 @@ class Bench(OursRows, DataPathRows, PeerRows):
             ("device limit", self.device_limit),
             ("dcp_nvme save", self.ours_save),
             ("dcp_nvme async save", self.ours_async),
+            ("dcp_nvme async save, max_bytes=half", self.bounded_async),
             ("FileSystemWriter", self.fs_saves),
             ("torch.save", self.torch_save),
             ("safetensors save", self.safetensors_save),
