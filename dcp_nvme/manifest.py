@@ -296,7 +296,8 @@ class Manifest:
             planner_data=decode_json(self.doc.get("planner_data")),
             storage_data=storage,
             storage_meta=StorageMeta(
-                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id")
+                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id"),
+                modules=list(meta.get("modules") or []),
             ),
             version=self.doc.get("dcp_version"),
         )

@@ -10,6 +10,7 @@ import io
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -161,6 +162,8 @@ class NVMeWriter(StorageWriter):
         """On the coordinator with ``mirror``: a Future of the last save's drain (DrainResult)."""
         self.is_coordinator = False
         self.save_key: str | None = None
+        self.save_id: str = str(uuid.uuid4())
+        """DCP's ``StorageMeta.save_id``: new at every reset, stored in the manifest."""
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last save: bytes, seconds by phase, GB/s, requests."""
         self.last_manifest: dict[str, Any] | None = None
@@ -172,6 +175,7 @@ class NVMeWriter(StorageWriter):
         if checkpoint_id is not None:
             self.path = local_path(checkpoint_id)
         self.save_key = None
+        self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -199,8 +203,8 @@ class NVMeWriter(StorageWriter):
         target: RankPlan = plan.storage_data
         self.save_key = target.save_key
         future: Future[list[WriteResult]] = Future()
-        if not plan.items:
-            self.last_stats = {"rank": target.rank, "bytes": 0, "items": 0}
+        if not plan.items:  # e.g. a coordinator that holds nothing: still a part of the save
+            self.last_stats = {"rank": target.rank, "bytes": 0, "items": 0, "phases": {}}
             future.set_result([])
             return future
         timer = PhaseTimer()
@@ -264,15 +268,16 @@ class NVMeWriter(StorageWriter):
             index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
             world_size=len(results), planner_data=metadata.planner_data,
             dcp_version=metadata.version,
-            storage_meta={"checkpoint_id": self.path},
+            storage_meta=_storage_meta_doc(self.storage_meta()),
             extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
         )
-        store.write_atomic(MANIFEST, seal(doc))  # the commit
+        sealed = seal(doc)  # everything that can fail happens before the commit
+        store.write_atomic(MANIFEST, sealed)  # the commit
         _remove_stale(store, key)
         doc["commit_seconds"] = time.perf_counter() - started
         self.last_manifest = doc
         if self.last_stats is not None:
-            self.last_stats["phases"]["commit"] = round(doc["commit_seconds"], 6)
+            self.last_stats.setdefault("phases", {})["commit"] = round(doc["commit_seconds"], 6)
         if self.mirror:  # committed locally; the drain runs on in the background
             from .tiers import submit_mirror
 
@@ -282,11 +287,21 @@ class NVMeWriter(StorageWriter):
         return {**self.__dict__, "drain_future": None}  # a Future does not pickle (PROCESS mode)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path)
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_local_path(checkpoint_id)
+
+
+def _storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:
+    """DCP's StorageMeta as JSON; ``load_id`` belongs to a load, never to the checkpoint."""
+    return {"checkpoint_id": os.fspath(meta.checkpoint_id) if meta.checkpoint_id is not None else None,
+            "save_id": meta.save_id, "modules": list(meta.modules)}
 
 
 def _key_from_results(results: list[list[WriteResult]]) -> str:
