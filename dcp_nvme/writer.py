@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -267,7 +268,7 @@ class NVMeWriter(StorageWriter):
             save_key=key, files=files,
             index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
             world_size=len(results), planner_data=metadata.planner_data,
-            dcp_version=metadata.version,
+            dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
             storage_meta=_storage_meta_doc(self.storage_meta()),
             extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
         )
