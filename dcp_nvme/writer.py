@@ -273,6 +273,7 @@ class NVMeWriter(StorageWriter):
             extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
         )
         sealed = seal(doc)  # everything that can fail happens before the commit
+        _write_pointer(store)
         store.write_atomic(MANIFEST, sealed)  # the commit
         _remove_stale(store, key)
         doc["commit_seconds"] = time.perf_counter() - started
@@ -297,6 +298,29 @@ class NVMeWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_local_path(checkpoint_id)
+
+
+POINTER = ".metadata.HOW_TO_LOAD.txt"
+"""Where DCP looks for its missing .metadata (`ls -a`, tab completion): says how to load this directory."""
+
+POINTER_TEXT = """\
+This directory is a dcp_nvme checkpoint (manifest.json), not one in DCP's stock layout (.metadata).
+torch.distributed.checkpoint finds no .metadata here: give it dcp_nvme's reader instead,
+
+    from dcp_nvme import NVMeReader
+    dcp.load(state_dict, storage_reader=NVMeReader("<this directory>"))
+
+or convert the checkpoint for tools that only read the stock layout or torch.save files:
+
+    dcp-nvme convert <this directory> OUT --to dcp      (or --to torch)
+"""
+
+
+def _write_pointer(store: LocalStore) -> None:
+    """The pointer for stock DCP users (not a part of the checkpoint; written once per directory)."""
+    if not store.has(POINTER):
+        with open(store.path(POINTER), "w") as handle:
+            handle.write(POINTER_TEXT)
 
 
 def _storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:
