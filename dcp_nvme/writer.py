@@ -180,8 +180,15 @@ class NVMeWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not getattr(self, "use_collectives", True) and _world_size() > 1:
+            # each rank would plan alone as rank 0 and commit its own manifest over the others'
+            raise ValueError(
+                f"{self.path}: dcp_nvme saves need use_collectives=True (the default): one manifest, "
+                "committed by the coordinator, describes every rank's data. Save without "
+                "use_collectives=False, or give each rank its own checkpoint directory")
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
@@ -321,6 +328,12 @@ def _write_pointer(store: LocalStore) -> None:
     if not store.has(POINTER):
         with open(store.path(POINTER), "w") as handle:
             handle.write(POINTER_TEXT)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:

@@ -442,6 +442,26 @@ def storage_meta_round_trip(ctx: Ctx) -> None:
     assert os.fspath(meta.checkpoint_id) == ctx.path(), meta.checkpoint_id
 
 
+@case(2)
+def save_without_collectives(ctx: Ctx) -> None:
+    """Stock: every rank writes and commits its own metadata, and loads it back alone. Ours refuses
+    (one manifest per checkpoint is committed by the coordinator): the documented difference."""
+    mine = full_tensor(f"uc{ctx.rank}", (4, 3))
+    writer = ctx.backend.writer(ctx.path())
+    if ctx.backend.name == "nvme":
+        try:
+            dcp.save({f"t{ctx.rank}": mine}, storage_writer=writer, use_collectives=False)
+        except ValueError as exc:
+            assert "use_collectives=True" in str(exc), exc
+            assert not os.path.exists(os.path.join(ctx.path(), "manifest.json"))
+            return
+        raise AssertionError("dcp_nvme accepted use_collectives=False on 2 ranks")
+    dcp.save({f"t{ctx.rank}": mine}, storage_writer=writer, use_collectives=False)
+    dest = {f"t{ctx.rank}": torch.zeros(4, 3)}
+    ctx.load(dest)
+    assert_bitwise(dest[f"t{ctx.rank}"], mine, "rank-local checkpoint")
+
+
 # --------------------------------------------------------------------------- async
 
 
