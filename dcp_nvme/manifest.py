@@ -297,10 +297,14 @@ class Manifest:
             storage_data=storage,
             storage_meta=StorageMeta(
                 checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id"),
-                modules=list(meta.get("modules") or []),
+                modules=[m for m in _list_or_empty(meta.get("modules")) if isinstance(m, str)],
             ),
             version=self.doc.get("dcp_version"),
         )
+
+
+def _list_or_empty(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def table_entry(name: str, data: bytes) -> dict[str, Any]:
