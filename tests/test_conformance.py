@@ -94,18 +94,21 @@ def _check(outcomes: dict[str, list[str]], backend: str, name: str) -> None:
         pytest.fail("\n".join(f"rank {rank}: {text}" for rank, text in failed), pytrace=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", cases_for(4))
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_four_ranks(four_ranks, backend, name):
     _check(four_ranks, backend, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", cases_for(2))
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_two_ranks(two_ranks, backend, name):
     _check(two_ranks, backend, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_one_process_loads_what_4_ranks_saved(four_ranks, spawn_root, backend):
     """A 4-rank DTensor + ShardedTensor checkpoint loaded with no process group (4 -> 1)."""

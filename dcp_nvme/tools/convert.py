@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from ..config import parse_size
 from ..manifest import DCP_METADATA, MANIFEST
 from ..reader import NVMeReader
+from ..store import is_remote_url
 from ..writer import NVMeWriter
 
 FORMATS = ("nvme", "dcp", "torch")
@@ -109,6 +110,9 @@ def convert(
     started = time.perf_counter()
     if to not in FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
+    for location in (src, dst):
+        if is_remote_url(location):
+            raise ValueError(f"convert works on local paths; copy {location} to local disk first")
     src_format = detect_format(src)
     if src_format == to:
         raise ValueError(f"{src} is already a {to} checkpoint; copy it instead")
