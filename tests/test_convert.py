@@ -234,6 +234,9 @@ def test_destination_rules(tmp_path):
         convert(tmp_path / "missing", tmp_path / "z", "dcp")
     with pytest.raises(ValueError, match="unknown target"):
         convert(tmp_path / "a", tmp_path / "z", "safetensors")
+    with pytest.raises(ValueError, match="overlaps"):
+        convert(tmp_path / "out", tmp_path, "nvme", overwrite=True)
+    assert detect_format(tmp_path / "out") == "dcp"  # nothing was removed
     with pytest.raises(ValueError, match="local paths"):
         convert("s3://bucket/step_1", tmp_path / "z", "dcp")
 

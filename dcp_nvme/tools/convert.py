@@ -119,6 +119,7 @@ def convert(
     budget = parse_size(memory_budget) if isinstance(memory_budget, str) else int(memory_budget)
     if budget <= 0:
         raise ValueError(f"memory budget must be positive, not {memory_budget!r}")
+    _refuse_overlap(Path(src), Path(dst))
     _prepare_destination(Path(dst), to, overwrite)
     result = ConvertResult(os.fspath(src), os.fspath(dst), src_format, to)
     if src_format == "torch":
@@ -142,6 +143,13 @@ def _reader_for(fmt: str, path: str | os.PathLike) -> StorageReader:
 def _writer_for(fmt: str, path: str | os.PathLike) -> StorageWriter:
     # the destination was checked (and cleared, with overwrite) by _prepare_destination
     return NVMeWriter(path) if fmt == "nvme" else FileSystemWriter(path, overwrite=False)
+
+
+def _refuse_overlap(src: Path, dst: Path) -> None:
+    """--overwrite clears the destination first: it must not be, hold or sit inside the source."""
+    a, b = src.resolve(), dst.resolve()
+    if a == b or a.is_relative_to(b) or b.is_relative_to(a):
+        raise ValueError(f"{dst} overlaps {src}: write the converted checkpoint somewhere else")
 
 
 def _prepare_destination(dst: Path, to: str, overwrite: bool) -> None:
