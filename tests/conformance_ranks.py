@@ -385,6 +385,58 @@ def partial_load_of_chosen_keys(ctx: Ctx) -> None:
     assert set(dest) == {"model"}, sorted(dest)
 
 
+def _fsdp_model(ctx: Ctx):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=ctx.mesh(ctx.world))
+    fully_shard(model, mesh=ctx.mesh(ctx.world))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _train(model, optim, steps: int, seed: int) -> float:
+    generator = torch.Generator().manual_seed(seed)
+    loss = torch.zeros(())
+    for _ in range(steps):
+        loss = model(torch.randn(4, 16, generator=generator)).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    return float(loss)
+
+
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+@case(2)
+def fsdp2_train_save_resume(ctx: Ctx) -> None:
+    """DCP's e2e check: an FSDP2 model and its Adam state saved mid-training and loaded into a
+    fresh model continue exactly as the original does."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim = _fsdp_model(ctx)
+    _train(model, optim, 2, seed=ctx.rank)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    ctx.save({"model": model_sd, "optim": optim_sd, "train": {"step": 2}})
+    fresh, fresh_optim = _fsdp_model(ctx)
+    _train(fresh, fresh_optim, 1, seed=100 + ctx.rank)  # different values and optimizer state
+    fresh_model_sd, fresh_optim_sd = get_state_dict(fresh, fresh_optim)
+    state = {"model": fresh_model_sd, "optim": fresh_optim_sd, "train": {"step": 0}}
+    ctx.load(state)
+    set_state_dict(fresh, fresh_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert state["train"]["step"] == 2
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert_bitwise(_local(b), _local(a), f"parameter {name}")
+    for group, fresh_group in zip(optim.state.values(), fresh_optim.state.values()):
+        for key in group:
+            assert_bitwise(_local(fresh_group[key]), _local(group[key]), f"optimizer {key}")
+    assert _train(model, optim, 1, seed=7 + ctx.rank) == _train(fresh, fresh_optim, 1, seed=7 + ctx.rank)
+
+
 # --------------------------------------------------------------------------- overwrite, metadata
 
 
