@@ -29,6 +29,7 @@ from torch.distributed._shard.sharding_spec import (
     ShardMetadata,
 )
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -435,6 +436,32 @@ def fsdp2_train_save_resume(ctx: Ctx) -> None:
         for key in group:
             assert_bitwise(_local(fresh_group[key]), _local(group[key]), f"optimizer {key}")
     assert _train(model, optim, 1, seed=7 + ctx.rank) == _train(fresh, fresh_optim, 1, seed=7 + ctx.rank)
+
+
+class _FailsOnRankOne(DefaultSavePlanner):
+    """A save whose data cannot be produced on rank 1 (as a failed device copy would)."""
+
+    def resolve_data(self, write_item):
+        if dist.get_rank() == 1:
+            raise OSError(5, "injected: rank 1 cannot produce its data")
+        return super().resolve_data(write_item)
+
+
+@case(2)
+def failure_on_one_rank_commits_nothing(ctx: Ctx) -> None:
+    full = full_tensor("fail", (8, 4))
+    state = {"t": dtensor(full, ctx.mesh(ctx.world), [Shard(0)])}  # every rank writes a shard
+    try:
+        dcp.save(state, storage_writer=ctx.backend.writer(ctx.path()), planner=_FailsOnRankOne())
+    except CheckpointException as exc:
+        assert "injected" in str(exc), exc
+    else:
+        raise AssertionError("the save succeeded although rank 1 failed")
+    try:
+        ctx.backend.reader(ctx.path()).read_metadata()
+    except FileNotFoundError:
+        return  # nothing was committed: there is no checkpoint to load
+    raise AssertionError("a checkpoint was committed by a save that failed")
 
 
 # --------------------------------------------------------------------------- overwrite, metadata
