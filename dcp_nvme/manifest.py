@@ -345,7 +345,8 @@ def describe_missing(store, location: str) -> str:
     names = store.names()
     if DCP_METADATA in names:
         return (f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
-                "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader")
+                "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
+                f"or convert it: dcp-nvme convert {location} OUT --to nvme")
     ours = [n for n in names if save_key_of(n)]
     if ours:
         return (f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "

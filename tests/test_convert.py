@@ -282,6 +282,12 @@ def test_stock_entry_points_meet_a_pointer(tmp_path):
     assert (tmp_path / "a" / POINTER).read_text() == pointer
 
 
+def test_our_reader_on_a_stock_checkpoint_names_the_converter(tmp_path):
+    dcp.save({"t": torch.ones(2)}, storage_writer=FileSystemWriter(tmp_path / "stock"), no_dist=True)
+    with pytest.raises(FileNotFoundError, match="dcp-nvme convert .* --to nvme"):
+        NVMeReader(tmp_path / "stock").read_metadata()
+
+
 def test_stock_writer_output_matches_ours_for_stock_readers(tmp_path):
     """The same state saved by the stock writer and converted from ours loads identically."""
     state = sample_state()
