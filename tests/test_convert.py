@@ -195,9 +195,10 @@ def test_bytes_items_are_copied_not_unpickled(tmp_path):
              storage_writer=NVMeWriter(tmp_path / "a"), no_dist=True)
     convert(tmp_path / "a", tmp_path / "stock", "dcp")
     convert(tmp_path / "stock", tmp_path / "b", "nvme")
-    original = raw_blob(NVMeReader(tmp_path / "a"))
+    # allow_pickle: the reader hands over the stored bytes; _read_group keeps them as bytes
+    original = raw_blob(NVMeReader(tmp_path / "a", allow_pickle=True))
     assert raw_blob(FileSystemReader(tmp_path / "stock")) == original
-    assert raw_blob(NVMeReader(tmp_path / "b")) == original
+    assert raw_blob(NVMeReader(tmp_path / "b", allow_pickle=True)) == original
     with pytest.raises(ValueError, match="'blob'.*restricted unpickler"):
         convert(tmp_path / "b", tmp_path / "x.pt", "torch")
     assert not (tmp_path / "x.pt").exists()

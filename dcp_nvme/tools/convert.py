@@ -136,8 +136,10 @@ def convert(
 
 
 def _reader_for(fmt: str, path: str | os.PathLike) -> StorageReader:
-    # a stock checkpoint's .metadata is a pickle: reading it trusts the source, as dcp.load does
-    return NVMeReader(path) if fmt == "nvme" else FileSystemReader(path)
+    # allow_pickle only makes NVMeReader hand over the stored bytes as they are: _GroupPlanner
+    # keeps them as bytes, and --to torch decodes them with the weights-only unpickler itself.
+    # A stock checkpoint's .metadata is a pickle: reading it trusts the source, as dcp.load does.
+    return NVMeReader(path, allow_pickle=True) if fmt == "nvme" else FileSystemReader(path)
 
 
 def _writer_for(fmt: str, path: str | os.PathLike) -> StorageWriter:
