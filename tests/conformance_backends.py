@@ -29,7 +29,11 @@ class Backend:
         kwargs: dict[str, Any] = {} if overwrite is None else {"overwrite": overwrite}
         return self.writer_class(path, **kwargs)
 
-    def reader(self, path: str | os.PathLike) -> StorageReader:
+    def reader(self, path: str | os.PathLike, trusted: bool = False) -> StorageReader:
+        """A reader for ``path``; ``trusted`` opts in to full pickle for non-tensor items where
+        the class asks for it (ours: ``allow_pickle=True``; the stock reader always unpickles)."""
+        if trusted and self.name == "nvme":
+            return self.reader_class(path, allow_pickle=True)
         return self.reader_class(path)
 
 

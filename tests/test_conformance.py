@@ -207,14 +207,25 @@ def test_non_stateful_values_are_replaced(backend, tmp_path):
 
 
 def test_bytes_items(backend, tmp_path):
-    blob = os.urandom(5000)
-    saved = {"blob": io.BytesIO(blob), "obj": {"nested": (1, "two", 3.0)}, "none": None, "s": "text"}
+    saved = {"obj": {"nested": (1, "two", 3.0)}, "none": None, "s": "text", "n": 12, "f": 0.25}
     dcp.save(saved, storage_writer=backend.writer(tmp_path / "c"))
-    dest = {"blob": io.BytesIO(), "obj": {"nested": None}, "none": 1, "s": ""}
+    dest = {"obj": {"nested": None}, "none": 1, "s": "", "n": 0, "f": 0.0}
     dcp.load(dest, storage_reader=backend.reader(tmp_path / "c"))
+    assert dest == saved
+
+
+def test_pickled_class_item_is_the_documented_difference(backend, tmp_path):
+    """Stock unpickles any item (a checkpoint's pickle can run any code); ours refuses an item
+    whose pickle imports a class unless allow_pickle=True, naming the item and the opt-in."""
+    blob = os.urandom(5000)
+    dcp.save({"blob": io.BytesIO(blob)}, storage_writer=backend.writer(tmp_path / "c"))
+    dest = {"blob": io.BytesIO()}
+    if backend.name == "nvme":
+        with pytest.raises(CheckpointException, match=r"'blob'.*allow_pickle=True"):
+            dcp.load(dest, storage_reader=backend.reader(tmp_path / "c"))
+    dcp.load(dest, storage_reader=backend.reader(tmp_path / "c", trusted=True))
     got = dest["blob"].getvalue() if isinstance(dest["blob"], io.BytesIO) else dest["blob"]
     assert got == blob
-    assert dest["obj"] == {"nested": (1, "two", 3.0)} and dest["none"] is None and dest["s"] == "text"
 
 
 def test_partial_load_of_chosen_keys(backend, tmp_path):
