@@ -166,6 +166,8 @@ class NVMeWriter(StorageWriter):
         self.save_key: str | None = None
         self.save_id: str = str(uuid.uuid4())
         """DCP's ``StorageMeta.save_id``: new at every reset, stored in the manifest."""
+        self.use_collectives = True
+        """DCP's ``use_collectives`` of the current save (False is refused on several ranks)."""
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last save: bytes, seconds by phase, GB/s, requests."""
         self.last_manifest: dict[str, Any] | None = None
@@ -184,7 +186,7 @@ class NVMeWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if not getattr(self, "use_collectives", True) and _world_size() > 1:
+        if not self.use_collectives and _world_size() > 1:
             # each rank would plan alone as rank 0 and commit its own manifest over the others'
             raise ValueError(
                 f"{self.path}: dcp_nvme saves need use_collectives=True (the default): one manifest, "
