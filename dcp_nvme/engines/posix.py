@@ -24,6 +24,7 @@ import torch
 
 from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
+from ..dio import DEFAULT_DIO, DioAlignment, dio_alignment
 from ..errors import ChecksumMismatchError, DCPNVMeError
 from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
 from ..memory import aligned_buffer
@@ -219,12 +220,13 @@ class PosixEngine:
         try:
             fd, direct = self._write_header(path, fd, direct, header)
             stats.direct_io = direct
+            dio = dio_alignment(fd) if direct else None
             addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in sources]
             tracker = PrefixTracker(on_progress) if on_progress is not None else None
 
             def write_window(window: Window) -> None:
                 self._write_window(fd, direct, data_start, window, sources, addresses,
-                                   checksum_block, crcs, stats)
+                                   checksum_block, crcs, stats, dio)
                 if tracker is not None:
                     tracker.done(window.offset, window.length)
 
@@ -256,10 +258,13 @@ class PosixEngine:
             pool.free.put(index)
 
     def _write_window(self, fd, direct, data_start, window, sources, addresses, checksum_block,
-                      crcs, stats) -> None:
+                      crcs, stats, dio: DioAlignment | None = None) -> None:
+        """``dio``: the file's O_DIRECT alignment (default: a page) when ``direct``."""
+        if direct and dio is None:
+            dio = DEFAULT_DIO
         span = _contiguous_address(window, addresses)
         aligned = span is not None and (
-            not direct or (span % ALIGN == 0 and window.length % ALIGN == 0)
+            not direct or (span % dio.memory == 0 and window.length % dio.offset == 0)
         )
         pool = None
         if aligned:

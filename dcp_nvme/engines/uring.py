@@ -22,6 +22,7 @@ import crc32c
 import torch
 
 from ..config import ALIGN, IOConfig
+from ..dio import dio_alignment
 from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
 from ..stats import IOStats
 from . import ring as uring
@@ -189,7 +190,8 @@ class UringEngine(PosixEngine):
 
         def start(window: Window) -> _Op:
             span = _contiguous_address(window, addresses)
-            if span is not None and (not direct or (span % ALIGN == 0 and window.length % ALIGN == 0)):
+            if span is not None and (not direct or (span % dio.memory == 0
+                                                    and window.length % dio.offset == 0)):
                 op = _Op(window, span, window.length, data_start + window.offset, -1)
             else:
                 index = free_buffers.pop()
@@ -221,6 +223,7 @@ class UringEngine(PosixEngine):
             with self._ring_lock:
                 fd, direct = self._write_header(path, fd, direct, header)
                 stats.direct_io = direct
+                dio = dio_alignment(fd) if direct else None
                 self._drive(fd, plan_windows(sizes, self.config.block_size), start, finish, True)
             finish_file(fd, data_start + data_size, stats)
         except OSError as exc:
