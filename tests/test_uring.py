@@ -176,3 +176,13 @@ def test_uring_refused_by_seccomp_falls_back_to_threads_with_a_warning(tmp_path)
     assert "unavailable" in outcome["reason"] and "io_uring_setup failed" in outcome["reason"]
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     assert manifest["ranks"][0]["engine"] == "posix"
+
+
+def test_uring_is_refused_off_x86_64_with_the_reason(monkeypatch):
+    """A CPU the ring's memory ordering is not written for reports io_uring unavailable
+    (and ``engine='uring'`` then falls back, as in the seccomp test)."""
+    import dcp_nvme.engines.ring as ring
+
+    monkeypatch.setattr(ring.platform, "machine", lambda: "aarch64")
+    reason = ring.unavailable_reason()
+    assert reason is not None and "x86_64 only" in reason

@@ -6,7 +6,9 @@ an AMD EPYC with AVX2 only), killing the whole process, which no fallback can ca
 interface is small and stable, so this module speaks it directly; nothing here is imported
 unless ``engine="uring"`` is asked for.
 
-The system call numbers 425-427 are the same on x86_64 and aarch64 (the unified table).
+Only x86_64 for now: the ring's head and tail are read and written with plain ctypes loads and
+stores, which x86's total store order makes safe; a weakly ordered CPU (aarch64) would need
+acquire/release barriers, so there the engine reports io_uring unavailable and falls back.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import struct
 from collections.abc import Sequence
 
 SYS_SETUP, SYS_ENTER, SYS_REGISTER = 425, 426, 427
-_MACHINES = ("x86_64", "aarch64")
+_MACHINES = ("x86_64",)
 
 OP_NOP, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE = 0, 4, 5, 22, 23
 _ENTER_GETEVENTS = 1
@@ -77,7 +79,7 @@ class Ring:
 
     def __init__(self, entries: int) -> None:
         if platform.system() != "Linux" or platform.machine() not in _MACHINES:
-            raise OSError(errno.ENOSYS, f"io_uring needs Linux on {'/'.join(_MACHINES)}")
+            raise OSError(errno.ENOSYS, "this io_uring ring supports Linux on x86_64 only")
         params = _Params()
         self.fd = _syscall(SYS_SETUP, entries, ctypes.byref(params))
         self._maps: list[mmap.mmap] = []
@@ -129,7 +131,7 @@ class Ring:
         index = tail & self._sq_mask
         _SQE.pack_into(self._sqes, index * _SQE_SIZE, opcode, 0, 0, fd, offset, address, length,
                        0, user_data, buf_index, 0, 0, 0, 0)
-        self._sq_tail.value = tail + 1  # x86/arm64 ctypes stores: the SQE is written first
+        self._sq_tail.value = tail + 1  # x86 keeps stores in order: the SQE is visible first
         self._pending += 1
 
     def submit_and_wait(self, wait_nr: int) -> list[tuple[int, int]]:
