@@ -29,6 +29,8 @@ extra (1 MiB blocks made a resharded quarter-load read 1.9x the bytes it needed)
 
 ENGINES = ("auto", "posix", "kvikio", "uring")
 READ_MODES = ("auto", "direct", "buffered")
+HOST_ENGINES = ("posix", "uring")
+"""What ``engine="auto"`` runs when there are no device tensors (``dcp-nvme tune`` measures both)."""
 """How containers are read: O_DIRECT, or the page cache with readahead (POSIX_FADV_SEQUENTIAL,
 block_size preads); ``auto`` follows ``direct_io`` unless ``dcp-nvme tune`` stored a winner."""
 
@@ -161,6 +163,7 @@ _CHECKS: dict[str, Any] = {
     "direct_io": check_bool,
     "engine": lambda n, v, s: check_choice(n, v, ENGINES, s),
     "read_mode": lambda n, v, s: check_choice(n, v, READ_MODES, s),
+    "host_engine": lambda n, v, s: check_choice(n, v, HOST_ENGINES, s),
     "verify": check_bool,
     "overwrite": check_bool,
     "allow_pickle": check_bool,
@@ -190,6 +193,7 @@ class IOConfig:
     engine: str = "auto"
     verify: bool = True
     read_mode: str = "auto"
+    host_engine: str = "posix"
 
     def __post_init__(self) -> None:
         for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
@@ -211,8 +215,8 @@ class IOConfig:
         return asdict(self)
 
 
-_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify", "read_mode")
-_TUNED = ("queue_depth", "block_size", "direct_io", "read_mode")
+_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify", "read_mode", "host_engine")
+_TUNED = ("queue_depth", "block_size", "direct_io", "read_mode", "host_engine")
 
 
 def _from_env() -> dict[str, Any]:

@@ -173,7 +173,8 @@ class ProbeResult:
         }
 
 
-def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, keep: bool = False) -> ProbeResult:
+def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, keep: bool = False,
+                 engine_class=PosixEngine) -> ProbeResult:
     """Write ``nbytes`` to a new file with the plugin's engine, evict it, read it back, delete it.
 
     The data comes from (and returns to) one page-aligned buffer, so the engine takes its
@@ -183,7 +184,7 @@ def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, kee
     """
     nbytes = max(ALIGN, nbytes // ALIGN * ALIGN)
     os.makedirs(directory, exist_ok=True)
-    engine = PosixEngine(config)
+    engine = engine_class(config)
     source = buffer if buffer is not None else aligned_buffer(nbytes, pin=False)
     source = source[:nbytes]
     header = bytes(ALIGN)
@@ -266,11 +267,50 @@ def sweep(directory: str, nbytes: int, queue_depths: list[int], block_sizes: lis
                            direct_io=best["direct_io"], engine="posix")
     modes = measure_read_modes(directory, nbytes, best_config, buffer, repeat)
     best["read_mode"] = pick_read_mode(modes)
+    host_engines = measure_host_engines(directory, nbytes, best_config, buffer, repeat)
+    best["host_engine"] = pick_host_engine(host_engines)
     return {
         "format": "dcp_nvme.tune", "format_version": 1, "created_unix": time.time(),
         "best": best, "size": nbytes, "repeat": repeat, "points": points,
-        "read_modes": modes, "machine": machine_info(directory),
+        "read_modes": modes, "host_engines": host_engines, "machine": machine_info(directory),
     }
+
+
+def measure_host_engines(directory: str, nbytes: int, config: IOConfig, buffer=None,
+                         repeat: int = 1) -> dict[str, dict[str, Any]]:
+    """Write GB/s and CPU seconds per GB (user+sys of this process) of the threads and io_uring
+    engines at one point, alternating, median of ``repeat`` rounds each."""
+    import resource
+
+    from .engines.uring import UringEngine, uring_unavailable_reason
+
+    classes = {"posix": PosixEngine, "uring": UringEngine}
+    reason = uring_unavailable_reason()
+    runs: dict[str, list[tuple[float, float]]] = {"posix": []} if reason else {"posix": [], "uring": []}
+    for _ in range(repeat):
+        for name in runs:
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            probe = engine_probe(directory, nbytes, config, buffer=buffer, engine_class=classes[name])
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            runs[name].append((probe.write_gbps, cpu / (2 * probe.nbytes / 1e9)))  # written + read
+    out: dict[str, dict[str, Any]] = {
+        name: {"write_gbps": round(statistics.median(r[0] for r in values), 3),
+               "cpu_seconds_per_gb": round(statistics.median(r[1] for r in values), 4)}
+        for name, values in runs.items()}
+    if reason:
+        out["uring"] = {"unavailable": reason}
+    return out
+
+
+def pick_host_engine(measured: dict[str, dict[str, Any]]) -> str:
+    """io_uring when it is available, writes within 3 % of the threads engine or faster, and
+    costs less CPU per GB; otherwise the threads engine."""
+    uring, posix = measured.get("uring", {}), measured["posix"]
+    if "write_gbps" not in uring:
+        return "posix"
+    fast_enough = uring["write_gbps"] >= (1 - TIE_TOLERANCE) * posix["write_gbps"]
+    return "uring" if fast_enough and uring["cpu_seconds_per_gb"] < posix["cpu_seconds_per_gb"] else "posix"
 
 
 def measure_read_modes(directory: str, nbytes: int, config: IOConfig, buffer=None,
@@ -424,6 +464,10 @@ def run_tune(args: argparse.Namespace) -> int:
     modes = doc["read_modes"]
     print(f"read_mode={best['read_mode']} (cold read: O_DIRECT {modes['direct']:.2f} GB/s, "
           f"buffered with readahead {modes['buffered']:.2f} GB/s)")
+    print(f"host_engine={best['host_engine']} (" + "; ".join(
+        f"{name}: {m['write_gbps']:.2f} GB/s write, {m['cpu_seconds_per_gb']:.3f} CPU s/GB"
+        if "write_gbps" in m else f"{name}: {m['unavailable']}"
+        for name, m in doc["host_engines"].items()) + ")")
     if output.resolve() == default_tune_file().resolve():
         print(f"written to {output}; NVMeWriter/NVMeReader use it unless an argument or DCP_NVME_* "
               "says otherwise")

@@ -9,7 +9,7 @@ import pytest
 
 from dcp_nvme.cli import main
 from dcp_nvme.config import TUNE_FILE_ENV, IOConfig, default_tune_file, resolve_config
-from dcp_nvme.tune import engine_probe, pick_best, pick_read_mode
+from dcp_nvme.tune import engine_probe, pick_best, pick_host_engine, pick_read_mode
 
 
 def _point(qd, bs, direct, write, read):
@@ -31,7 +31,7 @@ def test_pick_best_prefers_balanced_then_smaller_window():
 def test_tune_writes_a_file_resolve_config_uses(tmp_path, monkeypatch, capsys):
     tune_file = tmp_path / "conf" / "tune.json"
     monkeypatch.setenv(TUNE_FILE_ENV, str(tune_file))
-    for name in ("QUEUE_DEPTH", "BLOCK_SIZE", "DIRECT_IO", "READ_MODE"):
+    for name in ("QUEUE_DEPTH", "BLOCK_SIZE", "DIRECT_IO", "READ_MODE", "HOST_ENGINE"):
         monkeypatch.delenv(f"DCP_NVME_{name}", raising=False)
     assert default_tune_file() == tune_file
     disk = tmp_path / "disk"
@@ -50,7 +50,10 @@ def test_tune_writes_a_file_resolve_config_uses(tmp_path, monkeypatch, capsys):
         assert point["write_io"]["bytes"] == 2 << 20 and 1 <= point["write_io"]["max_inflight"] <= point["queue_depth"]
     assert doc["machine"]["directory"] == str(disk) and doc["machine"]["cpu_count"]
     best = doc["best"]
-    assert {k: v for k, v in best.items() if k != "read_mode"} == pick_best(doc["points"])
+    assert {k: v for k, v in best.items() if k not in ("read_mode", "host_engine")} == pick_best(doc["points"])
+    assert best["host_engine"] == pick_host_engine(doc["host_engines"])
+    assert doc["host_engines"]["posix"]["cpu_seconds_per_gb"] > 0
+    assert f"host_engine={best['host_engine']}" in out
     modes = doc["read_modes"]  # both read modes measured on the same file, the winner stored
     assert modes["direct"] > 0 and modes["buffered"] > 0
     assert best["read_mode"] == pick_read_mode(modes)
@@ -58,8 +61,9 @@ def test_tune_writes_a_file_resolve_config_uses(tmp_path, monkeypatch, capsys):
     assert os.listdir(disk) == []  # every probe file and the work directory are gone
 
     config = resolve_config()
-    assert (config.queue_depth, config.block_size, config.direct_io, config.read_mode) == (
-        best["queue_depth"], best["block_size"], best["direct_io"], best["read_mode"])
+    assert (config.queue_depth, config.block_size, config.direct_io, config.read_mode,
+            config.host_engine) == (best["queue_depth"], best["block_size"], best["direct_io"],
+                                    best["read_mode"], best["host_engine"])
     # explicit arguments and the environment still win over the tune file
     assert resolve_config(queue_depth=7).queue_depth == 7
     monkeypatch.setenv("DCP_NVME_BLOCK_SIZE", "2MiB")

@@ -186,3 +186,30 @@ def test_uring_is_refused_off_x86_64_with_the_reason(monkeypatch):
     monkeypatch.setattr(ring.platform, "machine", lambda: "aarch64")
     reason = ring.unavailable_reason()
     assert reason is not None and "x86_64 only" in reason
+
+
+def test_pick_host_engine_needs_throughput_and_less_cpu():
+    from dcp_nvme.tune import pick_host_engine
+
+    posix = {"write_gbps": 2.0, "cpu_seconds_per_gb": 0.30}
+    assert pick_host_engine({"posix": posix, "uring": {"write_gbps": 2.0, "cpu_seconds_per_gb": 0.1}}) == "uring"
+    assert pick_host_engine({"posix": posix, "uring": {"write_gbps": 1.5, "cpu_seconds_per_gb": 0.1}}) == "posix"
+    assert pick_host_engine({"posix": posix, "uring": {"write_gbps": 2.5, "cpu_seconds_per_gb": 0.4}}) == "posix"
+    assert pick_host_engine({"posix": posix, "uring": {"unavailable": "seccomp"}}) == "posix"
+
+
+@needs_uring
+def test_auto_runs_the_tuned_host_engine(tmp_path, monkeypatch):
+    """A tune file that found io_uring better makes engine='auto' use it for host tensors."""
+    tune_file = tmp_path / "tune.json"
+    tune_file.write_text(json.dumps({"best": {"host_engine": "uring"}}))
+    monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune_file))
+    monkeypatch.delenv("DCP_NVME_HOST_ENGINE", raising=False)
+    sd = {"w": torch.randn(10_000)}
+    writer = NVMeWriter(tmp_path / "c", block_size=65_536)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    assert writer.last_stats["engine"] == "uring"
+    assert "host_engine=uring" in writer.last_stats["engine_reason"]
+    monkeypatch.setenv("DCP_NVME_HOST_ENGINE", "threads")
+    with pytest.raises(ValueError, match="DCP_NVME_HOST_ENGINE"):
+        NVMeWriter(tmp_path / "d")

@@ -112,6 +112,9 @@ def select_engine(
         engine, how = _kvikio_engine(config)
         return _chosen(engine, f"requested: {how}")
     if not has_device_tensors:
+        if config.host_engine == "uring":  # what ``dcp-nvme tune`` measured better here
+            engine, why = _uring_engine(config)
+            return engine, f"auto: no device tensors, host_engine=uring; {why}"
         return _chosen(PosixEngine(config), "auto: no device tensors")
     reason = kvikio_unavailable_reason(directory)
     if reason:
