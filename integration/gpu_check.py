@@ -125,11 +125,10 @@ def main() -> int:
 
     from dcp_nvme import NVMeReader, NVMeWriter
     from dcp_nvme.config import IOConfig
-    from dcp_nvme.engines import kvikio_unavailable_reason
+    from dcp_nvme.engines import kvikio_unavailable_reason, shared_engine
     from dcp_nvme.engines.kvikio import KvikioEngine, device_crc32c
     from dcp_nvme.engines.posix import PosixEngine
     from dcp_nvme.layout import FileBlocks, ItemSpec, Need, plan_container, plan_reads
-    from dcp_nvme.writer import shared_engine
 
     work = Path(args.dir).resolve()
     shutil.rmtree(work, ignore_errors=True)

@@ -27,7 +27,6 @@ import dcp_nvme.engines as engines
 import dcp_nvme.engines.kvikio as kv
 import dcp_nvme.engines.posix as posix
 import dcp_nvme.memory
-import dcp_nvme.writer as writer_mod
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import IOConfig
 from dcp_nvme.errors import ChecksumMismatchError, DCPNVMeError, EngineUnavailableError
@@ -152,7 +151,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dcp_nvme.memory, "cuda_available", lambda: False)  # no pinned allocator here
     monkeypatch.setattr(kv, "_probe_tensor", lambda n: (torch.arange(n) % 251).to(torch.uint8))
-    monkeypatch.setattr(writer_mod, "_ENGINE_CACHE", {})
+    monkeypatch.setattr(engines, "_ENGINE_CACHE", {})
     engines.reset_probe_cache()
     yield
     engines.reset_probe_cache()
@@ -236,6 +235,24 @@ def test_probe_that_hangs_times_out(monkeypatch, fake_cuda, tmp_path):
     engine, reason = engines.select_engine(IOConfig(), True, str(tmp_path))
     assert engine.name == "posix" and "did not finish within 0.2 s" in reason
     assert time.perf_counter() - started < 3
+
+
+def test_a_verify_off_reader_reuses_the_writers_engine_and_buffers(monkeypatch, tmp_path):
+    """Engines read only queue_depth, block_size and direct_io: verify must not split the cache."""
+    monkeypatch.setattr(engines, "_ENGINE_CACHE", {})
+    state = {"w": torch.randn(300, 257), "step": torch.tensor(7)}
+    options = {"engine": "posix", "queue_depth": 2, "block_size": "1MiB"}
+    dcp.save(state, storage_writer=NVMeWriter(tmp_path, **options), no_dist=True)
+    (engine,) = engines._ENGINE_CACHE.values()
+    pool = engine._pool  # the save allocated it (the header goes through a bounce buffer)
+    assert pool is not None
+    for verify in (True, False):
+        out = {"w": torch.zeros(300, 257), "step": torch.tensor(0)}
+        dcp.load(out, storage_reader=NVMeReader(tmp_path, verify=verify, **options), no_dist=True)
+        assert torch.equal(out["w"], state["w"]) and int(out["step"]) == 7
+    assert list(engines._ENGINE_CACHE.values()) == [engine] and engine._pool is pool
+    other, _ = engines.shared_engine(IOConfig(engine="posix", queue_depth=3, block_size=1 << 20), False)
+    assert other is not engine  # a knob the engine does read gets its own
 
 
 def test_no_selection_at_import_time():
