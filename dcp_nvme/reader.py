@@ -24,11 +24,12 @@ from torch.futures import Future
 
 from .config import IOConfig, resolve_config
 from .engines import shared_engine
+from .engines.fsspec import FsspecEngine
 from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
 from .memory import tensor_bytes
-from .remote import FsspecEngine, open_store
+from .remote import open_store
 from .stats import IOStats, PhaseTimer
 from .store import LocalStore, is_local_path, is_remote_url, local_path
 

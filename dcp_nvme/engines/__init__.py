@@ -5,6 +5,9 @@ device memory through kvikio succeeds in the target directory (cached per direct
 are device tensors to move; otherwise POSIX. ``engine="kvikio"`` where that chain breaks raises
 ``EngineUnavailableError`` naming the broken link. Nothing here imports kvikio at import time.
 
+The third engine, ``fsspec.FsspecEngine`` (ranged GETs from any fsspec URL), serves readers of
+remote checkpoints; it has no buffers to share, so it is made per read.
+
 ``shared_engine`` keeps one engine per process for each set of knobs engines read, so writers
 and readers reuse its bounce buffers across saves and loads.
 """
