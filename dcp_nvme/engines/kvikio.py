@@ -36,12 +36,13 @@ import crc32c
 import numpy as np
 import torch
 
+from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
 from ..errors import ChecksumMismatchError
-from ..layout import SCRATCH, ReadRequest, Window, plan_windows
+from ..layout import SCRATCH, ReadRequest, Window
 from ..stats import IOStats
 from .base import FileWriteResult
-from .posix import PosixEngine, _with_path, check_length, finish_file, open_file, write_header
+from .posix import PosixEngine, check_length
 
 log = logging.getLogger(__name__)
 
@@ -391,49 +392,29 @@ class KvikioEngine:
         on_device = [self._on_device(s) for s in sources]
         if not any(on_device):
             return self._posix.write_file(path, header, sources, checksum_block)
-        if len(header) % ALIGN:
-            raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
-        if self.config.block_size % checksum_block:
-            raise ValueError("checksum_block must divide block_size")
         kvikio = self.kvikio
         for device in {s.device for s, dev in zip(sources, on_device) if dev}:
             self._sync(device)  # the bytes the producers queued must be there before cuFile reads
-        sizes = [int(s.numel()) for s in sources]
-        data_size = sum(sizes)
-        data_start = len(header)
-        crcs = [0] * (-(-data_size // checksum_block))
-        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.config.direct_io)
-        stats = IOStats("write")
-        started = time.perf_counter()
-        try:
-            fd, direct = _write_header(path, fd, direct, header)
-            stats.direct_io = direct
+        # the POSIX engine creates the file, writes the header and host windows, cuts and fsyncs
+        # it (fsync is per file: it covers cuFile's writes too); device windows go through cuFile
+        with self._posix.open_container(path, header, sources, checksum_block) as container:
+            container.addresses = [None if dev else a for a, dev in zip(container.addresses, on_device)]
             handle = _open_cufile(kvikio, path, "r+")  # "r+": no truncation, the header stays
-            addresses = [None if dev else s.data_ptr() for s, dev in zip(sources, on_device)]
 
             def write_window(window: Window) -> None:
                 if any(on_device[p.source] for p in window.pieces):
-                    self._write_device_window(handle, path, data_start, window, sources, on_device,
-                                              checksum_block, crcs, stats)
+                    self._write_device_window(handle, container, window, on_device)
                 else:
-                    self._posix._write_window(fd, direct, data_start, window, sources, addresses,
-                                              checksum_block, crcs, stats)
+                    container.write_host_window(window)
 
             try:
-                self._posix._run_bounded(plan_windows(sizes, self.config.block_size), write_window)
+                run_bounded(self.config.queue_depth, container.windows(), write_window)
             finally:
                 handle.close()
-            finish_file(fd, data_start + data_size, stats)  # fsync is per file: covers cuFile's fds
-        except OSError as exc:
-            raise _with_path(exc, path) from exc
-        finally:
-            os.close(fd)
-        stats.seconds = time.perf_counter() - started
-        return FileWriteResult(path, data_start + data_size, data_start, checksum_block, crcs,
-                               crc32c.crc32c(header), stats)
+        return container.result
 
-    def _write_device_window(self, handle, path, data_start, window, sources, on_device,
-                             checksum_block, crcs, stats) -> None:
+    def _write_device_window(self, handle, container, window, on_device) -> None:
+        sources, stats, checksum_block = container.sources, container.stats, container.checksum_block
         first = window.pieces[0]
         device = next(sources[p.source].device for p in window.pieces if on_device[p.source])
         with contextlib.ExitStack() as stack:
@@ -451,17 +432,15 @@ class KvikioEngine:
                 pending = device_crc32c_async(view, checksum_block)  # overlaps the write
                 if copied:
                     self._sync(device)  # the gather must land before cuFile reads it
-                offset = data_start + window.offset
+                offset = container.data_start + window.offset
                 begun = stats.begin()
                 written = _kvikio_call(handle.pwrite, view, window.length, offset,
-                                       self.config.block_size, path, "write")
+                                       self.config.block_size, container.path, "write")
                 stats.end(begun, window.length, copied)
                 if written != window.length:
                     raise OSError(errno.EIO, f"kvikio wrote {written} of {window.length} bytes at "
-                                  f"offset {offset}", path)
-                values = finish_crc32c(pending, window.length, checksum_block)
-        first_block = window.offset // checksum_block
-        crcs[first_block : first_block + len(values)] = values
+                                  f"offset {offset}", container.path)
+                container.record_crcs(window, finish_crc32c(pending, window.length, checksum_block))
         with self._lock:
             self.device_bytes["write"] += window.length
 
@@ -497,7 +476,7 @@ class KvikioEngine:
         for device in {d.device for d, dev in zip(dests, on_device) if dev}:
             self._sync(device)  # nothing queued may still write the destinations
         try:
-            self._posix._run_bounded(device_requests, run)
+            run_bounded(self.config.queue_depth, device_requests, run)
         finally:
             for opened, _ in handles.values():
                 opened.close()
@@ -558,16 +537,6 @@ def _kvikio_call(method, view: torch.Tensor, length: int, offset: int, task_size
     except Exception as exc:
         raise OSError(errno.EIO, f"kvikio {op} of {length} bytes at offset {offset} failed ({exc})",
                       path) from exc
-
-
-def _write_header(path: str, fd: int, direct: bool, header: bytes) -> tuple[int, bool]:
-    """Write the header from an aligned host buffer; like the POSIX engine, it is the probe that
-    O_DIRECT writes work, reopening buffered where the filesystem refuses them."""
-    from ..memory import aligned_buffer
-
-    buffer = aligned_buffer(len(header), pin=False)
-    buffer.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    return write_header(path, fd, direct, buffer.numpy().data)
 
 
 def _verify_device(request: ReadRequest, view: torch.Tensor) -> None:
