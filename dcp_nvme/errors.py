@@ -42,3 +42,12 @@ class ChecksumMismatchError(DCPNVMeError):
 
 class EngineUnavailableError(DCPNVMeError, RuntimeError):
     """The requested I/O engine cannot run on this machine."""
+
+
+class TableError(ManifestError):
+    """A table named by manifest.json is missing, or its bytes differ from the size and crc32c
+    recorded there; ``name`` is the table's file name."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.name = name
+        super().__init__(message)

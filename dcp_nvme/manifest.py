@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError
+from .checksums import check_table
+from .errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError, TableError
 
 FORMAT = "dcp_nvme"
 FORMAT_VERSION = 1
@@ -353,12 +354,8 @@ def _load_table(store, entry: dict[str, Any], location: str) -> bytes:
     try:
         data = store.read(name)
     except FileNotFoundError:
-        raise ManifestError(f"{location}: {name} named by {MANIFEST} is missing") from None
-    if len(data) != entry["size"] or crc32c.crc32c(data) != entry["crc32c"]:
-        raise ManifestError(
-            f"{location}: {name} does not match {MANIFEST} (size {len(data)} vs {entry['size']}, "
-            "or its checksum): the index is corrupt"
-        )
+        raise TableError(name, f"{location}: {name} named by {MANIFEST} is missing") from None
+    check_table(location, entry, data)
     return data
 
 

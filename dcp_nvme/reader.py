@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .checksums import items_in
 from .config import IOConfig, resolve_config
 from .engines import shared_engine
 from .engines.fsspec import FsspecEngine
@@ -258,5 +259,5 @@ class NVMeReader(StorageReader):
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:
     name = os.path.basename(exc.path)
-    hits = sorted({key for start, end, key in batch.owners.get(name, []) if start < exc.end and exc.start < end})
+    hits = items_in(batch.owners.get(name, []), exc.start, exc.end)
     return ", ".join(hits) if hits else "none of the requested items (a neighbouring block)"

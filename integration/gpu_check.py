@@ -124,9 +124,10 @@ def main() -> int:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     from dcp_nvme import NVMeReader, NVMeWriter
+    from dcp_nvme.checksums import device_crc32c
     from dcp_nvme.config import IOConfig
     from dcp_nvme.engines import kvikio_unavailable_reason, shared_engine
-    from dcp_nvme.engines.kvikio import KvikioEngine, device_crc32c
+    from dcp_nvme.engines.kvikio import KvikioEngine
     from dcp_nvme.engines.posix import PosixEngine
     from dcp_nvme.layout import FileBlocks, ItemSpec, Need, plan_container, plan_reads
 

@@ -13,11 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..checksums import check_host
 from ..concurrency import run_bounded
 from ..config import IOConfig
 from ..layout import SCRATCH, ReadRequest
 from ..stats import IOStats
-from .posix import check_length, verify_checks
+from .posix import check_length
 
 
 class FsspecEngine:
@@ -47,7 +48,7 @@ class FsspecEngine:
                                     end=request.file_offset + request.length)
             stats.end(begun, len(data), len(data))
             check_length(request, request.file_offset + len(data))
-            verify_checks(request, [memoryview(data)])
+            check_host(request.file, request.file_offset, request.checks, [memoryview(data)])
             source = np.frombuffer(data, dtype=np.uint8)
             position = 0
             for dest, dest_offset, length in request.pieces:

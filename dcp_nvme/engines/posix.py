@@ -23,9 +23,10 @@ from collections.abc import Iterator, Sequence
 import crc32c
 import torch
 
+from ..checksums import check_host
 from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
-from ..errors import ChecksumMismatchError, DCPNVMeError
+from ..errors import DCPNVMeError
 from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
 from ..memory import aligned_buffer
 from ..stats import IOStats
@@ -271,7 +272,7 @@ class PosixEngine:
             stats.end(begun, request.length, request.length)
             check_length(request, lo + got)
             base = request.file_offset - lo
-            verify_checks(request, [view[base : base + request.length]])
+            check_host(request.file, request.file_offset, request.checks, [view[base : base + request.length]])
             position = base
             for dest, dest_offset, length in request.pieces:
                 if dest != SCRATCH:
@@ -295,7 +296,7 @@ class PosixEngine:
         got = _pread_into(fd, views, request.file_offset)
         stats.end(begun, request.length)
         check_length(request, request.file_offset + got)
-        verify_checks(request, views)
+        check_host(request.file, request.file_offset, request.checks, views)
 
 
 class ContainerWrite:
@@ -395,28 +396,6 @@ def check_length(request: ReadRequest, end_read: int) -> None:
             f"{request.file} is truncated: needed bytes up to {needed}, the file ends at "
             f"{end_read}. The checkpoint is damaged; load an earlier one or restore this file."
         )
-
-
-def verify_checks(request: ReadRequest, views: list[memoryview]) -> None:
-    """Check each block of the request against its expected crc32c (views in file order)."""
-    if not request.checks:
-        return
-    position, index = 0, 0  # start offset of views[index] within the request
-    for rel, length, expected in request.checks:
-        while position + len(views[index]) <= rel:
-            position += len(views[index])
-            index += 1
-        crc, cursor, i, pos = 0, rel, index, position
-        while cursor < rel + length:
-            view = views[i]
-            take = view[cursor - pos : min(len(view), rel + length - pos)]
-            crc = crc32c.crc32c(take, crc)
-            cursor += len(take)
-            pos += len(view)
-            i += 1
-        if crc != expected:
-            start = request.file_offset + rel
-            raise ChecksumMismatchError(request.file, start, start + length, expected, crc)
 
 
 def with_path(exc: OSError, path: str) -> OSError:

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checksums import check_table
 from ..concurrency import run_bounded
 from ..manifest import MANIFEST, FileRecord, read_files, read_manifest, save_key_of
 from ..store import LocalStore
@@ -194,7 +195,7 @@ def _attempt(location, manifest, sink: Sink, journal: Journal, options: DrainOpt
             _readback(sink, files[name], part_size, options, result)
     for entry in (manifest.doc["index"], manifest.doc["blocks"]):
         data = store.read(entry["name"])  # read_manifest checked the index; check both again
-        _check_table(location, entry, data)
+        check_table(location, entry, data)  # never drain a corrupt checkpoint
         sink.put_small(entry["name"], data)
     sink.put_small(MANIFEST, store.read(MANIFEST))  # the commit on the target
     for name in sink.names():
@@ -248,16 +249,6 @@ def _readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOpti
 
     run_bounded(options.max_transfers, pieces, check, "dcp-nvme-readback")
     result.bytes_verified_remote += record.size
-
-
-def _check_table(location: str, entry: dict[str, Any], data: bytes) -> None:
-    import crc32c
-
-    from ..errors import ManifestError
-
-    if len(data) != entry["size"] or crc32c.crc32c(data) != entry["crc32c"]:
-        raise ManifestError(f"{location}: {entry['name']} does not match manifest.json; not draining "
-                            "a corrupt checkpoint")
 
 
 def verify_mirror(local: str | os.PathLike, target: str, *, storage_options: dict[str, Any] | None = None,

@@ -8,8 +8,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import crc32c
-
+from ..checksums import check_host, checks_within
 from ..errors import ChecksumMismatchError, DCPNVMeError
 from ..manifest import FileRecord
 
@@ -60,21 +59,7 @@ def verify_piece(record: FileRecord, offset: int, data: bytes | memoryview, wher
     Raises ChecksumMismatchError naming ``where`` (the file, local or remote) and the range.
     """
     view = memoryview(data)
-    end = offset + len(view)
-    if offset == 0 and end >= record.data_start:
-        actual = crc32c.crc32c(view[: record.data_start])
-        if actual != record.header_crc:
-            raise ChecksumMismatchError(where, 0, record.data_start, record.header_crc, actual)
-    block = record.checksum_block
-    first = max(0, -(-(offset - record.data_start) // block))
-    for index in range(first, len(record.crcs)):
-        lo = record.data_start + index * block
-        hi = min(lo + block, record.size)
-        if hi > end:
-            break
-        actual = crc32c.crc32c(view[lo - offset : hi - offset])
-        if actual != record.crcs[index]:
-            raise ChecksumMismatchError(where, lo, hi, record.crcs[index], actual)
+    check_host(where, offset, checks_within(record, offset, offset + len(view)), [view])
 
 
 def classify(exc: BaseException) -> str:

@@ -19,8 +19,9 @@ from typing import Any
 
 import crc32c
 
+from ..checksums import checks_within, host_crcs, items_in, mismatches
 from ..concurrency import run_bounded
-from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError
+from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, TableError
 from ..manifest import (
     MANIFEST,
     ChunkRecord,
@@ -107,10 +108,6 @@ def verify_checkpoint(
 # --------------------------------------------------------------------------- manifest and tables
 
 
-def _table_names(source: Store) -> list[str]:
-    return [n for n in source.names() if n.endswith(".parquet")]
-
-
 def _manifest(source: Store, report: VerifyReport) -> Manifest | None:
     try:
         return read_manifest(source, source.location)
@@ -118,11 +115,10 @@ def _manifest(source: Store, report: VerifyReport) -> Manifest | None:
         report.problems.append(Problem(MANIFEST, "incomplete", str(exc)))
     except CheckpointNotFoundError:
         raise
-    except Exception as exc:  # corrupt JSON or a table that does not match it
-        text = str(exc)
-        culprit = next((n for n in _table_names(source) if n in text), MANIFEST)
-        kind = "index" if culprit.startswith("index.") else "blocks" if culprit != MANIFEST else "manifest"
-        report.problems.append(Problem(culprit, kind, text))
+    except TableError as exc:  # a table missing or not matching manifest.json
+        report.problems.append(Problem(exc.name, "index" if exc.name.startswith("index.") else "blocks", str(exc)))
+    except Exception as exc:  # corrupt JSON
+        report.problems.append(Problem(MANIFEST, "manifest", str(exc)))
     return None
 
 
@@ -210,11 +206,6 @@ def _rows_by_file(manifest: Manifest) -> dict[str, list[ChunkRecord]]:
     return rows
 
 
-def items_in(rows: list[ChunkRecord], start: int, end: int) -> tuple[str, ...]:
-    """The index keys of the items whose bytes overlap ``[start, end)``."""
-    return tuple(r.key for r in rows if r.byte_offset < end and start < r.byte_offset + r.length)
-
-
 def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport) -> bool:
     """Header crc, safetensors parse, and agreement with the index; False when unreadable."""
     prefix = bytearray(record.data_start)
@@ -299,15 +290,12 @@ def _check_span(source: Store, task: _Task, buffer: bytearray) -> tuple[int, lis
     record, length = task.record, task.length
     view = memoryview(buffer)[:length]
     got = source.read_into(record.name, task.start, view)
-    bad = []
-    for index in range(task.blocks):
-        rel = index * record.checksum_block
-        lo, hi = rel, min(rel + record.checksum_block, length)
-        start = task.start + lo
-        if got < hi:
-            bad.append((start, task.start + hi, "unreadable: the file ends before this block"))
-        elif crc32c.crc32c(view[lo:hi]) != record.crcs[task.first_block + index]:
-            bad.append((start, task.start + hi, "data does not match its crc32c"))
+    checks = checks_within(record, task.start, task.start + length)
+    bad = [(task.start + rel, task.start + rel + n, "unreadable: the file ends before this block")
+           for rel, n, _ in checks if rel + n > got]
+    readable = checks[: len(checks) - len(bad)]
+    bad += [(task.start + rel, task.start + rel + n, "data does not match its crc32c")
+            for (rel, n, _), _ in mismatches(readable, host_crcs([view], readable))]
     return got, bad
 
 
@@ -360,7 +348,8 @@ def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRe
         bar(None)
     for name in sorted(bad):
         for start, end, why in _merge(bad[name]):
-            report.problems.append(Problem(name, "data", why, start, end, items_in(rows.get(name, []), start, end)))
+            spans = [(r.byte_offset, r.byte_offset + r.length, r.key) for r in rows.get(name, [])]
+            report.problems.append(Problem(name, "data", why, start, end, items_in(spans, start, end)))
 
 
 def progress_bar(total: int, enabled: bool, desc: str = "verify") -> Callable[[int | None], None]:
