@@ -533,7 +533,7 @@ def test_posix_device_bounce_overlaps_copy_and_write(monkeypatch, tmp_path):
                 overlapped.append(nxt.wait(timeout=5))
         real_pwrite(fd, view, offset)
 
-    monkeypatch.setattr(posix, "_contiguous_address", lambda window, addresses: None)
+    monkeypatch.setattr(posix, "contiguous_span", lambda window, addresses: None)
     monkeypatch.setattr(posix, "copy_bytes", fake_device_copy)
     monkeypatch.setattr(posix, "pwrite_all", slow_pwrite)
     result = posix.PosixEngine(config).write_file(str(tmp_path / "dev.bin"), header, sources, 65_536)

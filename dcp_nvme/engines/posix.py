@@ -27,7 +27,7 @@ from ..checksums import check_host
 from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
 from ..errors import DCPNVMeError
-from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
+from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, contiguous_span, plan_windows
 from ..memory import aligned_buffer
 from ..stats import IOStats
 from .base import FileWriteResult
@@ -327,7 +327,7 @@ class ContainerWrite:
         """Write one window from host memory: straight from one aligned span when the sources
         lie back to back there (a staging arena), else through a bounce buffer."""
         direct, block, stats = self.direct, self.checksum_block, self.stats
-        span = _contiguous_address(window, self.addresses)
+        span = contiguous_span(window, self.addresses)
         aligned = span is not None and (
             not direct or (span % ALIGN == 0 and window.length % ALIGN == 0)
         )
@@ -354,22 +354,6 @@ class ContainerWrite:
         finally:
             if pool is not None:
                 pool.free.put(index)
-
-def _contiguous_address(window: Window, addresses: Sequence[int | None]) -> int | None:
-    """The address of the window's bytes if they are one span of host memory, else None."""
-    first = window.pieces[0]
-    start = addresses[first.source]
-    if start is None:
-        return None
-    start += first.src_offset
-    expected = start
-    for piece in window.pieces:
-        base = addresses[piece.source]
-        if base is None or base + piece.src_offset != expected:
-            return None
-        expected += piece.length
-    return start
-
 
 def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:
     """preadv until every view is full or the file ends; returns the bytes read."""
