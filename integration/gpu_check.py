@@ -71,7 +71,7 @@ def fs_type(path: Path) -> str:
 
 def drop_cache(directory: Path) -> None:
     """Evict a checkpoint's pages so a load reads the disk (clean pages after fsync)."""
-    from dcp_nvme.tune import evict_from_page_cache
+    from dcp_nvme.host import evict_from_page_cache
 
     evict_from_page_cache([str(f) for f in directory.rglob("*") if f.is_file()])
 

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
+from ..host import evict_from_page_cache, files_under
 from ..memory import aligned_buffer, tensor_bytes
 from ..synthetic import build_state, llama_spec
-from ..tune import engine_probe, evict_from_page_cache, files_under
+from ..tune import engine_probe
 from .core import BenchCore, same_state
 from .device import fio_sequential, fio_version
 from .peers import safetensors_load_eager, save_torch

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..config import default_tune_file
+from ..host import machine_info
 from ..synthetic import ModelSpec, llama_spec
-from ..tune import machine_info
 from .device import fio_version
 from .group import Group, free_port
 from .peers import PeerRows
