@@ -51,3 +51,20 @@ class TableError(ManifestError):
     def __init__(self, name: str, message: str) -> None:
         self.name = name
         super().__init__(message)
+
+
+class StagingBusyError(DCPNVMeError, RuntimeError):
+    """Every staging arena is still being written by an earlier save (``on_busy="error"``)."""
+
+
+class DrainError(DCPNVMeError, RuntimeError):
+    """A drain gave up; ``cause`` is the one-line reason also recorded in the drain state."""
+
+    def __init__(self, location: str, target: str, cause: str) -> None:
+        self.location, self.target, self.cause = location, target, cause
+        super().__init__(f"drain of {location} to {target} failed: {cause}. The local checkpoint is "
+                         "intact; fix the cause and run `dcp-nvme drain` on it to resume.")
+
+
+class BucketMissingError(DCPNVMeError, FileNotFoundError):
+    """The object-store bucket a drain targets does not exist."""

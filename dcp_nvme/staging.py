@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from .config import ALIGN
-from .errors import DCPNVMeError
+from .errors import StagingBusyError
 from .layout import place_back_to_back
 from .memory import aligned_buffer, cuda_available
 
@@ -48,10 +48,6 @@ log = logging.getLogger(__name__)
 __all__ = ["NVMeStager", "StagingBusyError", "plan_arena"]
 
 _HELPER_PREFIX = "dcp-nvme-stage"
-
-
-class StagingBusyError(DCPNVMeError, RuntimeError):
-    """Every staging arena is still being written by an earlier save (``on_busy="error"``)."""
 
 
 # --------------------------------------------------------------------------- pure: structure

@@ -23,11 +23,11 @@ from typing import Any
 
 from ..checksums import check_table
 from ..concurrency import run_bounded
+from ..errors import DrainError
 from ..manifest import MANIFEST, FileRecord, read_files, read_manifest, save_key_of
 from ..store import LocalStore
 from .plan import (
     S3_MIN_PART,
-    DrainError,
     MiB,
     Piece,
     TokenBucket,

@@ -9,21 +9,12 @@ import time
 from dataclasses import dataclass
 
 from ..checksums import check_host, checks_within
-from ..errors import ChecksumMismatchError, DCPNVMeError
+from ..errors import BucketMissingError, ChecksumMismatchError
 from ..manifest import FileRecord
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB
 """S3 refuses multipart parts below 5 MiB (except the last)."""
-
-
-class DrainError(DCPNVMeError, RuntimeError):
-    """A drain gave up; ``cause`` is the one-line reason also recorded in the drain state."""
-
-    def __init__(self, location: str, target: str, cause: str) -> None:
-        self.location, self.target, self.cause = location, target, cause
-        super().__init__(f"drain of {location} to {target} failed: {cause}. The local checkpoint is "
-                         "intact; fix the cause and run `dcp-nvme drain` on it to resume.")
 
 
 @dataclass(frozen=True)
@@ -70,7 +61,7 @@ def classify(exc: BaseException) -> str:
         return f"checksum mismatch: {text}"
     if isinstance(exc, PermissionError):
         return f"access denied (credentials refused?): {text}"
-    if isinstance(exc, FileNotFoundError) and "bucket" in text.lower():
+    if isinstance(exc, BucketMissingError):
         return f"bucket missing: {text}"
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:
         return f"server busy (503 SlowDown): {text}"

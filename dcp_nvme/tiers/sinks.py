@@ -19,6 +19,7 @@ from typing import Any
 
 from fsspec.asyn import sync
 
+from ..errors import BucketMissingError
 from ..remote import FsspecStore, filesystem, is_local_fs
 from ..store import LocalStore, fsync_dir, is_remote_url, local_path
 from .plan import Piece
@@ -129,7 +130,11 @@ class S3Sink(Sink):
         # Fail early and clearly when the bucket is missing (exists() would just say False).
         bucket, _ = self._key("x")
         self.fs.invalidate_cache(bucket)
-        self.fs.ls(bucket)
+        try:
+            self.fs.ls(bucket)
+        except FileNotFoundError as exc:
+            raise BucketMissingError(f"bucket {bucket!r} does not exist ({exc}); create it or fix "
+                                     "the target URL") from exc
 
     def begin(self, name: str, size: int, entry: dict[str, Any]) -> None:
         bucket, key = self._key(name)
