@@ -98,7 +98,7 @@ def plan_container(
 
 
 @dataclass(frozen=True)
-class Piece:
+class SourceSpan:
     """``length`` bytes of source ``source`` from ``src_offset`` land at ``dst_offset``."""
 
     source: int
@@ -113,7 +113,7 @@ class Window:
 
     offset: int
     length: int
-    pieces: tuple[Piece, ...]
+    pieces: tuple[SourceSpan, ...]
 
 
 def plan_windows(sizes: Sequence[int], block_size: int) -> Iterator[Window]:
@@ -122,13 +122,13 @@ def plan_windows(sizes: Sequence[int], block_size: int) -> Iterator[Window]:
     source, consumed = 0, 0  # current source and bytes of it already placed
     for start in range(0, total, block_size):
         length = min(block_size, total - start)
-        pieces: list[Piece] = []
+        pieces: list[SourceSpan] = []
         filled = 0
         while filled < length:
             while sizes[source] - consumed == 0:
                 source, consumed = source + 1, 0
             take = min(sizes[source] - consumed, length - filled)
-            pieces.append(Piece(source, consumed, take, filled))
+            pieces.append(SourceSpan(source, consumed, take, filled))
             consumed += take
             filled += take
         yield Window(start, length, tuple(pieces))

@@ -109,7 +109,7 @@ def _is_terminal_list(value: list) -> bool:
     return True
 
 
-def describe(state_dict: Mapping, tensors: list[torch.Tensor], objects: list[Any]) -> tuple:
+def structure_of(state_dict: Mapping, tensors: list[torch.Tensor], objects: list[Any]) -> tuple:
     """A hashable template of the state's structure, in DCP's traversal order (tensors first
     within each mapping); fills ``tensors`` (the leaves to copy) and ``objects`` (the rest)."""
 
@@ -380,7 +380,7 @@ class NVMeStager(AsyncStager):
             waited = time.perf_counter() - started
             tensors: list[torch.Tensor] = []
             objects: list[Any] = []
-            template = describe(state_dict, tensors, objects)
+            template = structure_of(state_dict, tensors, objects)
             if arena.template != template:
                 self._rebuild(arena, template)
             future = _StagedFuture(threading.get_ident())

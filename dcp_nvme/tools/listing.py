@@ -9,7 +9,7 @@ from typing import Any
 
 from ..manifest import DCP_METADATA, MANIFEST, save_key_of
 from ..store import LocalStore
-from .status import parse_step, probe
+from .status import checkpoint_state, parse_step
 
 
 @dataclass
@@ -69,7 +69,7 @@ def describe(path: str | os.PathLike) -> CheckpointEntry:
     """One checkpoint directory as a list row."""
     root = Path(path)
     source = LocalStore(root)
-    found = probe(source)
+    found = checkpoint_state(source)
     total = 0
     newest = 0.0
     for entry in os.scandir(root):
