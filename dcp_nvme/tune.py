@@ -18,7 +18,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ALIGN, IOConfig, default_tune_file, parse_size
+from .display import format_size, progress_bar
 from .engines.posix import PosixEngine
 from .host import evict_from_page_cache, files_under, machine_info
 from .layout import Need, plan_reads
@@ -140,36 +140,23 @@ def sweep(directory: str, nbytes: int, queue_depths: list[int], block_sizes: lis
     grid = [(d, q, b) for d in directs for b in block_sizes for q in queue_depths]
     buffer = aligned_buffer(max(ALIGN, nbytes // ALIGN * ALIGN), pin=False)
     points = []
-    bar = _progress(len(grid) * repeat, progress)
+    bar = progress_bar(len(grid) * repeat, progress, unit="pt")
     try:
         for direct, depth, block in grid:
             config = IOConfig(queue_depth=depth, block_size=block, direct_io=direct, engine="posix")
             runs = []
             for _ in range(repeat):
-                if bar is not None:
-                    bar.set_description(f"tune qd={depth} bs={block >> 20}MiB direct={int(direct)}")
+                bar.set_description(f"tune qd={depth} bs={format_size(block)} direct={int(direct)}")
                 runs.append(engine_probe(directory, nbytes, config, buffer=buffer))
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             points.append(_median_point(runs))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return {
         "format": "dcp_nvme.tune", "format_version": 1, "created_unix": time.time(),
         "best": pick_best(points), "size": nbytes, "repeat": repeat, "points": points,
         "machine": machine_info(directory),
     }
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, file=sys.stderr, leave=False, unit="pt")
 
 
 def format_curve(doc: dict[str, Any]) -> str:
@@ -180,14 +167,10 @@ def format_curve(doc: dict[str, Any]) -> str:
     for p in doc["points"]:
         chosen = all(p[k] == best[k] for k in ("queue_depth", "block_size", "direct_io"))
         lines.append(
-            f"{('yes' if p['direct_io'] else 'no'):>6} {p['queue_depth']:>11} {_size(p['block_size']):>10} "
+            f"{('yes' if p['direct_io'] else 'no'):>6} {p['queue_depth']:>11} {format_size(p['block_size']):>10} "
             f"{p['write_gbps']:>10.2f} {p['read_gbps']:>9.2f} {p['write_io']['latency_p99_ms']:>8.1f} "
             f"{p['write_io']['max_inflight']:>5}" + ("   <- best" if chosen else ""))
     return "\n".join(lines)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20}MiB" if nbytes % (1 << 20) == 0 else f"{nbytes >> 10}KiB"
 
 
 # --------------------------------------------------------------------------- CLI
@@ -264,7 +247,7 @@ def run_tune(args: argparse.Namespace) -> int:
     print(f"dcp-nvme tune: {args.size / 2**20:.0f} MiB per point on {doc['machine']['directory']} "
           f"({doc['machine'].get('fstype', '?')})")
     print(format_curve(doc))
-    print(f"best: queue_depth={best['queue_depth']} block_size={_size(best['block_size'])} "
+    print(f"best: queue_depth={best['queue_depth']} block_size={format_size(best['block_size'])} "
           f"direct_io={best['direct_io']} (write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s)")
     if output.resolve() == default_tune_file().resolve():
         print(f"written to {output}; NVMeWriter/NVMeReader use it unless an argument or DCP_NVME_* "

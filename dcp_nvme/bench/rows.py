@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
+from ..display import format_size
 from ..host import evict_from_page_cache, files_under
 from ..memory import aligned_buffer, tensor_bytes
 from ..synthetic import build_state, llama_spec
@@ -21,7 +22,6 @@ from .core import BenchCore, same_state
 from .device import fio_sequential, fio_version
 from .peers import safetensors_load_eager, save_torch
 from .records import Row, Skip
-from .report import fmt_size
 from .reshard import RESHARD_SPLIT, rchar, reshard_rows, row_block_planner
 
 
@@ -122,7 +122,7 @@ class OursRows(BenchCore):
                     row.bytes = measured[op]["bytes"]
                     row.extra = {k: v for k, v in measured[op].items() if k not in ("bytes", "seconds")}
                 how = (f"fio libaio, O_DIRECT={'on' if self.config.direct_io else 'off'}, "
-                       f"qd {self.config.queue_depth}, {fmt_size(self.config.block_size)} requests")
+                       f"qd {self.config.queue_depth}, {format_size(self.config.block_size)} requests")
                 if self.group.world > 1:
                     how += f", {self.group.world} jobs"
             else:
@@ -135,7 +135,7 @@ class OursRows(BenchCore):
                 write.extra, read.extra = {"io": probe.write_io}, {"io": probe.read_io}
                 reason = measured["error"] if measured else "fio is not installed"
                 how = (f"dcp_nvme PosixEngine on one aligned buffer ({reason}), "
-                       f"qd {self.config.queue_depth}, {fmt_size(self.config.block_size)}")
+                       f"qd {self.config.queue_depth}, {format_size(self.config.block_size)}")
             write.note = read.note = how
             self._drop(path)
 

@@ -12,20 +12,11 @@ import sys
 import time
 from typing import Any
 
+from ..display import format_size as human_bytes
 from .export import export_hf
 from .inspection import inspect_checkpoint
 from .listing import list_checkpoints, tiers_available
 from .verify import verify_checkpoint
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def _table(rows: list[list[str]], out=sys.stdout) -> None:

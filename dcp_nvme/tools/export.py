@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..config import IOConfig, parse_size
+from ..display import progress_bar
 from ..engines.posix import PosixEngine
 from ..layout import FileBlocks, plan_reads
 from ..manifest import FileRecord, read_files, read_manifest
@@ -29,7 +30,6 @@ from ..memory import tensor_bytes
 from ..store import LocalStore, is_remote_url
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
 from .st_format import build_header
-from .verify import progress_bar
 
 INDEX_NAME = "model.safetensors.index.json"
 CAST_BUFFER = 16 << 20
@@ -111,7 +111,7 @@ def export_hf(
         raise
     finally:
         engine.close()
-        bar(None)
+        bar.close()
     result.seconds = time.perf_counter() - started
     return result
 
@@ -151,7 +151,7 @@ def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict
             full = assemble(tensor, location, files, engine)
             _write_tensor(fd, full, tensor.out)
             del full
-            bar(tensor.nbytes)
+            bar.update(tensor.nbytes)
         os.fsync(fd)
     finally:
         os.close(fd)

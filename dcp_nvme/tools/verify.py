@@ -13,7 +13,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ import crc32c
 
 from ..checksums import checks_within, host_crcs, items_in, mismatches
 from ..concurrency import run_bounded
+from ..display import progress_bar
 from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, TableError
 from ..manifest import (
     MANIFEST,
@@ -331,7 +332,7 @@ def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRe
     lock = threading.Lock()
     buffer_size = max((min(max(1, span // r.checksum_block), len(r.crcs)) * r.checksum_block
                        for r in readable), default=0)
-    bar = progress_bar(total, progress)
+    bar = progress_bar(total, progress, "verify")
 
     def run(task: _Task) -> None:
         if getattr(local, "buffer", None) is None:
@@ -340,32 +341,13 @@ def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRe
         with lock:
             report.bytes_read += got
             bad.setdefault(task.record.name, []).extend(found)
-            bar(task.length)
+            bar.update(task.length)
 
     try:
         run_bounded(jobs, _tasks(readable, span), run, "dcp-nvme-verify")
     finally:
-        bar(None)
+        bar.close()
     for name in sorted(bad):
         for start, end, why in _merge(bad[name]):
             spans = [(r.byte_offset, r.byte_offset + r.length, r.key) for r in rows.get(name, [])]
             report.problems.append(Problem(name, "data", why, start, end, items_in(spans, start, end)))
-
-
-def progress_bar(total: int, enabled: bool, desc: str = "verify") -> Callable[[int | None], None]:
-    """``update(n)``; ``update(None)`` closes. A no-op when disabled or tqdm is absent."""
-    if not enabled:
-        return lambda n: None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return lambda n: None
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, leave=False)
-
-    def update(n: int | None) -> None:
-        if n is None:
-            bar.close()
-        else:
-            bar.update(n)
-
-    return update
