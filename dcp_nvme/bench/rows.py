@@ -3,7 +3,6 @@ sync save, async save, cold load and the resharded load."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -56,11 +55,10 @@ class OursRows(BenchCore):
             "torch.save/load": lambda: torch.load(save_torch(local, self._per_rank_file(path, "pt")),
                                                   weights_only=True),
         }
-        if importlib.util.find_spec("safetensors") is not None:
-            from safetensors.torch import save_file
+        from safetensors.torch import save_file
 
-            target = self._per_rank_file(path, "safetensors")
-            steps["safetensors"] = lambda: (save_file(local, target), safetensors_load_eager(target))
+        target = self._per_rank_file(path, "safetensors")
+        steps["safetensors"] = lambda: (save_file(local, target), safetensors_load_eager(target))
         if self.group.rank == 0:
             steps["resharded load planner"] = lambda: dcp.load(
                 wanted, storage_reader=NVMeReader(ours, **self.io_kwargs), planner=row_block_planner(),
@@ -157,8 +155,6 @@ class OursRows(BenchCore):
     def ours_async(self) -> None:
         blocking = self.add(Row("dcp_nvme.async.blocking", "dcp_nvme async save: blocking", "write", "ours"))
         total = self.add(Row("dcp_nvme.async.total", "dcp_nvme async save: total", "write", "ours"))
-        if importlib.util.find_spec("dcp_nvme.staging") is None:
-            raise Skip("dcp_nvme.staging (NVMeStager) is not part of this build")
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
         from ..staging import NVMeStager

@@ -15,7 +15,7 @@ from typing import Any
 from ..display import format_size as human_bytes
 from .export import export_hf
 from .inspection import inspect_checkpoint
-from .listing import list_checkpoints, tiers_available
+from .listing import list_checkpoints
 from .verify import verify_checkpoint
 
 
@@ -44,13 +44,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not entries:
         print(f"no checkpoints under {args.dir}")
         return 0
-    tiers = tiers_available()
-    rows = [["STEP", "STATE", "SIZE", "RANKS", "CREATED", *(["TIER"] if tiers else []), "PATH"]]
+    rows = [["STEP", "STATE", "SIZE", "RANKS", "CREATED", "TIER", "PATH"]]
     for e in entries:
         rows.append([
             "-" if e.step is None else str(e.step), e.state, human_bytes(e.bytes),
             "-" if e.ranks is None else str(e.ranks), _when(e.created_unix),
-            *([str(e.tier) if e.tier is not None else "-"] if tiers else []), e.path,
+            str(e.tier) if e.tier is not None else "-", e.path,
         ])
     _table(rows)
     for e in entries:
