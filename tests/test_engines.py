@@ -256,6 +256,18 @@ def test_a_verify_off_reader_reuses_the_writers_engine_and_buffers(monkeypatch, 
     assert other is not engine  # a knob the engine does read gets its own
 
 
+@pytest.mark.parametrize("make", [posix.PosixEngine, kv.KvikioEngine])
+def test_engines_pickle_as_their_config_only(make, tmp_path):
+    import pickle
+
+    config = IOConfig(queue_depth=3, block_size=1 << 20, direct_io=False)
+    engine = make(config)
+    engine.write_file(str(tmp_path / "f"), bytes(4096), [torch.arange(10, dtype=torch.uint8)], 4096)
+    copy = pickle.loads(pickle.dumps(engine))
+    assert type(copy) is make and copy.config == config
+    assert pickle.dumps(copy) == pickle.dumps(make(config))  # no buffers travel
+
+
 def test_no_selection_at_import_time():
     """With a kvikio that explodes on any use, importing every dcp_nvme module still works."""
     code = """

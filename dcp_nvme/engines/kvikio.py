@@ -38,7 +38,7 @@ from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
 from ..layout import SCRATCH, ReadRequest, Window
 from ..stats import IOStats
-from .base import FileWriteResult
+from .base import FileWriteResult, PicklesAsConfig
 from .posix import PosixEngine, check_length
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class _DevicePool:
             self.free.put(index)
 
 
-class KvikioEngine:
+class KvikioEngine(PicklesAsConfig):
     """cuFile through kvikio for device memory; a PosixEngine for host memory."""
 
     name = "kvikio"
@@ -218,12 +218,6 @@ class KvikioEngine:
         with self._lock:
             self._pools = {}
         self._posix.close()
-
-    def __getstate__(self) -> dict:
-        return {"config": self.config}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["config"])
 
     # ------------------------------------------------------------------ write
 

@@ -30,7 +30,7 @@ from ..errors import DCPNVMeError
 from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, contiguous_span, plan_windows
 from ..memory import aligned_buffer
 from ..stats import IOStats
-from .base import FileWriteResult
+from .base import FileWriteResult, PicklesAsConfig
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class _BouncePool:
             self.free.put(index)
 
 
-class PosixEngine:
+class PosixEngine(PicklesAsConfig):
     """Threads + pwrite/preadv, with O_DIRECT where the filesystem takes it."""
 
     name = "posix"
@@ -158,12 +158,6 @@ class PosixEngine:
 
     def close(self) -> None:
         self._pool = None
-
-    def __getstate__(self) -> dict:
-        return {"config": self.config}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["config"])
 
     # ------------------------------------------------------------------ write
 
