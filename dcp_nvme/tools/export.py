@@ -14,12 +14,13 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..config import IOConfig, parse_size
 from ..display import progress_bar
@@ -142,7 +143,7 @@ def _publish(temp: Path, out: Path) -> None:
 
 
 def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict[str, FileRecord],
-                 engine: PosixEngine, bar: Callable[[int | None], None]) -> None:
+                 engine: PosixEngine, bar: tqdm) -> None:
     header = build_header([t.entry for t in shard], {"format": "pt"})
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
