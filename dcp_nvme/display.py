@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -25,5 +27,7 @@ def format_size(nbytes: float | None) -> str:
 def progress_bar(total: int, enabled: bool, desc: str = "", unit: str = "B") -> tqdm:
     """A progress bar on stderr (``update(n)``, ``set_description``, ``close``), removed when
     done; a silent one when not ``enabled``. ``unit="B"`` counts bytes in binary units."""
+    from tqdm import tqdm  # when drawn, not when the CLI starts
+
     return tqdm(total=total, disable=not enabled, desc=desc or None, unit=unit, file=sys.stderr,
                 leave=False, unit_scale=unit == "B", unit_divisor=1024)
