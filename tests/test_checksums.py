@@ -29,7 +29,7 @@ from dcp_nvme.errors import TableError
 from dcp_nvme.layout import FileBlocks, Need, plan_reads
 from dcp_nvme.manifest import read_files, read_manifest
 from dcp_nvme.store import LocalStore
-from dcp_nvme.tiers.plan import verify_piece
+from dcp_nvme.tiers.transfer import verify_piece
 from dcp_nvme.tools.verify import verify_checkpoint
 
 BLOCK = 64 << 10

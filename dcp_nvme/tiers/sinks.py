@@ -29,7 +29,7 @@ from ..errors import BucketMissingError, ChecksumMismatchError
 from ..manifest import FileRecord
 from ..remote import FsspecStore, filesystem, is_local_fs
 from ..store import LocalStore, fsync_dir, is_remote_url, local_path
-from .plan import Piece, verify_piece
+from .transfer import Piece, verify_piece
 
 LocalPiece = Callable[[FileRecord, Piece], bytes]
 """Reads one piece of a local data file, checked against the blocks table."""

@@ -16,7 +16,7 @@ from ..checksums import check_table
 from ..errors import ManifestError
 from ..manifest import MANIFEST, FileRecord, Manifest, read_files, read_manifest
 from ..store import LocalStore
-from .plan import DrainFault, Piece, SourceChanged, step, verify_piece
+from .transfer import DrainFault, Piece, SourceChanged, step, verify_piece
 
 
 class DrainSource:

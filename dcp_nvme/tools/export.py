@@ -124,7 +124,7 @@ def _match(name: str, pattern: str) -> bool:
 
 def _refuse_overlap(checkpoint: str, out: Path) -> None:
     """An export onto the checkpoint it reads (or into it, or around it) would replace it."""
-    from ..tiers.plan import overlap
+    from ..tiers.transfer import overlap
 
     why = overlap(os.path.realpath(checkpoint), os.path.realpath(out))
     if why is not None:

@@ -1,6 +1,7 @@
-"""Pure parts of the drain: how a file is cut into pieces, which journaled pieces still match
-a plan, whether a target overlaps its source, how a piece is verified, how an error is named,
-and the token bucket that caps bandwidth. No I/O here except sleeping."""
+"""The rules of a transfer, without its I/O: how a file is cut into pieces, which journaled
+pieces still match them, whether a target overlaps its source, how a piece is verified, how a
+failure is named and whether a retry can fix it, and the token bucket that caps bandwidth. No
+I/O here except sleeping."""
 
 from __future__ import annotations
 
