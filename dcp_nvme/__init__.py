@@ -9,6 +9,7 @@
 from .config import IOConfig
 from .errors import (
     CheckpointExistsError,
+    CheckpointLockedError,
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -24,6 +25,7 @@ from .writer import NVMeWriter
 __all__ = [
     "CheckpointDir",
     "CheckpointExistsError",
+    "CheckpointLockedError",
     "CheckpointNotCommittedError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",

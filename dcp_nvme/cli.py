@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "dcp_nvme.tune",
     "dcp_nvme.tools.commands",
     "dcp_nvme.tiers",
+    "dcp_nvme.savelock",
 )
 
 
