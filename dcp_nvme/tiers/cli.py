@@ -8,8 +8,9 @@ import os
 import sys
 
 from ..config import parse_size
+from ..rundir import NVME, checkpoints
 from .drainer import DrainOptions, drain, verify_mirror
-from .retention import apply_retention, committed_checkpoints
+from .retention import apply_retention
 from .state import drain_state, load_journal
 
 
@@ -77,7 +78,7 @@ def _status(args: argparse.Namespace) -> int:
     if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
         paths = [path]
     else:
-        paths = committed_checkpoints(path) or [path]
+        paths = [os.fspath(c.path) for c in checkpoints(path, kinds=(NVME,))] or [path]
     rows = []
     for p in paths:
         state = drain_state(p)
