@@ -5,13 +5,14 @@ A checkpoint is removed only when all of these hold (docs/tiers.md, "Retention")
 - it is a real directory directly inside the run directory holding a committed
   ``manifest.json`` (``dcp_nvme.rundir.checkpoints``: symlinks, such as a ``latest`` link,
   are never followed, counted or removed, and nothing outside the run directory is touched);
-- it is not among the newest ``keep_last`` (never the newest: ``keep_last >= 1``);
+- it is not among the newest ``keep_last`` whose manifest reads back valid (never the newest
+  loadable one: ``keep_last >= 1``; a broken directory with a higher step does not count);
 - its drain state is ``mirrored`` (the drainer confirmed every file on the target) to a
   target that is not the checkpoint itself or inside it;
 - no save holds its save lock (an overwrite in progress).
 
-A checkpoint whose state cannot be read (a broken manifest) is kept and reported; it never
-stops retention of the others. A removal deletes ``manifest.json`` first, so a crash half-way
+A checkpoint whose manifest or drain state cannot be read is kept and reported; it never stops
+retention of the others. A removal deletes ``manifest.json`` first, so a crash half-way
 leaves an uncommitted directory, never a damaged committed one.
 """
 
@@ -23,10 +24,10 @@ import shutil
 import stat
 from dataclasses import dataclass
 
-from ..manifest import MANIFEST
+from ..manifest import MANIFEST, read_manifest
 from ..rundir import NVME, checkpoints
 from ..savelock import read_holder, stale_reason
-from ..store import is_local_path, local_path
+from ..store import LocalStore, is_local_path, local_path
 from .state import MIRRORED, drain_state
 
 log = logging.getLogger(__name__)
@@ -63,18 +64,30 @@ def _judge_old(path: str) -> RetentionDecision:
     return RetentionDecision(path, False, f"mirrored to {target}")
 
 
+def _unreadable(path: str) -> str | None:
+    """Why ``path``'s manifest does not read back as a valid checkpoint, or None."""
+    try:
+        read_manifest(LocalStore(path), path)
+    except Exception as exc:  # whatever is wrong with it, it is kept and does not count as newest
+        return f"{exc.__class__.__name__}: {exc}"
+    return None
+
+
 def plan_retention(run_dir: str | os.PathLike, keep_last: int) -> list[RetentionDecision]:
     """What :func:`apply_retention` would do, oldest checkpoint first."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     found = [os.fspath(c.path) for c in checkpoints(run_dir, kinds=(NVME,))]
-    newest = set(found[-keep_last:])
+    broken = {path: why for path in found if (why := _unreadable(path)) is not None}
+    newest = set([path for path in found if path not in broken][-keep_last:])
     decisions = []
     for path in found:
-        if path in newest:
+        if path in broken:
+            decisions.append(RetentionDecision(path, True, f"its manifest is unreadable ({broken[path]})"))
+        elif path in newest:
             decisions.append(RetentionDecision(path, True, f"among the newest {keep_last}"))
-            continue
-        decisions.append(_judge_old(path))
+        else:
+            decisions.append(_judge_old(path))
     return decisions
 
 
