@@ -214,7 +214,7 @@ class SaveLock:
         self.path = os.path.join(directory, LOCK_NAME)
         self.holder = holder
         self.released = False
-        self._finalizer = weakref.finalize(self, _release_file, self.path, holder.token)
+        self._finalizer = weakref.finalize(self, _release_file, self.path, holder.token, holder.pid)
 
     @property
     def save_key(self) -> str:
@@ -247,8 +247,9 @@ class SaveLock:
         return f"SaveLock({self.path!r}, {self.holder.describe()})"
 
 
-def _release_file(path: str, token: str) -> None:
-    _take_away(path, token, why="released")
+def _release_file(path: str, token: str, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child exiting never releases its parent's lock
+        _take_away(path, token, why="released")
 
 
 def _take_away(path: str, token: str | None, why: str) -> bool:
@@ -308,6 +309,7 @@ def acquire(directory: str | os.PathLike, save_key: str) -> SaveLock:
             raise OSError(exc.errno, f"cannot create the save lock {path}: {exc.strerror}") from exc
         else:
             lock = SaveLock(directory, me)
+            lock.beat()  # the mtime by our clock, not the file server's, from the start
             with _HELD_GUARD:
                 _HELD[me.token] = weakref.ref(lock)
             _start_heartbeat()
