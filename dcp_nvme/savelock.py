@@ -20,7 +20,9 @@ The rule (docs/design.md, "One save at a time"):
 
 ``O_EXCL`` creation is atomic on local filesystems, NFSv3+ and Lustre (unlike ``flock``, which
 some NFS clients keep local to one host); breaking a lock renames it away first and checks it
-took the lock it judged stale, so two breakers cannot both win.
+took the lock it judged stale (putting back one taken meanwhile). Before its commit and before
+its cleanup a save checks the lock is still its own, so even a lock lost in a race of breakers
+costs a failed save, never a mixed directory.
 """
 
 from __future__ import annotations
@@ -239,8 +241,6 @@ class SaveLock:
         if self.released:
             return
         self.released = True
-        with _HELD_GUARD:
-            _HELD.pop(self.holder.token, None)
         self._finalizer()
 
     def __repr__(self) -> str:
@@ -248,6 +248,8 @@ class SaveLock:
 
 
 def _release_file(path: str, token: str, pid: int) -> None:
+    with _HELD_GUARD:
+        _HELD.pop(token, None)
     if os.getpid() == pid:  # a forked child exiting never releases its parent's lock
         _take_away(path, token, why="released")
 

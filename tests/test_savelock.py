@@ -58,24 +58,36 @@ def wait_for(predicate, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-# A saver that announces (file `ready`) when it is writing data, i.e. holds the lock, and then
-# waits for the file `go` before it writes on; `go` never appearing keeps it there until killed.
+# A saver that announces (file `ready`) when it reaches a point of its save, holding the lock,
+# and waits there for the file `go`; `go` never appearing keeps it there until it is killed.
+# Points: "data" (writing its rank file), "manifest" (tables written, manifest not yet),
+# "cleanup" (committed, files of other saves not yet removed).
 PAUSED_SAVER = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed.checkpoint as dcp
     sys.path.insert(0, sys.argv[4])
     from test_savelock import state
-    from dcp_nvme import NVMeWriter
+    from dcp_nvme import NVMeWriter, writer
     from dcp_nvme.engines import posix
-    path, handshake, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    real = posix.pwrite_all
-    def paused(fd, buffer, offset):
+    from dcp_nvme.manifest import MANIFEST
+    path, handshake, seed, point = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
+    def pause():
         if not os.path.exists(os.path.join(handshake, "ready")):
             open(os.path.join(handshake, "ready"), "w").close()
             while not os.path.exists(os.path.join(handshake, "go")):
                 time.sleep(0.01)
-        real(fd, buffer, offset)
-    posix.pwrite_all = paused
-    dcp.save(state(seed), storage_writer=NVMeWriter(path), no_dist=True)
+    def paused_at(real, when):
+        def hooked(*args):
+            if when(*args):
+                pause()
+            return real(*args)
+        return hooked
+    if point == "data":
+        posix.pwrite_all = paused_at(posix.pwrite_all, lambda *a: True)
+    elif point == "manifest":
+        writer.write_commit_file = paused_at(writer.write_commit_file, lambda d, name, *a: name == MANIFEST)
+    elif point == "cleanup":
+        writer.NVMeWriter._remove_other_saves = paused_at(writer.NVMeWriter._remove_other_saves, lambda *a: True)
+    dcp.save(state(seed), storage_writer=NVMeWriter(path, overwrite=True), no_dist=True)
     print("saved", flush=True)
 """)
 
@@ -91,10 +103,10 @@ PLAIN_SAVER = textwrap.dedent("""
 TESTS = os.path.dirname(__file__)
 
 
-def start_paused_saver(path, handshake, seed) -> subprocess.Popen:
+def start_paused_saver(path, handshake, seed, point="data") -> subprocess.Popen:
     os.makedirs(handshake, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", PAUSED_SAVER, str(path), str(handshake), str(seed), TESTS],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", PAUSED_SAVER, str(path), str(handshake), str(seed),
+                             TESTS, point], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def our_files(path) -> list[str]:
@@ -166,21 +178,27 @@ def test_same_process_second_save_is_refused(tmp_path, monkeypatch):
     assert_bitwise(load(path), state(3))
 
 
-def test_lock_of_sigkilled_saver_is_stale_and_broken(tmp_path):
+@pytest.mark.parametrize("point", ["data", "manifest", "cleanup"])
+def test_lock_of_sigkilled_saver_is_stale_and_broken(tmp_path, point):
     path, hs = tmp_path / "ck", tmp_path / "hs"
-    saver = start_paused_saver(path, hs, 1)
-    wait_for(lambda: (hs / "ready").exists() or saver.poll() is not None, "the saver to write")
+    dcp.save(state(0), storage_writer=NVMeWriter(path), no_dist=True)
+    earlier = set(os.listdir(path))
+    saver = start_paused_saver(path, hs, 1, point)
+    wait_for(lambda: (hs / "ready").exists() or saver.poll() is not None, f"the saver to reach {point}")
+    assert saver.poll() is None, saver.stderr.read()
     saver.send_signal(signal.SIGKILL)
     saver.wait()
     holder = savelock.read_holder(path)
     assert holder is not None and holder.pid == saver.pid  # the crash left its lock behind
-    partial = [n for n in os.listdir(path) if n.endswith(".safetensors")]
-    assert partial and MANIFEST not in os.listdir(path)
+    debris = set(os.listdir(path)) - earlier - {LOCK_NAME, MANIFEST}
+    assert any(n.endswith(".safetensors") for n in debris)
+    # killed before its commit: the earlier checkpoint is what loads; after: the new one
+    assert_bitwise(load(path), state(1 if point == "cleanup" else 0))
     assert savelock.stale_reason(holder) == f"pid {saver.pid} is gone"
-    dcp.save(state(2), storage_writer=NVMeWriter(path), no_dist=True)  # breaks it by the rule
+    dcp.save(state(2), storage_writer=NVMeWriter(path, overwrite=True), no_dist=True)  # breaks it
     assert_bitwise(load(path), state(2))
-    names = our_files(path)
-    assert LOCK_NAME not in names and not set(partial) & set(names)  # its debris is gone too
+    names = set(our_files(path))
+    assert LOCK_NAME not in names and not debris & names and not (earlier - {MANIFEST}) & names
 
 
 def write_lock(path, holder: LockHolder, age: float = 0.0) -> None:
