@@ -170,7 +170,6 @@ def stale_reason(holder: LockHolder, now: float | None = None) -> str | None:
 _HELD: dict[str, weakref.ref] = {}
 _HELD_GUARD = threading.Lock()
 _BEAT: threading.Thread | None = None
-_BEAT_WAKE = threading.Event()
 
 
 def _held_here(token: str) -> bool:
@@ -191,8 +190,7 @@ def beat_all() -> None:
 
 def _beat_forever() -> None:
     while True:
-        _BEAT_WAKE.wait(HEARTBEAT_S)
-        _BEAT_WAKE.clear()
+        time.sleep(HEARTBEAT_S)
         try:
             beat_all()
         except Exception:  # a heartbeat must never kill the thread
