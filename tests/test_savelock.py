@@ -179,7 +179,7 @@ def test_same_process_second_save_is_refused(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("point", ["data", "manifest", "cleanup"])
-def test_lock_of_sigkilled_saver_is_stale_and_broken(tmp_path, point):
+def test_lock_of_sigkilled_saver_is_stale_and_broken(tmp_path, capsys, point):
     path, hs = tmp_path / "ck", tmp_path / "hs"
     dcp.save(state(0), storage_writer=NVMeWriter(path), no_dist=True)
     earlier = set(os.listdir(path))
@@ -195,6 +195,10 @@ def test_lock_of_sigkilled_saver_is_stale_and_broken(tmp_path, point):
     # killed before its commit: the earlier checkpoint is what loads; after: the new one
     assert_bitwise(load(path), state(1 if point == "cleanup" else 0))
     assert savelock.stale_reason(holder) == f"pid {saver.pid} is gone"
+    if point == "manifest":  # an operator may remove it by hand: the rule says it is stale
+        assert cli_main(["unlock", str(path)]) == 0
+        assert f"removed the save lock of host {holder.host}, pid {saver.pid}" in capsys.readouterr().out
+        assert not (path / LOCK_NAME).exists()
     dcp.save(state(2), storage_writer=NVMeWriter(path, overwrite=True), no_dist=True)  # breaks it
     assert_bitwise(load(path), state(2))
     names = set(our_files(path))
