@@ -25,6 +25,7 @@ from dcp_nvme import CheckpointLockedError, NVMeReader, NVMeWriter, savelock
 from dcp_nvme.cli import main as cli_main
 from dcp_nvme.manifest import MANIFEST
 from dcp_nvme.savelock import LOCK_NAME, STALE_AFTER_S, LockHolder
+from dcp_nvme.writer import POINTER
 
 
 def state(seed: int) -> dict:
@@ -202,7 +203,7 @@ def test_lock_of_sigkilled_saver_is_stale_and_broken(tmp_path, capsys, point):
     dcp.save(state(2), storage_writer=NVMeWriter(path, overwrite=True), no_dist=True)  # breaks it
     assert_bitwise(load(path), state(2))
     names = set(our_files(path))
-    assert LOCK_NAME not in names and not debris & names and not (earlier - {MANIFEST}) & names
+    assert LOCK_NAME not in names and not debris & names and not (earlier - {MANIFEST, POINTER}) & names
 
 
 def write_lock(path, holder: LockHolder, age: float = 0.0) -> None:
