@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 
 class DCPNVMeError(Exception):
     """Base class of every error raised by dcp_nvme."""
@@ -68,3 +70,15 @@ class DrainError(DCPNVMeError, RuntimeError):
 
 class BucketMissingError(DCPNVMeError, FileNotFoundError):
     """The object-store bucket a drain targets does not exist."""
+
+
+class CheckpointLockedError(DCPNVMeError, RuntimeError):
+    """Another save holds the checkpoint directory's save lock (see dcp_nvme.savelock)."""
+
+
+class UnsafeItemError(DCPNVMeError, pickle.UnpicklingError):
+    """A non-tensor item would run code (or is not a weights-only pickle) and pickle is not allowed."""
+
+
+class ItemKindError(DCPNVMeError, TypeError):
+    """The checkpoint holds an item of another kind (tensor vs object) than the destination."""
