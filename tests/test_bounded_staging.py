@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeReader, NVMeStager, NVMeWriter
-from dcp_nvme.engines.posix import PosixEngine
+from dcp_nvme.engines.posix import ContainerWrite
 from dcp_nvme.engines.uring import uring_unavailable_reason
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -86,15 +86,15 @@ def test_staging_completion_waits_for_the_live_wave(tmp_path, monkeypatch):
     import threading
 
     gate, entered = threading.Event(), threading.Event()
-    original = PosixEngine._write_window
+    original = ContainerWrite.write_host_window
 
-    def gated(self, fd, direct, data_start, window, *args):
+    def gated(self, window):
         if window.offset == 0:
             entered.set()
             assert gate.wait(30)
-        return original(self, fd, direct, data_start, window, *args)
+        return original(self, window)
 
-    monkeypatch.setattr(PosixEngine, "_write_window", gated)
+    monkeypatch.setattr(ContainerWrite, "write_host_window", gated)
     state = _state()
     stager = NVMeStager(max_bytes=_nbytes(state) // 2)
     try:
@@ -115,7 +115,7 @@ def test_a_failed_bounded_save_still_releases_training(tmp_path, monkeypatch):
     def broken(self, *args, **kwargs):
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(PosixEngine, "_write_window", broken)
+    monkeypatch.setattr(ContainerWrite, "write_host_window", broken)
     state = _state()
     stager = NVMeStager(max_bytes=_nbytes(state) // 2)
     try:

@@ -21,23 +21,20 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from ..config import ALIGN, IOConfig
-from ..dio import dio_alignment
-from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
+from ..checksums import check_host
+from ..config import IOConfig
+from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up
 from ..stats import IOStats
 from . import ring as uring
 from .base import FileWriteResult
 from .posix import (
     PosixEngine,
     PrefixTracker,
-    _contiguous_address,
-    _with_path,
+    _memory_at,
     check_length,
     copy_bytes,
-    finish_file,
-    open_file,
     open_for_reading,
-    verify_checks,
+    with_path,
 )
 
 log = logging.getLogger(__name__)
@@ -171,68 +168,46 @@ class UringEngine(PosixEngine):
         self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int,
         on_progress=None,
     ) -> FileWriteResult:
-        if len(header) % ALIGN:
-            raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
-        if self.config.block_size % checksum_block:
-            raise ValueError("checksum_block must divide block_size")
-        sizes = [int(s.numel()) for s in sources]
-        data_size = sum(sizes)
-        data_start = len(header)
-        crcs = [0] * (-(-data_size // checksum_block))
-        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.config.direct_io)
-        stats = IOStats("write")
-        started = time.perf_counter()
-        addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in sources]
+        """The threads engine's container (header probe, placement, crcs, fsync), its windows
+        driven through the ring."""
         pool = self._bounce()
         free_buffers = list(range(len(pool.buffers)))
         begun: dict[int, float] = {}
         tracker = PrefixTracker(on_progress) if on_progress is not None else None
+        with self._ring_lock, self.open_container(path, header, sources, checksum_block) as container:
+            stats = container.stats
 
-        def start(window: Window) -> _Op:
-            span = _contiguous_address(window, addresses)
-            if span is not None and (not direct or (span % dio.memory == 0
-                                                    and window.length % dio.offset == 0)):
-                op = _Op(window, span, window.length, data_start + window.offset, -1)
-            else:
-                index = free_buffers.pop()
-                buffer = pool.buffers[index]
-                for piece in window.pieces:
-                    src = sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
-                    copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
-                length = align_up(window.length) if direct else window.length
-                if length > window.length:
-                    buffer[window.length : length].zero_()
-                op = _Op(window, buffer.data_ptr(), length, data_start + window.offset, index)
-            begun[id(op)] = stats.begin()
-            return op
+            def start(window: Window) -> _Op:
+                span = container.in_place(window)
+                if span is not None:
+                    op = _Op(window, span, window.length, container.data_start + window.offset, -1)
+                else:
+                    index = free_buffers.pop()
+                    buffer = pool.buffers[index]
+                    for piece in window.pieces:
+                        src = sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
+                        copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
+                    length = align_up(window.length) if container.direct else window.length
+                    if length > window.length:
+                        buffer[window.length : length].zero_()
+                    op = _Op(window, buffer.data_ptr(), length, container.data_start + window.offset, index)
+                begun[id(op)] = stats.begin()
+                return op
 
-        def finish(op: _Op) -> None:
-            window: Window = op.task
-            stats.end(begun.pop(id(op)), window.length, window.length if op.buffer >= 0 else 0)
-            view = _view(op.address, window.length)
-            first = window.offset // checksum_block
-            for rel in range(0, window.length, checksum_block):
-                crcs[first + rel // checksum_block] = crc32c.crc32c(
-                    view[rel : min(rel + checksum_block, window.length)])
-            if op.buffer >= 0:
-                free_buffers.append(op.buffer)
-            if tracker is not None:
-                tracker.done(window.offset, window.length)
+            def finish(op: _Op) -> None:
+                window: Window = op.task
+                stats.end(begun.pop(id(op)), window.length, window.length if op.buffer >= 0 else 0)
+                view = _memory_at(op.address, window.length)
+                block = checksum_block
+                container.record_crcs(window, [crc32c.crc32c(view[rel : min(rel + block, window.length)])
+                                               for rel in range(0, window.length, block)])
+                if op.buffer >= 0:
+                    free_buffers.append(op.buffer)
+                if tracker is not None:
+                    tracker.done(window.offset, window.length)
 
-        try:
-            with self._ring_lock:
-                fd, direct = self._write_header(path, fd, direct, header)
-                stats.direct_io = direct
-                dio = dio_alignment(fd) if direct else None
-                self._drive(fd, plan_windows(sizes, self.config.block_size), start, finish, True)
-            finish_file(fd, data_start + data_size, stats)
-        except OSError as exc:
-            raise _with_path(exc, path) from exc
-        finally:
-            os.close(fd)
-        stats.seconds = time.perf_counter() - started
-        return FileWriteResult(path, data_start + data_size, data_start, checksum_block, crcs,
-                               crc32c.crc32c(header), stats)
+            self._drive(container.fd, container.windows(), start, finish, True)
+        return container.result
 
     # ------------------------------------------------------------------ read
 
@@ -252,7 +227,7 @@ class UringEngine(PosixEngine):
                 try:
                     handles[path] = open_for_reading(path, self.config)
                 except OSError as exc:
-                    raise _with_path(exc, path) from exc
+                    raise with_path(exc, path) from exc
                 fd, direct = handles[path]
 
                 def start(request: ReadRequest, direct=direct) -> _Op:
@@ -275,7 +250,7 @@ class UringEngine(PosixEngine):
                         buffer = pool.buffers[op.buffer]
                         base = request.file_offset - op.offset
                         view = buffer.numpy()[base : base + request.length].data
-                        verify_checks(request, [view])
+                        check_host(request.file, request.file_offset, request.checks, [view])
                         position = base
                         for dest, dest_offset, length in request.pieces:
                             if dest != SCRATCH:
@@ -289,7 +264,7 @@ class UringEngine(PosixEngine):
                     with self._ring_lock:
                         self._drive(fd, group, start, finish, False)
                 except OSError as exc:
-                    raise _with_path(exc, path) from exc
+                    raise with_path(exc, path) from exc
         finally:
             for fd, direct in handles.values():
                 stats.direct_io = stats.direct_io or direct
@@ -297,8 +272,3 @@ class UringEngine(PosixEngine):
         stats.seconds = time.perf_counter() - started
         return stats
 
-
-def _view(address: int, length: int) -> memoryview:
-    import ctypes
-
-    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
