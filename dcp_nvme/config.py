@@ -28,6 +28,9 @@ extra (1 MiB blocks made a resharded quarter-load read 1.9x the bytes it needed)
 
 ENGINES = ("auto", "posix", "kvikio")
 
+MAX_NODE_QUEUE_DEPTH = 65536
+"""An NVMe queue holds at most 64 Ki entries; a node budget above that is a typo."""
+
 ENV_PREFIX = "DCP_NVME_"
 TUNE_FILE_ENV = "DCP_NVME_TUNE_FILE"
 
@@ -70,7 +73,8 @@ class IOConfig:
     """How a rank talks to its storage.
 
     ``queue_depth`` requests of ``block_size`` bytes are in flight per rank: that product is the
-    write window. With N ranks on one node the device sees N x queue_depth requests.
+    write window. With N ranks on one node the device sees N x queue_depth requests, unless
+    ``node_queue_depth`` is set: then the node's ranks share that many (``dcp_nvme.node``).
     """
 
     queue_depth: int = 8
@@ -78,6 +82,7 @@ class IOConfig:
     direct_io: bool = True
     engine: str = "auto"
     verify: bool = True
+    node_queue_depth: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.queue_depth, int) or self.queue_depth < 1:
@@ -88,6 +93,11 @@ class IOConfig:
             raise ValueError(
                 f"block_size must be a positive multiple of {ALIGN} bytes, got {self.block_size}"
             )
+        if self.node_queue_depth is not None and (
+                isinstance(self.node_queue_depth, bool) or not isinstance(self.node_queue_depth, int)
+                or not 1 <= self.node_queue_depth <= MAX_NODE_QUEUE_DEPTH):
+            raise ValueError(f"node_queue_depth must be an integer from 1 to {MAX_NODE_QUEUE_DEPTH} "
+                             f"(requests in flight shared by a node's ranks), got {self.node_queue_depth!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
 
@@ -108,6 +118,7 @@ _FIELDS = {
     "direct_io": bool,
     "engine": str,
     "verify": bool,
+    "node_queue_depth": int,
 }
 
 
@@ -132,7 +143,8 @@ def _from_tune_file() -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
         best = doc["best"]
-        return {k: best[k] for k in ("queue_depth", "block_size", "direct_io") if k in best}
+        return {k: best[k] for k in ("queue_depth", "block_size", "direct_io", "node_queue_depth")
+                if k in best}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring tune file %s: %s (rerun `dcp-nvme tune`)", path, exc)
         return {}

@@ -121,6 +121,14 @@ def _hwmon_dirs(node: Path) -> list[Path]:
     return found
 
 
+def _milli(path: Path) -> float | None:
+    """A hwmon value in millidegrees, as degrees."""
+    try:
+        return int(path.read_text().strip()) / 1000
+    except (OSError, ValueError):
+        return None
+
+
 def read_hwmon(disk: str, sysfs: str | os.PathLike = SYSFS) -> DriveHealth | None:
     """Temperature (and its warning limit) from hwmon under ``/sys/block/<disk>``, or None."""
     node = Path(sysfs) / "block" / disk
@@ -130,18 +138,11 @@ def read_hwmon(disk: str, sysfs: str | os.PathLike = SYSFS) -> DriveHealth | Non
             continue
         first = inputs[0]
         prefix = first.name[: -len("_input")]
-
-        def milli(name: str) -> float | None:
-            try:
-                return int((hwmon / name).read_text().strip()) / 1000
-            except (OSError, ValueError):
-                return None
-
-        temperature = milli(first.name)
+        temperature = _milli(first)
         if temperature is None:
             continue
-        warning = milli(f"{prefix}_max")
-        alarm = milli(f"{prefix}_alarm")
+        warning = _milli(hwmon / f"{prefix}_max")
+        alarm = _milli(hwmon / f"{prefix}_alarm")
         hot = bool(alarm) or (warning is not None and warning > 0 and temperature >= warning)
         return DriveHealth(disk, "hwmon", temperature, warning, hot)
     return None
