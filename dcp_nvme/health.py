@@ -238,3 +238,18 @@ def _cached_device(directory: str | os.PathLike, sysfs: str | os.PathLike) -> Bl
     if key not in _DEVICES:
         _DEVICES[key] = device_of(target, sysfs)
     return _DEVICES[key]
+
+
+def format_drive(summary: dict[str, Any]) -> list[str]:
+    """Lines a person reads: each disk's temperature before and after, and any throttling."""
+    lines = []
+    for disk, entry in summary.get("disks", {}).items():
+        if not entry["source"]:
+            lines.append(f"drive health: {disk}: not available ({entry.get('unavailable')})")
+            continue
+        text = (f"drive health: {disk}: {entry['temperature_c_before']} C -> {entry['temperature_c_after']} C "
+                f"({entry['source']})")
+        if entry["throttle"]:
+            text += f"; THROTTLED: {', '.join(entry['throttle'])}"
+        lines.append(text)
+    return lines or ["drive health: no local block device under this directory"]
