@@ -269,3 +269,20 @@ def format_device(device: BlockDevice | None) -> list[str]:
             parts.append(f"hw queues {q.hw_queues}")
         lines.append(f"  {q.name}: " + ", ".join(parts) + (f" ({q.model})" if q.model else ""))
     return lines
+
+
+_WARNED: set[tuple[str, int, int, int]] = set()
+
+
+def warn_once(device: BlockDevice | None, per_rank_depth: int, local_ranks: int, request_bytes: int,
+              logger) -> list[Advice]:
+    """The advice for a save's settings, logged once per process and setting (saves repeat)."""
+    if device is None:
+        return []
+    advice = check_queues(device, per_rank_depth, local_ranks, request_bytes)
+    key = (device.name, per_rank_depth, local_ranks, request_bytes)
+    if advice and key not in _WARNED and os.environ.get("LOCAL_RANK", "0") == "0":
+        _WARNED.add(key)  # one rank per node says it: the node's ranks share the disks
+        for item in advice:
+            logger.warning("dcp_nvme: block layer: %s (docs/tuning.md)", item)
+    return advice

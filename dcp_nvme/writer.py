@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .blockdev import warn_once
 from .config import IOConfig, resolve_config
 from .engines import Engine, select_engine
 from .errors import CheckpointExistsError
@@ -230,6 +231,7 @@ class NVMeWriter(StorageWriter):
         engine, reason = shared_engine(config, has_device, self.path)
         path = os.path.join(self.path, name)
         drive = DriveWatch(self.path)
+        advice = warn_once(drive.device, config.queue_depth, on_node, config.block_size, log)
         try:
             with timer.span("write"):
                 written = engine.write_file(path, layout.header, sources, config.checksum_block)
@@ -246,6 +248,7 @@ class NVMeWriter(StorageWriter):
             "engine": engine.name, "engine_reason": reason, "config": config.to_dict(),
             "phases": {k: round(v, 6) for k, v in timer.phases.items()}, "io": io_stats,
             "host": this_host(), "local_ranks": on_node, "drive": drive.finish(),
+            "block_layer": [str(a) for a in advice],
         }
         if stats["drive"]["throttled"]:
             log.warning("dcp_nvme: rank %d: the drive throttled during the save (%s); see "

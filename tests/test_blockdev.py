@@ -124,3 +124,25 @@ def test_this_machine(tmp_path):
     assert any("nr_requests" in a.fix or "nr_requests" in a.problem for a in huge if a.disk in
                {d.name for d in device.disks if d.nr_requests})
     print("\n".join(format_device(device) + [str(a) for a in check_queues(device, 8, 2, 8 << 20)]))
+
+
+def test_warn_once_logs_each_setting_once_and_only_on_local_rank_zero(tmp_path, data, monkeypatch, caplog):
+    import logging
+
+    from dcp_nvme import blockdev
+
+    monkeypatch.setattr(blockdev, "_WARNED", set())
+    sysfs = tmp_path / "sys"
+    link_dev(sysfs, majmin(data), add_disk(sysfs, "nvme0n1", nr_requests=32))
+    device = device_of(data, sysfs)
+    logger = logging.getLogger("test.blockdev")
+    caplog.set_level(logging.WARNING, logger="test.blockdev")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert len(blockdev.warn_once(device, 8, 8, 1 << 20, logger)) == 1
+    assert not caplog.records  # another rank of the node says it
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for _ in range(2):
+        [advice] = blockdev.warn_once(device, 8, 8, 1 << 20, logger)
+    assert [r.getMessage() for r in caplog.records] == [f"dcp_nvme: block layer: {advice} (docs/tuning.md)"]
+    assert blockdev.warn_once(device, 4, 8, 1 << 20, logger) == []  # 32 fit: nothing to say
+    assert blockdev.warn_once(None, 8, 8, 1 << 20, logger) == []

@@ -122,6 +122,7 @@ def test_save_telemetry_shows_ranks_nodes_and_the_straggler(tmp_path):
         assert entry["gbps"] == pytest.approx(entry["bytes"] / entry["seconds"] / 1e9, abs=1e-3)
         assert entry["queue_depth"] == 3 and entry["local_ranks"] == 2
         assert "available" in stats["drive"] and "throttled" in stats["drive"]
+        assert isinstance(stats["block_layer"], list)
     [(host, node)] = layers["nodes"].items()
     assert host == by_rank[0]["host"] == by_rank[1]["host"]
     assert node["ranks"] == [0, 1]
