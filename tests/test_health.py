@@ -109,3 +109,34 @@ def test_virtual_drive_says_unavailable_once_per_process(tmp_path, caplog):
         "unavailable": "virtio drive: no SMART log or hwmon sensor"}}}
     said = [r for r in caplog.records if "not available" in r.getMessage()]
     assert len(said) == 1 and "vda" in said[0].getMessage()
+
+
+def test_a_save_on_a_throttling_drive_warns_and_records_it(tmp_path, monkeypatch, caplog):
+    """A real save through NVMeWriter over a fake sysfs and an nvme-cli whose counter grows per call."""
+    import functools
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_nvme import NVMeWriter, writer
+
+    sysfs = tmp_path / "sys"
+    data = tmp_path / "ckpt"
+    data.mkdir()
+    link_dev(sysfs, majmin(data), add_disk(sysfs, "nvme0n1"))
+    calls = tmp_path / "calls"
+    script = tmp_path / "nvme"
+    script.write_text(f"#!/bin/sh\nn=$(($(cat {calls} 2>/dev/null || echo 0) + 1))\necho $n > {calls}\n"
+                      'echo "{\\"temperature\\": 350, \\"critical_warning\\": 0, \\"thm_temp1_trans_count\\": $n}"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(writer, "DriveWatch", functools.partial(DriveWatch, sysfs=sysfs, nvme=str(script)))
+    caplog.set_level(logging.WARNING, logger="dcp_nvme.writer")
+    saver = NVMeWriter(data, block_size=65536, direct_io=False)
+    dcp.save({"w": torch.arange(100_000, dtype=torch.float32)}, storage_writer=saver, no_dist=True)
+    drive = saver.last_stats["drive"]
+    assert drive["throttled"] and drive["disks"]["nvme0n1"]["throttle"] == ["thm_temp1_trans_count +1"]
+    assert drive["disks"]["nvme0n1"]["temperature_c_after"] == pytest.approx(76.9)
+    assert saver.last_manifest["layers"]["throttled_ranks"] == [0]
+    assert any("the drive throttled during the save" in r.getMessage() for r in caplog.records)
+    on_disk = json.loads((data / "manifest.json").read_text())
+    assert on_disk["ranks"][0]["drive"]["throttled"] is True
