@@ -36,13 +36,16 @@ def test_share_of_the_node_budget():
 
 
 def test_node_queue_depth_is_validated_from_every_source(monkeypatch, tmp_path):
-    for bad in (0, -3, 65537, "8", True, 2.5):
-        with pytest.raises(ValueError, match="node_queue_depth must be an integer from 1 to 65536"):
+    for bad in (0, -3, 65537, "lots", True, 2.5):
+        with pytest.raises(ValueError, match=r"node_queue_depth=.* is not valid: .*1 to 65536"):
             IOConfig(node_queue_depth=bad)
+    assert IOConfig(node_queue_depth="12").node_queue_depth == 12  # canonical form, as other options
     monkeypatch.setenv("DCP_NVME_NODE_QUEUE_DEPTH", "lots")
-    with pytest.raises(ValueError, match="DCP_NVME_NODE_QUEUE_DEPTH"):
+    with pytest.raises(ValueError, match="from environment variable DCP_NVME_NODE_QUEUE_DEPTH"):
         resolve_config()
     monkeypatch.setenv("DCP_NVME_NODE_QUEUE_DEPTH", "48")
+    with pytest.raises(ValueError, match="node_queue_depth=0 from the argument"):
+        resolve_config(node_queue_depth=0)
     assert resolve_config().node_queue_depth == 48
     assert resolve_config(node_queue_depth=16).node_queue_depth == 16  # an argument wins
     monkeypatch.delenv("DCP_NVME_NODE_QUEUE_DEPTH")
@@ -51,6 +54,9 @@ def test_node_queue_depth_is_validated_from_every_source(monkeypatch, tmp_path):
                                          "node_queue_depth": 24}}))
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune))
     assert resolve_config().node_queue_depth == 24
+    tune.write_text(json.dumps({"best": {"node_queue_depth": 0}}))
+    with pytest.raises(ValueError, match="from tune file"):
+        resolve_config()
 
 
 def test_local_world_size_wins_and_is_checked(monkeypatch):
