@@ -15,8 +15,10 @@ import time
 from typing import Any
 
 from .config import ALIGN, IOConfig
+from .display import format_size, progress_bar
+from .host import machine_info
 from .node import effective_queue_depth
-from .tune import _progress, engine_probe, machine_info, pick_best
+from .tune import engine_probe, pick_best
 
 BARRIER_SECONDS = 3600.0
 
@@ -86,20 +88,18 @@ def sweep_ranks(directory: str, nbytes: int, ranks: int, node_depths: list[int],
                                daemon=True) for i in range(ranks)]
     for worker in workers:
         worker.start()
-    bar = _progress(len(grid) * repeat, progress)
+    bar = progress_bar(len(grid) * repeat, progress, unit="pt")
     points = []
     try:
         for direct, node, per_rank, block in grid:
             task = {"queue_depth": per_rank, "block_size": block, "direct_io": direct, "engine": "posix"}
             runs = []
             for _ in range(repeat):
-                if bar is not None:
-                    bar.set_description(f"tune {ranks} ranks node qd={node} bs={block >> 20}MiB direct={int(direct)}")
+                bar.set_description(f"tune {ranks} ranks node qd={node} bs={format_size(block)} direct={int(direct)}")
                 for inbox in inboxes:
                     inbox.put(task)
                 runs.append(combine(_collect(results, workers), node))
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             point = min(runs, key=lambda p: p["write_seconds"]) if repeat == 1 else _median(runs)
             points.append(point)
     finally:
@@ -113,8 +113,7 @@ def sweep_ranks(directory: str, nbytes: int, ranks: int, node_depths: list[int],
             own = os.path.join(directory, f"rank{index}")
             if os.path.isdir(own) and not os.listdir(own):
                 os.rmdir(own)
-        if bar is not None:
-            bar.close()
+        bar.close()
     best = pick_best(points)
     chosen = next(p for p in points if all(p[k] == best[k] for k in ("queue_depth", "block_size", "direct_io")))
     best["node_queue_depth"] = chosen["node_queue_depth"]
