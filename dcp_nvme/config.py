@@ -86,6 +86,8 @@ BLOCK_SIZE_RANGE = (ALIGN, 256 << 20)
 buffers of a rank, so the largest block times the deepest queue is already 64 GiB."""
 MEMORY_BUDGET_RANGE = (1 << 20, 1 << 40)
 STAGING_BYTES_RANGE = (0, 1 << 50)
+NODE_QUEUE_DEPTH_RANGE = (1, 65536)
+"""A node's shared budget: an NVMe queue holds at most 64 Ki entries, more is a typo."""
 
 
 def _invalid(name: str, value: Any, source: str, problem: str) -> ValueError:
@@ -165,6 +167,7 @@ _CHECKS: dict[str, Any] = {
     "memory_budget": lambda n, v, s: check_size(n, v, MEMORY_BUDGET_RANGE, s),
     "max_bytes": lambda n, v, s: check_size(n, v, STAGING_BYTES_RANGE, s),
     "mirror": check_url,
+    "node_queue_depth": lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s),
 }
 """The one place each option's form and range is checked: name -> check(name, value, source)."""
 
@@ -179,7 +182,8 @@ class IOConfig:
     """How a rank talks to its storage.
 
     ``queue_depth`` requests of ``block_size`` bytes are in flight per rank: that product is the
-    write window. With N ranks on one node the device sees N x queue_depth requests.
+    write window. With N ranks on one node the device sees N x queue_depth requests, unless
+    ``node_queue_depth`` is set: then the node's ranks share that many (``dcp_nvme.node``).
     """
 
     queue_depth: int = 8
@@ -189,6 +193,7 @@ class IOConfig:
     verify: bool = True
     read_mode: str = "auto"
     host_engine: str = "posix"
+    node_queue_depth: int | None = None
 
     def __post_init__(self) -> None:
         for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
@@ -210,8 +215,9 @@ class IOConfig:
         return asdict(self)
 
 
-_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify", "read_mode", "host_engine")
-_TUNED = ("queue_depth", "block_size", "direct_io", "read_mode", "host_engine")
+_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify", "node_queue_depth",
+           "read_mode", "host_engine")
+_TUNED = ("queue_depth", "block_size", "direct_io", "node_queue_depth", "read_mode", "host_engine")
 
 
 def _from_env() -> dict[str, Any]:
