@@ -39,33 +39,30 @@ def test_scenario(scenario: str, needs: str | None, tmp_path) -> None:
     importlib.import_module(scenario).run(tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.gpu
-def test_megatron_stock_cuda_calls_without_shim(tmp_path) -> None:
-    """On a GPU machine the Megatron scenario runs without the CPU shim: Megatron's
-    AsyncCallsQueue uses its own torch.cuda calls and dcp_nvme's strategies need none."""
+def test_remove_items_rewrites_without_prefix(tmp_path) -> None:
+    """What Megatron's remove_sharded_tensors runs: the kept items load bitwise, bytes items are
+    carried unpickled, the removed ones are gone, the old files are replaced."""
     import torch
+    import torch.distributed.checkpoint as dcp
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device: Megatron's AsyncCallsQueue puts its tensors on "
-                    "torch.cuda.current_device(); on CPU the scenario shims that call")
-    if not _has("megatron.core"):
-        pytest.skip("megatron.core is not installed (see integration/requirements.txt)")
-    importlib.import_module("megatron_scenario").run(tmp_path, cpu_shim=False)
+    from dcp_nvme import NVMeReader, NVMeWriter
+    from dcp_nvme.integrations._prune import remove_items
 
+    ckpt = tmp_path / "iter_1"
+    saved = {"model.w": torch.randn(6, 4), "model.b": torch.arange(5, dtype=torch.bfloat16),
+             "optim.m": torch.randn(1000), "optim.step": torch.tensor(3), "meta": {"it": 1}}
+    dcp.save(saved, storage_writer=NVMeWriter(ckpt), no_dist=True)
+    old_files = {p.name for p in ckpt.iterdir()}
+    size_before = sum(p.stat().st_size for p in ckpt.iterdir())
 
-def test_find_latest_checkpoint_skips_uncommitted(tmp_path) -> None:
-    """The resume helper picks the newest step dir that holds a commit marker."""
-    from dcp_nvme.integrations._common import find_latest_checkpoint
-
-    assert find_latest_checkpoint(tmp_path / "missing") is None
-    for step, marker in ((2, "manifest.json"), (10, "manifest.json"), (12, None), (11, ".metadata")):
-        d = tmp_path / f"step-{step}"
-        d.mkdir()
-        (d / "rank_00000.x.safetensors").write_bytes(b"")
-        if marker:
-            (d / marker).write_text("{}")
-    (tmp_path / "step-99.tmp").mkdir()  # does not match the pattern
-    assert find_latest_checkpoint(tmp_path) == tmp_path / "step-11"
-    (tmp_path / "step-11" / ".metadata").unlink()
-    assert find_latest_checkpoint(tmp_path) == tmp_path / "step-10"
+    assert remove_items(ckpt, "optim.") == ["optim.m", "optim.step"]
+    assert sorted(NVMeReader(ckpt).read_metadata().state_dict_metadata) == ["meta.it", "model.b", "model.w"]
+    assert not (old_files - {"manifest.json"}) & {p.name for p in ckpt.iterdir()}
+    assert sum(p.stat().st_size for p in ckpt.iterdir()) < size_before
+    got = {"model.w": torch.zeros(6, 4), "model.b": torch.zeros(5, dtype=torch.bfloat16), "meta": {"it": 0}}
+    dcp.load(got, storage_reader=NVMeReader(ckpt), no_dist=True)
+    assert torch.equal(got["model.w"], saved["model.w"]) and torch.equal(got["model.b"], saved["model.b"])
+    assert got["meta"] == {"it": 1}
+    with pytest.raises(Exception, match="optim.m"):
+        dcp.load({"optim.m": torch.zeros(1000)}, storage_reader=NVMeReader(ckpt), no_dist=True)
+    assert remove_items(ckpt, "nothing.") == []

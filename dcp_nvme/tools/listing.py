@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ..manifest import DCP_METADATA, MANIFEST, save_key_of
+from ..rundir import parse_step
 from ..store import LocalStore
-from .status import parse_step, probe
+from .status import probe
 
 
 @dataclass
