@@ -22,7 +22,7 @@ read with NVMeReader.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from ..rundir import checkpoints
 from ..store import is_remote_url
@@ -55,7 +55,6 @@ def _io_options(config: Any) -> dict[str, Any]:
 def _build():
     from concurrent.futures import Future
     from dataclasses import dataclass
-    from typing import Literal
 
     import torch
     import torch.distributed.checkpoint as dcp
