@@ -161,3 +161,35 @@ def test_torchtitan_remote_folder_stays_torchtitans(tmp_path, one_rank_group) ->
     manager.close()
     for name, value in model.state_dict().items():
         assert torch.equal(value, fresh.state_dict()[name]), name
+
+
+def test_megatron_tools_after_one_import(tmp_path, one_rank_group) -> None:
+    """A 1-rank Megatron checkpoint written through install(); then, in a fresh process that
+    only imports dcp_nvme.integrations.megatron, Megatron's own tools resolve the backend, read
+    it and remove_sharded_tensors drops the optimizer items (megatron_tools_check.py)."""
+    if not _has("megatron.core"):
+        pytest.skip("megatron.core is not installed (see integration/requirements.txt)")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from dcp_nvme.integrations import megatron as nv
+
+    def sharded(key, shape):
+        return ShardedTensor.from_rank_offsets(key, torch.randn(*shape), (0, 0, 1))
+
+    ckpt = tmp_path / "iter_0000004"
+    ckpt.mkdir()
+    state = {"model": {"w1": sharded("model.w1", (8, 4)), "w2": sharded("model.w2", (1, 8))},
+             "optim": {"w1": sharded("optim.w1.exp_avg", (8, 4)),
+                       "step": ShardedTensor.from_rank_offsets("optim.step", torch.tensor([4.0]))},
+             "iteration": 4}
+    dist_checkpointing.save(state, str(ckpt), sharded_strategy=nv.install())
+    tools = Path(__file__).resolve().parent / "megatron_tools_check.py"
+    proc = subprocess.run([sys.executable, str(tools), str(ckpt)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "megatron tools check OK" in proc.stdout

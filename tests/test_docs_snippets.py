@@ -46,7 +46,7 @@ class Snippet:
         return f"{self.doc}:{self.line}"
 
 
-def extract(doc: Path) -> list[Snippet]:
+def extract(doc: Path, root: Path = REPO) -> list[Snippet]:
     """The ```python fences of ``doc`` with their line numbers and not-run reasons."""
     lines = doc.read_text().splitlines()
     found, i = [], 0
@@ -57,7 +57,7 @@ def extract(doc: Path) -> list[Snippet]:
             assert end is not None, f"{doc}:{start + 1}: unclosed ```python fence"
             before = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
             marker = _NOT_RUN.match(before)
-            found.append(Snippet(str(doc.relative_to(REPO)), start + 1, "\n".join(lines[start + 1:end]) + "\n",
+            found.append(Snippet(str(doc.relative_to(root)), start + 1, "\n".join(lines[start + 1:end]) + "\n",
                                  marker.group(1) if marker else None))
             i = end
         i += 1
@@ -74,13 +74,11 @@ SNIPPETS = all_snippets()
 
 def test_extract_finds_fences_and_markers(tmp_path):
     """The extractor itself: line numbers, code, and the not-run marker before a fence."""
-    doc = REPO / "docs" / "_extract_probe.md"
-    try:
-        doc.write_text("# t\n\n```python\nx = 1\n```\n\n<!-- not-run: needs a GPU -->\n```python\ny = 2\n```\n"
-                       "```bash\nls\n```\n")
-        got = extract(doc)
-    finally:
-        doc.unlink()
+    doc = tmp_path / "probe.md"
+    doc.write_text("# t\n\n```python\nx = 1\n```\n\n<!-- not-run: needs a GPU -->\n```python\ny = 2\n```\n"
+                   "```bash\nls\n```\n")
+    got = extract(doc, root=tmp_path)
+    assert got[0].id == "probe.md:3"
     assert [(s.line, s.code, s.not_run) for s in got] == [(3, "x = 1\n", None), (8, "y = 2\n", "needs a GPU")]
 
 
