@@ -1,9 +1,11 @@
 """Trainer integration scenarios: real trainer libraries on CPU + gloo, checkpointing through
 dcp_nvme (NVMeWriter / NVMeReader / NVMeStager), resumed at 2 and 1 ranks.
 
-Each test runs one scenario's ``run(root)`` (a single spawn of 2 processes, see _storage.py) and
-then checks on disk that the checkpoints are dcp_nvme's (manifest.json + rank_*.safetensors).
-A scenario is skipped when its trainer library is not installed
+Each ``test_scenario`` runs one scenario's ``run(root)`` (a single spawn of 2 processes, see
+_storage.py) and then checks on disk that the checkpoints are dcp_nvme's (manifest.json +
+rank_*.safetensors). The other tests are single-process: Megatron's tools after only the import
+(registration, ``remove_sharded_tensors``), torchtitan's config fields and discovery, remote
+folders left to torchtitan. Tests are skipped when their trainer library is not installed
 (``pip install -c constraints.txt -r integration/requirements.txt``).
 """
 
