@@ -70,6 +70,9 @@ def test_remove_items_rewrites_without_prefix(tmp_path) -> None:
         dcp.load({"optim.m": torch.zeros(1000)}, storage_reader=NVMeReader(ckpt), no_dist=True)
     assert "optim.m" in str(failed.value.failures[0][0])
     assert remove_items(ckpt, "nothing.") == []
+    with pytest.raises(ValueError, match="every item"):
+        remove_items(ckpt, "")
+    assert sorted(NVMeReader(ckpt).read_metadata().state_dict_metadata) == ["meta.it", "model.b", "model.w"]
 
 
 @pytest.fixture

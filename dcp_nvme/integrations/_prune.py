@@ -71,6 +71,9 @@ def remove_items(path: str | os.PathLike, key_prefix: str, *, reader_factory=Non
     removed = sorted(k for k in metadata.state_dict_metadata if k.startswith(key_prefix))
     if not removed:
         return []
+    if len(removed) == len(metadata.state_dict_metadata):
+        raise ValueError(f"{path}: every item starts with {key_prefix!r}; remove the checkpoint directory "
+                         "instead of emptying it")
     kept: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
         if key.startswith(key_prefix):
