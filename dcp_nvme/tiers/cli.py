@@ -8,8 +8,9 @@ import os
 import sys
 
 from ..config import parse_size
+from ..rundir import checkpoints
 from .drainer import DrainOptions, drain, verify_mirror
-from .retention import apply_retention, committed_checkpoints
+from .retention import apply_retention
 from .state import drain_state, load_journal
 
 
@@ -23,7 +24,8 @@ def register(subparsers) -> None:
     parser.add_argument("--storage-options", default=None,
                         help="JSON object of fsspec storage options, e.g. '{\"endpoint_url\": ...}'")
     parser.add_argument("--max-transfers", type=int, default=DrainOptions.max_transfers)
-    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB)")
+    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB); a file an interrupted drain began keeps the part "
+                             "size it was planned with")
     parser.add_argument("--bandwidth", default=None, help="cap, bytes per second, e.g. 200MiB")
     parser.add_argument("--verify", choices=("sent", "readback"), default="sent")
     parser.add_argument("--verify-only", action="store_true",
@@ -48,7 +50,7 @@ def register(subparsers) -> None:
 
 def _drain(args: argparse.Namespace) -> int:
     target = args.target or (load_journal(args.path) or {}).get("target")
-    if not target:
+    if not isinstance(target, str) or not target:
         raise ValueError(f"{args.path}: no --to given and no drain journal names a target")
     storage_options = json.loads(args.storage_options) if args.storage_options else None
     options = DrainOptions(
@@ -77,7 +79,7 @@ def _status(args: argparse.Namespace) -> int:
     if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
         paths = [path]
     else:
-        paths = committed_checkpoints(path) or [path]
+        paths = [str(c.path) for c in checkpoints(path, kinds=("nvme",))] or [path]
     rows = []
     for p in paths:
         state = drain_state(p)
@@ -90,5 +92,6 @@ def _status(args: argparse.Namespace) -> int:
         extra = f" -> {row['target']}" if row["target"] else ""
         progress = f" ({row['bytes_sent']}/{row['bytes_total']} bytes)" if row["state"] == "draining" else ""
         note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
-        print(f"{row['path']}: {row['text']}{extra}{progress}{note}")
+        why = f" ({row['cause']})" if row["cause"] and row["state"] != "failed" else ""
+        print(f"{row['path']}: {row['text']}{why}{extra}{progress}{note}")
     return 0
