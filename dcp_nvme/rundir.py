@@ -6,7 +6,7 @@ and status. Pure directory inspection: no manifest is parsed and no data is read
 A checkpoint is a real directory (never a symlink) directly under the run directory that holds
 a regular-file commit marker: ``manifest.json`` (dcp_nvme) or ``.metadata`` (DCP's
 FileSystemWriter). Steps are read from the usual names: ``step_N``, ``step-N``, ``stepN``,
-``global_stepN``, Lightning's ``epoch=E-step=N``, Megatron's ``iter_NNNNNNN``,
+``global_stepN``, Lightning's ``epoch=E-step=N`` (``.ckpt`` suffix allowed), Megatron's ``iter_NNNNNNN``,
 ``checkpoint-N`` and a bare ``N``.
 """
 
@@ -34,14 +34,16 @@ _STEP_PATTERNS = (
     re.compile(r"^(?:global_)?step(\d+)$", re.IGNORECASE),
     re.compile(r"^(\d+)$"),
 )
+_LIGHTNING_SUFFIX = ".ckpt"  # Lightning's ModelCheckpoint names directories epoch=E-step=N.ckpt
 
 
 def parse_step(name: str) -> int | None:
     """The training step in a checkpoint directory's name, or None when it names none.
 
-    >>> [parse_step(n) for n in ("step_1000", "epoch=2-step=30", "iter_0000500", "final")]
+    >>> [parse_step(n) for n in ("step_1000", "epoch=2-step=30.ckpt", "iter_0000500", "final")]
     [1000, 30, 500, None]
     """
+    name = name.removesuffix(_LIGHTNING_SUFFIX)
     for pattern in _STEP_PATTERNS:
         match = pattern.match(name)
         if match:

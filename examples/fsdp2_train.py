@@ -3,8 +3,8 @@
     torchrun --nproc-per-node=2 examples/fsdp2_train.py --ckpt-dir /nvme/run1 --steps 8 --save-every 2
     torchrun --nproc-per-node=1 examples/fsdp2_train.py --ckpt-dir /nvme/run1 --steps 12 --save-every 2
 
-The second command resumes from the newest ``step-N`` directory whose ``manifest.json`` (dcp_nvme's
-commit marker) exists, at a different world size (DCP reshards on load). The lines that matter for
+The second command resumes from the newest committed ``step-N`` directory (``dcp_nvme.latest``: one
+whose ``manifest.json``, dcp_nvme's commit marker, exists), at a different world size (DCP reshards on load). The lines that matter for
 a user are in ``save_async`` and ``resume``; everything else is an ordinary FSDP2 loop on a tiny MLP
 (CPU + gloo, or CUDA + NCCL when a GPU is present).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
+import dcp_nvme
 from dcp_nvme import NVMeReader, NVMeStager, NVMeWriter
-from dcp_nvme.integrations._common import find_latest_checkpoint, wait_future
 
 DIM, HIDDEN, GLOBAL_BATCH = 16, 32, 8
 
@@ -92,23 +93,22 @@ def step_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
 
 
 def save_async(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ckpt_dir: str | os.PathLike,
-               stager: NVMeStager, pg: dist.ProcessGroup) -> Any:
-    """Start an async save; returns once the state is staged (training may then mutate it)."""
+               stager: NVMeStager, pg: dist.ProcessGroup) -> Future:
+    """Start an async save; returns once the state is staged (training may then mutate it), with
+    the Future of its commit."""
     ret = dcp.async_save(
         app_state(model, opt, step),
         storage_writer=NVMeWriter(step_dir(ckpt_dir, step)),
-        async_stager=stager,
+        async_stager=stager,  # NVMeStager: async_save returns an AsyncSaveResponse
         process_group=pg,  # a gloo group of its own: the upload's collectives run in a thread
     )
-    staged = getattr(ret, "staging_completion", None)
-    if staged is not None:
-        staged.result()
-    return ret
+    ret.staging_completion.result()
+    return ret.upload_completion
 
 
 def resume(model: torch.nn.Module, opt: torch.optim.Optimizer, ckpt_dir: str | os.PathLike) -> int:
     """Load the newest committed checkpoint into model/opt; returns its step (0: none)."""
-    latest = find_latest_checkpoint(ckpt_dir)  # newest step-N holding manifest.json
+    latest = dcp_nvme.latest(ckpt_dir)  # newest committed checkpoint; None on a fresh start
     if latest is None:
         return 0
     state = app_state(model, opt, 0)
@@ -135,11 +135,13 @@ def train(ckpt_dir: str | os.PathLike, steps: int, save_every: int, *, seed: int
         for step in range(start + 1, steps + 1):
             losses[step] = train_step(model, opt, step)
             if step % save_every == 0:
-                wait_future(pending)  # the previous save is committed before the next starts
+                if pending is not None:
+                    pending.result()  # the previous save is committed before the next starts
                 pending = save_async(model, opt, step, ckpt_dir, stager, pg)
                 if on_save is not None:
                     on_save(step, model, opt)
-        wait_future(pending)
+        if pending is not None:
+            pending.result()
     finally:
         stager.close()
         dist.destroy_process_group(pg)

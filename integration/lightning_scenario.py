@@ -3,12 +3,16 @@
     python integration/lightning_scenario.py
 
 One spawn of 2 ranks (see _storage.py):
-  A  2 ranks: train 8 steps; sync save at step 2, async save at step 4 (training goes on while
-     the upload runs); the run ends normally and is the uninterrupted reference.
-  B  2 ranks: a fresh Trainer/module (other init seed) resumes with ``ckpt_path`` = the newest
-     committed checkpoint (step-4): model, optimizer, lr scheduler and global step == the step-4
-     snapshot; steps 5..8 reproduce A's losses.
-  C  1 rank: the same from a copy of A's checkpoints (resharding 2 -> 1).
+  A  2 ranks: train 8 steps; ``trainer.save_checkpoint`` at step 2 (sync) and step 4 (async:
+     training goes on while the upload runs); the run ends normally and is the uninterrupted
+     reference.
+  B  2 ranks, Lightning's own ``ModelCheckpoint(every_n_train_steps=2, save_last=True)`` with
+     async saves by default: a run stopped at step 4 leaves ``epoch=0-step=4.ckpt`` (step 2's
+     was removed through the strategy, save_top_k=1) and ``last.ckpt``; a fresh Trainer/module
+     (other init seed) resumes with ``ckpt_path="last"``: model, optimizer, lr scheduler and
+     global step == A's step-4 snapshot; steps 5..8 reproduce A's losses.
+  C  1 rank: resumes from ``dcp_nvme.latest`` of a copy of A's checkpoints (step-4), resharding
+     2 -> 1.
 """
 
 from __future__ import annotations
@@ -23,14 +27,17 @@ import _storage  # noqa: E402  (also puts the repo root on sys.path)
 STEPS, RESUME_AT, GLOBAL_BATCH, DIM = 8, 4, 8, 16
 
 
-def _fit(ckpt_dir: Path, phase: str, seed: int, ref: dict | None = None) -> tuple[dict, dict]:
-    """One Trainer.fit; returns (losses by step, snapshots by saved step)."""
+def _fit(ckpt_dir: Path, phase: str, seed: int, ref: dict | None = None, *, ckpt_path: str | Path | None = None,
+         max_steps: int = STEPS, model_checkpoint: bool = False) -> tuple[dict, dict]:
+    """One Trainer.fit; returns (losses by step, snapshots by saved step). ``model_checkpoint``:
+    Lightning's ModelCheckpoint saves (async) instead of explicit ``save_checkpoint`` calls."""
     import lightning as L
     import torch
     import torch.distributed as dist
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.distributed.fsdp import fully_shard
 
-    from dcp_nvme.integrations.lightning import NVMeModelParallelStrategy, find_latest_checkpoint
+    from dcp_nvme.integrations.lightning import NVMeModelParallelStrategy
 
     world = dist.get_world_size()
     losses: dict[int, float] = {}
@@ -81,7 +88,9 @@ def _fit(ckpt_dir: Path, phase: str, seed: int, ref: dict | None = None) -> tupl
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step
             if ref is None and step in (2, RESUME_AT):
-                trainer.save_checkpoint(ckpt_dir / f"step-{step}", storage_options={"async_save": step == RESUME_AT})
+                if not model_checkpoint:
+                    trainer.save_checkpoint(ckpt_dir / f"step-{step}",
+                                            storage_options={"async_save": step == RESUME_AT})
                 snaps[step] = snapshot(trainer, pl_module)
                 if step == RESUME_AT:
                     from dcp_nvme import NVMeStager
@@ -94,18 +103,18 @@ def _fit(ckpt_dir: Path, phase: str, seed: int, ref: dict | None = None) -> tupl
                 if dist.get_rank() == 0:
                     _storage.assert_same_state(ref, got, f"lightning {phase} resumed state")
 
+    callbacks: list = [Checkpoints()]
+    if model_checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True))
     strategy = NVMeModelParallelStrategy(
-        data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo")
+        data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo",
+        async_save=model_checkpoint)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Checkpoints()], use_distributed_sampler=False,
+        accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, max_steps=max_steps,
+        logger=False, enable_checkpointing=model_checkpoint, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, use_distributed_sampler=False,
     )
-    ckpt = None
-    if ref is not None:
-        ckpt = find_latest_checkpoint(ckpt_dir)
-        assert ckpt is not None and ckpt.name == f"step-{RESUME_AT}", ckpt
-    trainer.fit(Net(), ckpt_path=None if ckpt is None else str(ckpt))
+    trainer.fit(Net(), ckpt_path=ckpt_path)
     return losses, snaps
 
 
@@ -118,17 +127,30 @@ def worker(rank: int, port_c: int, root: str) -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     root = Path(root)
+    import dcp_nvme
+
     losses_a, snaps = _fit(root / "run", "A", seed=0)
     assert sorted(losses_a) == list(range(1, STEPS + 1)), sorted(losses_a)
     if rank == 0:
-        for phase in ("B", "C"):
-            shutil.copytree(root / "run", root / phase)
+        shutil.copytree(root / "run", root / "C")
     dist.barrier()
     resumed = range(RESUME_AT + 1, STEPS + 1)
-    losses, _ = _fit(root / "B", "B", seed=1, ref=snaps[RESUME_AT])
+
+    # B: ModelCheckpoint. A run stopped at RESUME_AT, then a resume from "last".
+    _fit(root / "B", "B stopped", seed=0, max_steps=RESUME_AT, model_checkpoint=True)
+    if rank == 0:
+        names = sorted(p.name for p in (root / "B").iterdir())
+        assert names == [f"epoch=0-step={RESUME_AT}.ckpt", "last.ckpt"], names
+        for name in names:
+            _storage.assert_nvme_checkpoint(root / "B" / name)
+    dist.barrier()
+    losses, _ = _fit(root / "B", "B", seed=1, ref=snaps[RESUME_AT], ckpt_path="last", model_checkpoint=True)
     _storage.assert_losses_continue(losses_a, losses, resumed, _storage.TOL_SAME_WORLD, "lightning B (2 ranks)")
+
     if _storage.shrink_to_one(port_c):
-        losses, _ = _fit(root / "C", "C", seed=1, ref=snaps[RESUME_AT])
+        ckpt = dcp_nvme.latest(root / "C")
+        assert ckpt is not None and ckpt.name == f"step-{RESUME_AT}", ckpt
+        losses, _ = _fit(root / "C", "C", seed=1, ref=snaps[RESUME_AT], ckpt_path=ckpt)
         _storage.assert_losses_continue(losses_a, losses, resumed, _storage.TOL_OTHER_WORLD, "lightning C (1 rank)")
 
 

@@ -6,19 +6,21 @@ A tiny 2-layer MLP, tensor-parallel by hand (W1 split by rows, W2 by columns, pa
 all-reduced), Adam per shard. Model and optimizer state are described with Megatron
 ``ShardedTensor``s (global offsets), an RNG-like ``ShardedObject`` per rank and common (rank-0)
 data, and checkpointed with ``megatron.core.dist_checkpointing.save/load`` through the
-strategies that ``dcp_nvme.integrations.megatron.install`` sets up. Async saves go through
-Megatron's own ``AsyncCallsQueue`` as Megatron-LM's trainer does. One spawn of 2 ranks:
+strategies that ``dcp_nvme.integrations.megatron.install`` sets up. Plain CPU + gloo, no shim of
+any CUDA call. One spawn of 2 ranks:
 
-  A  2 ranks: 8 iterations; sync save at iter 2, async save at iter 4 scheduled on the queue and
-     finalized after iter 6 (iters 5-6 overlap the upload).
-  B  2 ranks, fresh tensors: resume from the newest committed iter (4): state == snapshot,
-     losses 5..8 == A.
-  C  1 rank: the same, resharded by global offsets (without the per-rank ShardedObject, as
-     Megatron-LM's --no-load-rng).
+  A  2 ranks: 8 iterations; sync save at iter 2 through Megatron's
+     ``FullyParallelSaveStrategyWrapper`` (the replicated ``optim.step`` is saved by whichever
+     rank the wrapper picks), async save at iter 4 whose ``AsyncRequest`` is finalized with
+     ``execute_sync()`` after iter 6 (iters 5-6 overlap the upload).
+  B  2 ranks, fresh tensors, no ``install()``: the newest committed iter (4) comes from
+     ``dcp_nvme.latest``; Megatron picks the load strategy from its ``metadata.json``;
+     state == snapshot, losses 5..8 == A.
+  C  1 rank: the same, resharded 2 -> 1 by global offsets (without the per-rank ShardedObject,
+     as Megatron-LM's --no-load-rng).
 
-CPU shim (this file only): Megatron's AsyncCallsQueue all-reduces its bookkeeping tensors on
-``torch.cuda.current_device()``; ``_cpu_shim`` points that at the CPU for gloo. dcp_nvme's
-strategies themselves call no CUDA API.
+Then ``megatron_tools_check.py`` runs Megatron's own tools in a fresh process that only imports
+``dcp_nvme.integrations.megatron`` (see there).
 """
 
 from __future__ import annotations
@@ -34,27 +36,23 @@ TOTAL = 8
 DIN, HID, BATCH = 16, 32, 8
 
 
-def _cpu_shim() -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"
-
-
 def _phase(root: Path, phase: str, seed: int, ref: dict | None = None) -> tuple[dict, dict]:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+    import dcp_nvme
     from dcp_nvme.integrations import megatron as nv
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    context: dict = {}  # Megatron-LM's checkpointing_context
-    nv.install(context)
-    save_strategy = context["save_strategy"]
-    assert isinstance(save_strategy, nv.NVMeSaveShardedStrategy)
+    save_strategy = None
+    if ref is None:  # only the saving phase calls install(); loads rely on the import alone
+        context: dict = {}  # Megatron-LM's checkpointing_context
+        nv.install(context)
+        save_strategy = context["save_strategy"]
+        assert isinstance(save_strategy, nv.NVMeSaveShardedStrategy)
     torch.manual_seed(seed)
     full_w1 = torch.randn(HID, DIN) * 0.3
     full_w2 = torch.randn(1, HID) * 0.3
@@ -111,7 +109,7 @@ def _phase(root: Path, phase: str, seed: int, ref: dict | None = None) -> tuple[
 
     start = 0
     if ref is not None:
-        ckpt = nv.find_latest_checkpoint(root)
+        ckpt = dcp_nvme.latest(root, extra_markers=("metadata.json",))
         assert ckpt is not None and ckpt.name == "iter_4", ckpt
         request = sharded_sd(0)
         if world != 2:
@@ -132,7 +130,7 @@ def _phase(root: Path, phase: str, seed: int, ref: dict | None = None) -> tuple[
         if rank == 0:
             _storage.assert_same_state(ref, got, f"megatron {phase} resumed state")
 
-    queue = AsyncCallsQueue()
+    pending = None  # the async save's AsyncRequest, finalized after iter 6
     losses: dict[int, float] = {}
     snaps: dict[int, dict] = {}
     for it in range(start, TOTAL):
@@ -155,27 +153,28 @@ def _phase(root: Path, phase: str, seed: int, ref: dict | None = None) -> tuple[
             if rank == 0:
                 d.mkdir(parents=True, exist_ok=True)
             dist.barrier()
-            req = dist_checkpointing.save(sharded_sd(done), str(d), sharded_strategy=save_strategy,
-                                          async_sharded_save=done == 4)
-            if req is not None:
-                queue.schedule_async_request(req)
+            if done == 2:
+                dist_checkpointing.save(sharded_sd(done), str(d),
+                                        sharded_strategy=FullyParallelSaveStrategyWrapper(save_strategy))
+            else:
+                pending = dist_checkpointing.save(sharded_sd(done), str(d), sharded_strategy=save_strategy,
+                                                  async_sharded_save=True)
             snaps[done] = full_state()
-        if done == 6:
-            queue.maybe_finalize_async_calls(blocking=True)
+        if done == 6 and pending is not None:
+            assert not (root / "iter_4" / "metadata.json").exists()  # Megatron's commit comes last
+            pending.execute_sync()
             assert (root / "iter_4" / "metadata.json").is_file()
-    queue.close()
-    save_strategy.close()
+    if save_strategy is not None:
+        save_strategy.close()
     return losses, snaps
 
 
-def worker(rank: int, port_c: int, root: str, cpu_shim: bool) -> None:
+def worker(rank: int, port_c: int, root: str) -> None:
     import warnings
 
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    if cpu_shim:
-        _cpu_shim()
     root = Path(root)
     losses_a, snaps = _phase(root / "run", "A", seed=0)
     if rank == 0:
@@ -190,12 +189,15 @@ def worker(rank: int, port_c: int, root: str, cpu_shim: bool) -> None:
         _storage.assert_losses_continue(losses_a, losses, resumed, _storage.TOL_OTHER_WORLD, "megatron C (1 rank)")
 
 
-def run(root: Path, cpu_shim: bool = True) -> None:
-    """``cpu_shim=False`` (GPU machines) runs Megatron's queue on its stock CUDA calls."""
-    _storage.spawn(worker, str(root), cpu_shim)
+def run(root: Path) -> None:
+    import subprocess
+
+    _storage.spawn(worker, str(root))
     for it in (2, 4):
         assert (root / "run" / f"iter_{it}" / "metadata.json").is_file()
-        _storage.assert_nvme_checkpoint(root / "run" / f"iter_{it}" / "dcp_nvme")
+        _storage.assert_nvme_checkpoint(root / "run" / f"iter_{it}")
+    tools = Path(__file__).resolve().parent / "megatron_tools_check.py"
+    subprocess.run([sys.executable, str(tools), str(root / "run" / "iter_4")], check=True, timeout=600)
 
 
 if __name__ == "__main__":

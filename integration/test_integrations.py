@@ -1,9 +1,11 @@
 """Trainer integration scenarios: real trainer libraries on CPU + gloo, checkpointing through
 dcp_nvme (NVMeWriter / NVMeReader / NVMeStager), resumed at 2 and 1 ranks.
 
-Each test runs one scenario's ``run(root)`` (a single spawn of 2 processes, see _storage.py) and
-then checks on disk that the checkpoints are dcp_nvme's (manifest.json + rank_*.safetensors).
-A scenario is skipped when its trainer library is not installed
+Each ``test_scenario`` runs one scenario's ``run(root)`` (a single spawn of 2 processes, see
+_storage.py) and then checks on disk that the checkpoints are dcp_nvme's (manifest.json +
+rank_*.safetensors). The other tests are single-process: Megatron's tools after only the import
+(registration, ``remove_sharded_tensors``), torchtitan's config fields and discovery, remote
+folders left to torchtitan. Tests are skipped when their trainer library is not installed
 (``pip install -c constraints.txt -r integration/requirements.txt``).
 """
 
@@ -39,33 +41,162 @@ def test_scenario(scenario: str, needs: str | None, tmp_path) -> None:
     importlib.import_module(scenario).run(tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.gpu
-def test_megatron_stock_cuda_calls_without_shim(tmp_path) -> None:
-    """On a GPU machine the Megatron scenario runs without the CPU shim: Megatron's
-    AsyncCallsQueue uses its own torch.cuda calls and dcp_nvme's strategies need none."""
+def test_remove_items_rewrites_without_prefix(tmp_path) -> None:
+    """What Megatron's remove_sharded_tensors runs: the kept items load bitwise, bytes items are
+    carried unpickled, the removed ones are gone, the old files are replaced."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_nvme import NVMeReader, NVMeWriter
+    from dcp_nvme.integrations._prune import remove_items
+    from dcp_nvme.manifest import save_key_of
+
+    ckpt = tmp_path / "iter_1"
+    saved = {"model.w": torch.randn(6, 4), "model.b": torch.arange(5, dtype=torch.bfloat16),
+             "optim.m": torch.randn(1000), "optim.step": torch.tensor(3), "meta": {"it": 1}}
+    dcp.save(saved, storage_writer=NVMeWriter(ckpt), no_dist=True)
+    old_files = {p.name for p in ckpt.iterdir()}
+    size_before = sum(p.stat().st_size for p in ckpt.iterdir())
+
+    assert remove_items(ckpt, "optim.") == ["optim.m", "optim.step"]
+    assert sorted(NVMeReader(ckpt).read_metadata().state_dict_metadata) == ["meta.it", "model.b", "model.w"]
+    old_saved = {n for n in old_files if save_key_of(n)}  # data files and tables of the first save
+    assert old_saved and not old_saved & {p.name for p in ckpt.iterdir()}
+    assert sum(p.stat().st_size for p in ckpt.iterdir()) < size_before
+    got = {"model.w": torch.zeros(6, 4), "model.b": torch.zeros(5, dtype=torch.bfloat16), "meta": {"it": 0}}
+    dcp.load(got, storage_reader=NVMeReader(ckpt), no_dist=True)
+    assert torch.equal(got["model.w"], saved["model.w"]) and torch.equal(got["model.b"], saved["model.b"])
+    assert got["meta"] == {"it": 1}
+    with pytest.raises(CheckpointException) as failed:
+        dcp.load({"optim.m": torch.zeros(1000)}, storage_reader=NVMeReader(ckpt), no_dist=True)
+    assert "optim.m" in str(failed.value.failures[0][0])
+    assert remove_items(ckpt, "nothing.") == []
+    with pytest.raises(ValueError, match="every item"):
+        remove_items(ckpt, "")
+    assert sorted(NVMeReader(ckpt).read_metadata().state_dict_metadata) == ["meta.it", "model.b", "model.w"]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank gloo process group (torchtitan's CheckpointManager asks for ranks)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg-store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _titan_parts(seed: int):
+    import torch
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=10)
+    return model, dict(dataloader=None, model_parts=[model], optimizers=optimizers,
+                       lr_schedulers=lr_schedulers, states={}, sd_adapter=None)
+
+
+def test_torchtitan_config_fields_save_and_newest_load(tmp_path, one_rank_group) -> None:
+    """dcp_nvme fields set in a config_registry function and on torchtitan's command line reach
+    the writer; load() picks the newest committed step-N (an uncommitted newer one is skipped)."""
+    if not _has("torchtitan"):
+        pytest.skip("torchtitan is not installed (see integration/requirements.txt)")
+    import json
+    import shutil
+
+    import torch
+    from torchtitan.config.manager import ConfigManager
+
+    from dcp_nvme.integrations import torchtitan as tt
+
+    config = ConfigManager().parse_args(["--module", "torchtitan_nvme_config", "--config", "nvme_run",
+                                         "--checkpoint.nvme_block_size", "1MiB"])
+    assert type(config.checkpoint) is tt.NVMeCheckpointManager.Config
+    assert (config.checkpoint.nvme_queue_depth, config.checkpoint.nvme_block_size) == (4, "1MiB")
+
+    model, parts = _titan_parts(seed=0)
+    manager = config.checkpoint.build(**parts, base_folder=str(tmp_path))
+    assert isinstance(manager, tt.NVMeCheckpointManager)
+    assert manager.save(curr_step=500)
+    manager.close()
+    step = tmp_path / "ckpt" / "step-500"
+    written = json.loads((step / "manifest.json").read_text())["config"]
+    assert (written["queue_depth"], written["block_size"]) == (4, 1 << 20)
+    shutil.copytree(step, tmp_path / "ckpt" / "step-900")  # a save killed before its commit
+    (tmp_path / "ckpt" / "step-900" / "manifest.json").unlink()
+    assert tt.latest_step(str(tmp_path / "ckpt")) == 500
+
+    fresh, parts = _titan_parts(seed=1)
+    manager = config.checkpoint.build(**parts, base_folder=str(tmp_path))
+    assert manager.load()
+    manager.close()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[name]), name
+
+
+def test_torchtitan_remote_folder_stays_torchtitans(tmp_path, one_rank_group) -> None:
+    """A remote checkpoint.folder (fsspec URL) is saved, found and loaded by torchtitan's own
+    path (DCP's fsspec writer, .metadata), not rejected by dcp_nvme's local writer."""
+    if not _has("torchtitan"):
+        pytest.skip("torchtitan is not installed (see integration/requirements.txt)")
+    import fsspec
     import torch
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device: Megatron's AsyncCallsQueue puts its tensors on "
-                    "torch.cuda.current_device(); on CPU the scenario shims that call")
+    from dcp_nvme.integrations.torchtitan import NVMeCheckpointManager
+
+    folder = f"memory://titan-{tmp_path.name}/ckpt"
+    config = NVMeCheckpointManager.Config(enable=True, folder=folder, keep_latest_k=0)
+    model, parts = _titan_parts(seed=0)
+    manager = config.build(**parts)
+    assert manager.save(curr_step=500)
+    manager.close()
+    fs = fsspec.filesystem("memory")
+    assert fs.isfile(f"{folder}/step-500/.metadata")
+
+    fresh, parts = _titan_parts(seed=1)
+    manager = config.build(**parts)
+    assert manager.load()
+    manager.close()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[name]), name
+
+
+def test_megatron_tools_after_one_import(tmp_path, one_rank_group) -> None:
+    """A 1-rank Megatron checkpoint written through install(); then, in a fresh process that
+    only imports dcp_nvme.integrations.megatron, Megatron's own tools resolve the backend, read
+    it and remove_sharded_tensors drops the optimizer items (megatron_tools_check.py)."""
     if not _has("megatron.core"):
         pytest.skip("megatron.core is not installed (see integration/requirements.txt)")
-    importlib.import_module("megatron_scenario").run(tmp_path, cpu_shim=False)
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
 
-def test_find_latest_checkpoint_skips_uncommitted(tmp_path) -> None:
-    """The resume helper picks the newest step dir that holds a commit marker."""
-    from dcp_nvme.integrations._common import find_latest_checkpoint
+    from dcp_nvme.integrations import megatron as nv
 
-    assert find_latest_checkpoint(tmp_path / "missing") is None
-    for step, marker in ((2, "manifest.json"), (10, "manifest.json"), (12, None), (11, ".metadata")):
-        d = tmp_path / f"step-{step}"
-        d.mkdir()
-        (d / "rank_00000.x.safetensors").write_bytes(b"")
-        if marker:
-            (d / marker).write_text("{}")
-    (tmp_path / "step-99.tmp").mkdir()  # does not match the pattern
-    assert find_latest_checkpoint(tmp_path) == tmp_path / "step-11"
-    (tmp_path / "step-11" / ".metadata").unlink()
-    assert find_latest_checkpoint(tmp_path) == tmp_path / "step-10"
+    def sharded(key, shape):
+        return ShardedTensor.from_rank_offsets(key, torch.randn(*shape), (0, 0, 1))
+
+    ckpt = tmp_path / "iter_0000004"
+    ckpt.mkdir()
+    state = {"model": {"w1": sharded("model.w1", (8, 4)), "w2": sharded("model.w2", (1, 8))},
+             "optim": {"w1": sharded("optim.w1.exp_avg", (8, 4)),
+                       "step": ShardedTensor.from_rank_offsets("optim.step", torch.tensor([4.0]))},
+             "iteration": 4}
+    dist_checkpointing.save(state, str(ckpt), sharded_strategy=nv.install())
+    tools = Path(__file__).resolve().parent / "megatron_tools_check.py"
+    proc = subprocess.run([sys.executable, str(tools), str(ckpt)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "megatron tools check OK" in proc.stdout

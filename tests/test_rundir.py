@@ -14,7 +14,7 @@ from dcp_nvme.rundir import checkpoints, committed_kind, latest, parse_step
     "name, step",
     [
         ("step_1000", 1000), ("step-20", 20), ("step7", 7), ("global_step42", 42),
-        ("epoch=2-step=30", 30), ("iter_0000500", 500), ("checkpoint-7", 7), ("300", 300),
+        ("epoch=2-step=30", 30), ("epoch=0-step=4.ckpt", 4), ("last.ckpt", None), ("iter_0000500", 500), ("checkpoint-7", 7), ("300", 300),
         ("final", None), ("latest", None), ("step_x", None),
     ],
 )

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from dcp_nvme import NVMeWriter
 from dcp_nvme.manifest import MANIFEST, read_files, read_manifest
+from dcp_nvme.rundir import parse_step
 from dcp_nvme.store import LocalStore
 from dcp_nvme.tools import export_hf, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from dcp_nvme.tools.consolidate import chunk_needs, plan_shards
-from dcp_nvme.tools.status import parse_step
 
 REPO = Path(__file__).resolve().parent.parent
 

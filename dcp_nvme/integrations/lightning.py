@@ -3,12 +3,17 @@ whose sharded checkpoints go through dcp_nvme.
 
 Usage::
 
+    import dcp_nvme
     from dcp_nvme.integrations.lightning import NVMeModelParallelStrategy
     strategy = NVMeModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = L.Trainer(strategy=strategy, ...)
     trainer.save_checkpoint("ckpts/step-4")                       # sync
     trainer.save_checkpoint("ckpts/step-8", storage_options={"async_save": True})
-    trainer.fit(model, ckpt_path=str(find_latest_checkpoint("ckpts")))
+    trainer.fit(model, ckpt_path=dcp_nvme.latest("ckpts"))      # None on a fresh start
+
+With ``ModelCheckpoint(dirpath=..., every_n_train_steps=N, save_last=True)`` the checkpoints
+are directories ``epoch=E-step=N.ckpt`` and ``last.ckpt``; ``trainer.fit(ckpt_path="last")``
+resumes from the latter.
 
 Hook points in lightning 2.6 (``lightning.pytorch.strategies.model_parallel``):
 ``ModelParallelStrategy.save_checkpoint(checkpoint, filepath, storage_options=None)``
@@ -32,9 +37,9 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from ._common import find_latest_checkpoint, make_reader, make_stager, make_writer, wait_future
+from ._common import make_reader, make_stager, make_writer, wait_future
 
-__all__ = ["NVMeModelParallelStrategy", "find_latest_checkpoint", "META_KEY"]
+__all__ = ["NVMeModelParallelStrategy", "META_KEY"]
 
 META_KEY = "lightning_meta"
 

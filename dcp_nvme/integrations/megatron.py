@@ -6,21 +6,25 @@ Provides save/load sharded strategies (subclasses of
 checkpoint with dcp_nvme instead of Megatron's ``FileSystemWriterAsync`` and read
 it with ``NVMeReader`` instead of ``_get_filesystem_reader``.
 
-Usage::
+Importing this module registers both strategies under backend ``('dcp_nvme', 1)`` (when
+megatron-core is installed), so Megatron's own tools (``dist_checkpointing.load``,
+``load_tensors_metadata``, ``remove_sharded_tensors``...) find them from a checkpoint's
+``metadata.json`` after that one import. Usage::
 
+    import dcp_nvme
     from dcp_nvme.integrations import megatron as nv
     save_strategy = nv.install(checkpointing_context)   # Megatron-LM: its checkpointing_context (or None)
     dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=save_strategy)
     req = dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=save_strategy,
                                   async_sharded_save=True)     # -> AsyncRequest
-    async_calls_queue.schedule_async_request(req)              # or req.execute_sync()
+    req.execute_sync()                                         # or Megatron's AsyncCallsQueue
+    ckpt_dir = dcp_nvme.latest(root, extra_markers=("metadata.json",))
     state = dist_checkpointing.load(sharded_sd, ckpt_dir)     # metadata.json says backend 'dcp_nvme'
 
-Layout: ``<ckpt_dir>/common.pt`` and ``<ckpt_dir>/metadata.json`` are written
-by Megatron as usual (``metadata.json`` last: it is Megatron's commit marker);
-the sharded tensors/objects go to ``<ckpt_dir>/<subdir>`` (default
-``dcp_nvme``) through the storage writer, whose own commit marker
-(``manifest.json``) lands there.
+Layout: ``<ckpt_dir>/common.pt`` and ``<ckpt_dir>/metadata.json`` are written by Megatron as
+usual (``metadata.json`` last: it is Megatron's commit marker); the sharded tensors/objects are
+a dcp_nvme checkpoint in ``<ckpt_dir>`` itself (``manifest.json``, its own commit marker), or in
+``<ckpt_dir>/<subdir>`` when ``install(subdir=...)`` names one.
 
 Async: ``async_save`` stages the state dict (NVMeStager) and starts
 ``torch.distributed.checkpoint.async_save`` on a dedicated gloo process group
@@ -43,17 +47,21 @@ __all__ = [
     "NVMeLoadShardedStrategy",
     "register_strategies",
     "install",
-    "find_latest_checkpoint",
 ]
 
 BACKEND = "dcp_nvme"
 VERSION = 1
-DEFAULT_SUBDIR = "dcp_nvme"
+DEFAULT_SUBDIR = ""
+"""Where the storage writer's files go inside a Megatron checkpoint: the directory itself."""
 
 # created on first access by __getattr__ (the trainer is imported lazily)
 NVMeSaveShardedStrategy: type
 NVMeLoadShardedStrategy: type
 _CLASSES: dict = {}
+
+
+def _sharded_dir(checkpoint_dir, subdir: str) -> Path:
+    return Path(checkpoint_dir) / subdir if subdir else Path(checkpoint_dir)
 
 
 def _build():
@@ -120,7 +128,7 @@ def _build():
                 sharded_state_dict, self.keep_only_main_replica
             )
             pyt_state_dict = mcore_to_pyt_state_dict(sd, False)
-            path = Path(checkpoint_dir) / self.subdir if self.subdir else Path(checkpoint_dir)
+            path = _sharded_dir(checkpoint_dir, self.subdir)
             planner = MCoreSavePlanner(
                 dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
             )
@@ -200,8 +208,21 @@ def _build():
             self.reader_factory = reader_factory
 
         def _reader(self, checkpoint_dir):
-            path = Path(checkpoint_dir) / self.subdir if self.subdir else Path(checkpoint_dir)
-            return make_reader(str(path), self.reader_factory)
+            return make_reader(str(_sharded_dir(checkpoint_dir, self.subdir)), self.reader_factory)
+
+        def remove_sharded_tensors(self, checkpoint_dir, key_prefix: str) -> None:
+            """Megatron's ``dist_checkpointing.remove_sharded_tensors``: rewrite the checkpoint
+            without the items whose key starts with ``key_prefix`` (see ``_prune``). Run it in
+            one process; other ranks must not read the checkpoint meanwhile."""
+            import warnings
+
+            from ._prune import remove_items
+
+            path = str(_sharded_dir(checkpoint_dir, self.subdir))
+            removed = remove_items(path, key_prefix, reader_factory=self.reader_factory)
+            if not removed:
+                warnings.warn(f"{path} holds no item whose key starts with {key_prefix!r}; nothing removed",
+                              stacklevel=2)
 
         def load(self, sharded_state_dict, checkpoint_dir):
             flexible_shape = [
@@ -299,28 +320,24 @@ def install(checkpointing_context: dict | None = None, *, writer_factory=None, r
     return strategy
 
 
-def find_latest_checkpoint(root, pattern: str = r"^iter_(\d+)$", subdir: str = DEFAULT_SUBDIR):
-    """Newest ``iter_N`` dir whose Megatron ``metadata.json`` and whose
-    ``<subdir>`` commit marker both exist."""
-    import re
-
-    from ._common import is_committed
-
-    root = Path(root)
-    best = None
-    if root.is_dir():
-        for child in root.iterdir():
-            m = re.search(pattern, child.name)
-            if not m or not (child / "metadata.json").is_file() or not is_committed(child / subdir):
-                continue
-            if best is None or int(m.group(1)) > best[0]:
-                best = (int(m.group(1)), child)
-    return None if best is None else best[1]
-
-
 def __getattr__(name: str):
     if name in ("NVMeSaveShardedStrategy", "NVMeLoadShardedStrategy"):
         if not _CLASSES:
             _build()
         return _CLASSES[name]
     raise AttributeError(name)
+
+
+def _register_at_import() -> None:
+    """Megatron tools that never call :func:`install` find the strategies by backend name."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        found = False
+    if found:
+        register_strategies()
+
+
+_register_at_import()

@@ -1,43 +1,58 @@
-"""torchtitan integration: a ``CheckpointManager`` subclass that saves and
-loads through dcp_nvme.
+"""torchtitan integration: a ``CheckpointManager`` whose local checkpoints go through dcp_nvme.
 
-Hook points in torchtitan 0.3.0 (``torchtitan/components/checkpointer/dcp.py``,
-re-exported by ``torchtitan/components/checkpoint.py``)::
+Hook points in torchtitan 0.3.0 (``torchtitan/components/checkpointer/{base,dcp}.py``):
 
-    CheckpointManager.dcp_save(self, state_dict, checkpoint_id: str, async_mode: AsyncMode,
-                               enable_garbage_collection=False, to_hf=False)
-        -> Future | AsyncSaveResponse | None
-    CheckpointManager.dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool,
-                               from_quantized: bool) -> None
-    CheckpointManager._find_load_step(self, folder="") -> int
-        # scans step-N dirs; valid iff ".metadata" or "model.safetensors.index.json" exists
+* ``CheckpointManager.dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection,
+  to_hf)`` and ``dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)``: public methods,
+  overridden for local, non-HF checkpoints; everything else goes to torchtitan unchanged.
+* ``BaseCheckpointManager._load(step)`` and ``_close()``: the hooks that torchtitan's base class
+  documents for subclasses to override (its public ``load``/``close`` guard and dispatch to
+  them). ``_load`` picks the newest committed ``step-N`` through :func:`dcp_nvme.checkpoints`
+  when ``step == -1`` and hands the step to torchtitan's own ``_load``.
+* ``Config``: a subclass of ``CheckpointManager.Config`` (torchtitan's config extension point:
+  a ``Configurable`` nested Config builds its owner class) with the dcp_nvme I/O options, set
+  wherever torchtitan sets config fields (a ``config_registry`` function, or
+  ``--checkpoint.nvme_queue_depth 16`` on the command line).
 
-Everything except the non-HF DCP path is delegated to torchtitan.  Use it by
-pointing the trainer's ``checkpoint`` config at ``NVMeCheckpointManager.Config``
-(its nested ``Config`` builds this class), or construct it directly.
+A remote ``checkpoint.folder`` (``s3://``, ``gs://``...) stays torchtitan's: saves, discovery and
+loads there use DCP's fsspec writer and reader exactly as stock torchtitan. A remote checkpoint
+holding dcp_nvme's ``manifest.json`` (e.g. a drained mirror used as ``initial_load_path``) is
+read with NVMeReader.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from ._common import (
-    NVME_COMMIT_MARKER,
-    is_committed,
-    make_reader,
-    make_stager,
-    make_writer,
-)
+from ..rundir import checkpoints
+from ..store import is_remote_url
+from ._common import make_reader, make_stager, make_writer, nvme_reader, nvme_writer
 
-__all__ = ["NVMeCheckpointManager"]
+__all__ = ["NVMeCheckpointManager", "latest_step"]
+
+STEP_PREFIX = "step-"
+"""torchtitan names its checkpoint directories ``step-N`` (``_create_checkpoint_id``)."""
 
 # created on first access by __getattr__ (the trainer is imported lazily)
 NVMeCheckpointManager: type
 _CLASSES: dict = {}
 
 
+def latest_step(folder: str) -> int:
+    """The newest committed ``step-N`` under a local ``folder`` (dcp_nvme's ``manifest.json`` or
+    DCP's ``.metadata``), or -1 when there is none, as torchtitan's ``load(step=-1)`` expects."""
+    steps = [c.step for c in checkpoints(folder) if c.step is not None and c.name == f"{STEP_PREFIX}{c.step}"]
+    return max(steps, default=-1)
+
+
+def _io_options(config: Any) -> dict[str, Any]:
+    """The dcp_nvme options set in the config (unset ones fall back to env / tuned / default)."""
+    names = {"nvme_queue_depth": "queue_depth", "nvme_block_size": "block_size",
+             "nvme_direct_io": "direct_io", "nvme_engine": "engine"}
+    return {ours: getattr(config, field) for field, ours in names.items() if getattr(config, field) is not None}
+
+
 def _build():
-    import re
     from concurrent.futures import Future
     from dataclasses import dataclass
 
@@ -45,31 +60,43 @@ def _build():
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
     from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+    from torchtitan.tools import filesystem
 
     class NVMeCheckpointManager(CheckpointManager):
-        """torchtitan CheckpointManager writing via dcp_nvme (NVMeWriter/Reader/Stager).
+        """torchtitan CheckpointManager writing local checkpoints with dcp_nvme.
 
         Keyword-only extras: ``writer_factory(path)``, ``reader_factory(path)``,
-        ``stager_factory()`` (defaults: dcp_nvme's classes; the reader falls back
-        to FileSystemReader for plain-DCP checkpoints, e.g. initial_load_path).
-        Both async modes run the upload in a thread (DCP THREAD executor) with
-        the dcp_nvme stager; torchtitan's pinned-memory mode otherwise uses a
-        process executor and torch's DefaultStager.
+        ``stager_factory()`` (defaults: dcp_nvme's classes with the config's ``nvme_*`` options;
+        the reader falls back to FileSystemReader for plain-DCP checkpoints, e.g. an
+        ``initial_load_path`` written by stock torchtitan). Both async modes run the upload in a
+        thread (DCP THREAD executor) with the dcp_nvme stager.
         """
 
         @dataclass(kw_only=True, slots=True)
         class Config(CheckpointManager.Config):
-            pass
+            nvme_queue_depth: int | None = None
+            """dcp_nvme: requests in flight per rank (unset: env DCP_NVME_QUEUE_DEPTH, tuned, 8)."""
+            nvme_block_size: str | None = None
+            """dcp_nvme: bytes per request, e.g. "8MiB" (unset: env, tuned, 8 MiB)."""
+            nvme_direct_io: bool | None = None
+            """dcp_nvme: O_DIRECT where the filesystem allows it (unset: env, tuned, on)."""
+            nvme_engine: Literal["auto", "posix", "kvikio"] | None = None
+            """dcp_nvme: I/O engine (unset: env DCP_NVME_ENGINE, "auto")."""
+            nvme_verify: bool | None = None
+            """dcp_nvme: check the crc32c of every block loaded (unset: env, on)."""
 
         def __init__(self, config, *, writer_factory=None, reader_factory=None,
                      stager_factory=None, **kwargs: Any) -> None:
-            self._nvme_writer_factory = writer_factory
-            self._nvme_reader_factory = reader_factory
+            options = _io_options(config)
+            verify = {} if config.nvme_verify is None else {"verify": config.nvme_verify}
+            self._nvme_writer_factory = writer_factory or (lambda path: nvme_writer(path, **options))
+            self._nvme_reader_factory = reader_factory or (lambda path: nvme_reader(path, **options, **verify))
+            self._nvme_custom_reader = reader_factory is not None
             self._nvme_stager_factory = stager_factory
             self._nvme_stager = None
             super().__init__(config, **kwargs)
             if getattr(self, "enable", False) and self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-                # pre-empt torchtitan's DefaultStager (created lazily in _save)
+                # torchtitan creates its DefaultStager only while self.stager is None
                 self.stager = self._get_stager()
 
         def _get_stager(self):
@@ -80,9 +107,9 @@ def _build():
         @torch.no_grad()
         def dcp_save(self, state_dict, checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
                      to_hf: bool = False):
-            if to_hf:
+            if to_hf or is_remote_url(checkpoint_id):  # HF export and remote folders: torchtitan's
                 return super().dcp_save(state_dict, checkpoint_id, async_mode,
-                                        enable_garbage_collection=enable_garbage_collection, to_hf=True)
+                                        enable_garbage_collection=enable_garbage_collection, to_hf=to_hf)
             writer = make_writer(checkpoint_id, self._nvme_writer_factory)
             if async_mode == AsyncMode.DISABLED:
                 dcp.save(state_dict, storage_writer=writer)
@@ -105,37 +132,31 @@ def _build():
             return ret
 
         def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-            if from_hf:
+            if from_hf or not self._reads_as_nvme(checkpoint_id):
                 return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             dcp.load(state_dict, storage_reader=make_reader(checkpoint_id, self._nvme_reader_factory))
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(state_dict)
 
-        def _find_load_step(self, folder: str = "") -> int:
-            import os
+        def _reads_as_nvme(self, checkpoint_id: str) -> bool:
+            """Local checkpoints (ours or plain DCP, see make_reader) and remote dcp_nvme ones."""
+            if self._nvme_custom_reader or not is_remote_url(checkpoint_id):
+                return True
+            return filesystem.isfile(filesystem.join(checkpoint_id, "manifest.json"))
 
-            folder = folder or self.folder
-            if not os.path.isdir(folder):
-                return -1
-            steps = []
-            for name in os.listdir(folder):
-                m = re.search(r"step-(\d+)", name)
-                if not m:
-                    continue
-                path = os.path.join(folder, name)
-                if is_committed(path) or os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-                    steps.append(int(m.group(1)))
-            return max(steps) if steps else -1
+        def _load(self, step: int = -1) -> bool:
+            if step == -1 and not is_remote_url(self.folder):
+                step = latest_step(self.folder)  # torchtitan's own scan knows only .metadata
+            return super()._load(step)
 
-        def _close(self):
+        def _close(self) -> None:
             try:
                 super()._close()
             finally:
-                st, self._nvme_stager = self._nvme_stager, None
-                if st is not None and st is not getattr(self, "stager", None) and hasattr(st, "close"):
-                    st.close()
+                stager, self._nvme_stager = self._nvme_stager, None
+                if stager is not None and stager is not getattr(self, "stager", None) and hasattr(stager, "close"):
+                    stager.close()
 
-    NVMeCheckpointManager.COMMIT_MARKER = NVME_COMMIT_MARKER
     _CLASSES["NVMeCheckpointManager"] = NVMeCheckpointManager
 
 

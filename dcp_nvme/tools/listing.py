@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from ..manifest import DCP_METADATA, MANIFEST, save_key_of
+from ..rundir import parse_step
 from ..store import LocalStore
 from ..tiers import drain_state
-from .status import checkpoint_state, parse_step
+from .status import checkpoint_state
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError
@@ -16,14 +15,6 @@ DAMAGED = "damaged"  # committed, but a listed file is missing or has the wrong 
 FOREIGN = "foreign"  # written by DCP's FileSystemWriter
 MISSING = "missing"
 NOT_A_CHECKPOINT = "not a checkpoint"
-
-_STEP_RE = re.compile(r"^(?:.*?(?:step|ckpt|checkpoint|iter|iteration|epoch)[_\-.]?)?(\d+)$", re.IGNORECASE)
-
-
-def parse_step(name: str) -> int | None:
-    """The training step in a directory name: ``step_1000``, ``step-1000``, ``1000``, ``checkpoint-5``."""
-    match = _STEP_RE.match(name)
-    return int(match.group(1)) if match else None
 
 
 @dataclass
