@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -23,9 +24,18 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .config import IOConfig, resolve_config
-from .errors import ChecksumMismatchError
+from .errors import ChecksumMismatchError, ManifestError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
-from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
+from .manifest import (
+    ChunkRecord,
+    FileRecord,
+    Manifest,
+    header_mismatches,
+    parse_dtype,
+    read_files,
+    read_header,
+    read_manifest,
+)
 from .memory import tensor_bytes
 from .remote import FsspecEngine, open_store
 from .stats import IOStats, PhaseTimer
@@ -97,6 +107,8 @@ class NVMeReader(StorageReader):
         self.storage_options = storage_options
         self._store = None
         self._manifest: Manifest | None = None
+        self._checked: set[str] = set()
+        """Containers whose header was checked against the index in this load."""
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
@@ -114,6 +126,7 @@ class NVMeReader(StorageReader):
             self.path = local_path(checkpoint_id)
             self._store = None
         self._manifest = None
+        self._checked = set()
         self.storage_data = {}
 
     def manifest(self) -> Manifest:
@@ -241,18 +254,37 @@ class NVMeReader(StorageReader):
         return sum(n.length for needs in batch.needs.values() for n in needs)
 
     def _plan_requests(self, batch: _Batch) -> list:
-        files = read_files(self.store, self.manifest(), self.path) if self.config.verify else {}
+        files = read_files(self.store, self.manifest(), self.path)
         requests = []
         for name, needs in batch.needs.items():
+            record = files[name]  # read_manifest checked that every row's file is listed
+            self._check_container(record)
             blocks = None
             if self.config.verify:
-                record = files.get(name)
-                if record is None:
-                    raise FileNotFoundError(f"{self.path}: {name} is not listed in the checkpoint's blocks table")
                 blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
             requests += plan_reads(self.store.path(name), needs,
                                    max_request=self.config.block_size, blocks=blocks)
         return requests
+
+    def _check_container(self, record: FileRecord) -> None:
+        """Before reading a container: it is a regular file whose own safetensors header places,
+        types and shapes every item as the index does (and, verifying, matches its crc32c)."""
+        if record.name in self._checked:
+            return
+        _, items, data_start, header = read_header(self.store, record.name, record.data_start)
+        where = f"{self.path}: {record.name}"
+        if data_start != record.data_start:
+            raise ManifestError(f"{where}: its safetensors header puts the data at byte {data_start}, "
+                                f"the blocks table at {record.data_start}; the checkpoint is damaged")
+        if self.config.verify and crc32c.crc32c(header) != record.header_crc:
+            raise ChecksumMismatchError(self.store.path(record.name), 0, data_start, record.header_crc,
+                                        crc32c.crc32c(header), "the safetensors header")
+        rows = self.manifest().rows_by_file().get(record.name, [])
+        problems = header_mismatches(items, rows, data_start)
+        if problems:
+            raise ManifestError(f"{where} and the index disagree: {'; '.join(problems[:3])}; the "
+                                "checkpoint is damaged or forged")
+        self._checked.add(record.name)
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:
