@@ -98,11 +98,11 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.complex64: "C64",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
     torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.float8_e8m0fnu: "F8_E8M0",
 }
-"""torch dtypes the safetensors format stores natively (names as safetensors 0.8 writes and
-reads them, checked against it in tests/test_format.py); any other dtype is stored as raw U8
-bytes and the index keeps the real dtype."""
+"""torch dtypes safetensors' torch API (0.8, ``safetensors.torch._TYPES``) maps by name, fnuz
+float8 included; tests/test_format.py holds the table to it. Any other dtype (float8 e8m0,
+float4, complex32, sub-byte ints) is stored as raw U8 bytes and the index keeps the real dtype;
+a container written before fnuz joined this table holds them as U8, which reading accepts."""
 
 ST_ITEMSIZE: dict[str, int] = {name: dtype.itemsize for dtype, name in ST_DTYPES.items()}
 

@@ -35,7 +35,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError
+from .errors import (
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    ManifestError,
+)
 from .format import (  # noqa: F401  (names re-exported: the manifest is where callers look)
     DCP_METADATA,
     MANIFEST,
@@ -718,6 +723,23 @@ def read_header(store, name: str, data_start: int | None = None) -> tuple[dict, 
     got = store.read_into(name, 0, memoryview(prefix))
     metadata, items, start = parse_header(prefix[:got], name)
     return metadata, items, start, bytes(prefix[:got])
+
+
+def check_container(store, record: FileRecord, manifest: Manifest, location: str, verify: bool = True) -> None:
+    """Before a container's data is read: it is a regular file whose own safetensors header
+    places, types and shapes every item as the index does, and (``verify``) matches its crc32c."""
+    _, items, data_start, header = read_header(store, record.name, record.data_start)
+    where = f"{location}: {record.name}"
+    if data_start != record.data_start:
+        raise ManifestError(f"{where}: its safetensors header puts the data at byte {data_start}, "
+                            f"the blocks table at {record.data_start}; the checkpoint is damaged")
+    if verify and crc32c.crc32c(header) != record.header_crc:
+        raise ChecksumMismatchError(store.path(record.name), 0, data_start, record.header_crc,
+                                    crc32c.crc32c(header), "the safetensors header")
+    problems = header_mismatches(items, manifest.rows_by_file().get(record.name, []), data_start)
+    if problems:
+        raise ManifestError(f"{where} and the index disagree: {'; '.join(problems[:3])}; the "
+                            "checkpoint is damaged or forged")
 
 
 def header_mismatches(items: Sequence[HeaderItem], rows: Sequence[ChunkRecord], data_start: int) -> list[str]:

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -24,16 +23,15 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .config import IOConfig, resolve_config
-from .errors import ChecksumMismatchError, ManifestError
+from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from .manifest import (
     ChunkRecord,
     FileRecord,
     Manifest,
-    header_mismatches,
+    check_container,
     parse_dtype,
     read_files,
-    read_header,
     read_manifest,
 )
 from .memory import tensor_bytes
@@ -267,24 +265,10 @@ class NVMeReader(StorageReader):
         return requests
 
     def _check_container(self, record: FileRecord) -> None:
-        """Before reading a container: it is a regular file whose own safetensors header places,
-        types and shapes every item as the index does (and, verifying, matches its crc32c)."""
-        if record.name in self._checked:
-            return
-        _, items, data_start, header = read_header(self.store, record.name, record.data_start)
-        where = f"{self.path}: {record.name}"
-        if data_start != record.data_start:
-            raise ManifestError(f"{where}: its safetensors header puts the data at byte {data_start}, "
-                                f"the blocks table at {record.data_start}; the checkpoint is damaged")
-        if self.config.verify and crc32c.crc32c(header) != record.header_crc:
-            raise ChecksumMismatchError(self.store.path(record.name), 0, data_start, record.header_crc,
-                                        crc32c.crc32c(header), "the safetensors header")
-        rows = self.manifest().rows_by_file().get(record.name, [])
-        problems = header_mismatches(items, rows, data_start)
-        if problems:
-            raise ManifestError(f"{where} and the index disagree: {'; '.join(problems[:3])}; the "
-                                "checkpoint is damaged or forged")
-        self._checked.add(record.name)
+        """Before reading a container: its own header agrees with the index (once per load)."""
+        if record.name not in self._checked:
+            check_container(self.store, record, self.manifest(), self.path, self.config.verify)
+            self._checked.add(record.name)
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:

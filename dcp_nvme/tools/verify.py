@@ -20,20 +20,21 @@ from typing import Any
 import crc32c
 
 from ..concurrency import run_bounded
-from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError
+from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, DCPNVMeError
 from ..manifest import (
     MANIFEST,
     ChunkRecord,
     FileRecord,
     Manifest,
-    parse_dtype,
+    chunk_problem,
+    header_mismatches,
+    parse_header,
     read_files,
     read_manifest,
     save_key_of,
 )
 from ..remote import open_store
 from ..store import Store
-from .st_format import ST_ITEMSIZE, parse_header
 
 DEFAULT_SPAN = 8 << 20
 """Bytes one worker reads and checks per task (rounded to whole checksum blocks)."""
@@ -182,32 +183,10 @@ def _chunk_problem(chunk: ChunkRecord, files: dict[str, FileRecord]) -> str:
     if chunk.byte_offset < record.data_start or chunk.byte_offset + chunk.length > record.size:
         return (f"bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.length}) are outside the data "
                 f"region [{record.data_start}, {record.size}) of {chunk.file}")
-    if chunk.kind == "bytes":
-        return ""
-    if chunk.kind != "tensor":
-        return f"unknown kind {chunk.kind!r}"
-    try:
-        itemsize = parse_dtype(chunk.dtype).itemsize
-    except Exception as exc:
-        return str(exc)
-    dims = (len(chunk.offsets), len(chunk.sizes), len(chunk.global_shape))
-    if len(set(dims)) != 1:
-        return f"offsets/sizes/shape have different ranks {dims}"
-    if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(chunk.offsets, chunk.sizes, chunk.global_shape)):
-        return f"chunk at {chunk.offsets} of size {chunk.sizes} lies outside the shape {chunk.global_shape}"
-    if math.prod(chunk.sizes) * itemsize != chunk.length:
-        return f"length {chunk.length} is not {chunk.sizes} x {itemsize} bytes"
-    return ""
+    return chunk_problem(chunk)
 
 
 # --------------------------------------------------------------------------- containers
-
-
-def _rows_by_file(manifest: Manifest) -> dict[str, list[ChunkRecord]]:
-    rows: dict[str, list[ChunkRecord]] = {}
-    for chunk in manifest.chunks:
-        rows.setdefault(chunk.file, []).append(chunk)
-    return rows
 
 
 def items_in(rows: list[ChunkRecord], start: int, end: int) -> tuple[str, ...]:
@@ -217,7 +196,7 @@ def items_in(rows: list[ChunkRecord], start: int, end: int) -> tuple[str, ...]:
 
 def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport) -> bool:
     """Header crc, safetensors parse, and agreement with the index; False when unreadable."""
-    prefix = bytearray(record.data_start)
+    prefix = bytearray(record.data_start)  # bounded: read_files checked it against MAX_HEADER
     got = source.read_into(record.name, 0, memoryview(prefix))
     report.bytes_read += got
     if got < record.data_start:
@@ -227,8 +206,8 @@ def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], re
         report.problems.append(Problem(record.name, "header", "header bytes do not match their crc32c",
                                        0, record.data_start))
     try:
-        header, data_start = parse_header(bytes(prefix), record.name)
-    except ValueError as exc:
+        _, items, data_start = parse_header(prefix, record.name)
+    except DCPNVMeError as exc:
         report.problems.append(Problem(record.name, "header", str(exc), 0, record.data_start))
         return True
     if data_start != record.data_start:
@@ -236,40 +215,14 @@ def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], re
             f"the safetensors header puts the data at byte {data_start}, the blocks table at "
             f"{record.data_start}"), 0, record.data_start))
         return True
-    for message in header_mismatches(header, rows, record.data_start):
-        report.problems.append(Problem(record.name, "layout", message, 0, record.data_start))
+    for message in header_mismatches(items, rows, record.data_start):
+        report.problems.append(Problem(record.name, "layout", message, 0, record.data_start,
+                                       _keys_named(message, rows)))
     return True
 
 
-def header_mismatches(header: dict[str, Any], rows: list[ChunkRecord], data_start: int) -> list[str]:
-    """Where a container's safetensors header and the index disagree (pure)."""
-    problems = []
-    items = {k: v for k, v in header.items() if k != "__metadata__"}
-    keys = {r.key for r in rows}
-    extra, missing = sorted(set(items) - keys), sorted(keys - set(items))
-    if extra:
-        problems.append(f"the safetensors header has item(s) the index lacks: {extra[:5]}")
-    if missing:
-        problems.append(f"the index has item(s) the safetensors header lacks: {missing[:5]}")
-    for row in rows:
-        entry = items.get(row.key)
-        if not isinstance(entry, dict):
-            continue
-        try:
-            start, end = (int(x) for x in entry["data_offsets"])
-            itemsize = ST_ITEMSIZE[entry["dtype"]]
-            count = math.prod(int(n) for n in entry["shape"])
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"item {row.key!r} has a malformed safetensors entry {entry!r}")
-            continue
-        if (data_start + start, end - start) != (row.byte_offset, row.length):
-            problems.append(f"item {row.key!r}: the safetensors header says bytes "
-                            f"[{data_start + start}, {data_start + end}), the index "
-                            f"[{row.byte_offset}, {row.byte_offset + row.length})")
-        elif count * itemsize != row.length:
-            problems.append(f"item {row.key!r}: dtype {entry['dtype']} x shape {entry['shape']} is not "
-                            f"{row.length} bytes")
-    return problems
+def _keys_named(message: str, rows: list[ChunkRecord]) -> tuple[str, ...]:
+    return tuple(r.key for r in rows if f"{r.key!r}" in message)
 
 
 @dataclass(frozen=True)
@@ -323,14 +276,18 @@ def _merge(ranges: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
 
 def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRecord],
                       report: VerifyReport, jobs: int, progress: bool, span: int) -> None:
-    rows = _rows_by_file(manifest)
+    rows = manifest.rows_by_file()
     readable = []
     for record in files.values():
         report.files += 1
-        if not source.has(record.name):
+        try:
+            actual = source.size(record.name)  # a regular file, or refused unopened
+        except FileNotFoundError:
             report.problems.append(Problem(record.name, "missing", "the file is missing"))
             continue
-        actual = source.size(record.name)
+        except DCPNVMeError as exc:
+            report.problems.append(Problem(record.name, "missing", str(exc)))
+            continue
         if actual != record.size:
             report.problems.append(Problem(record.name, "size", f"is {actual} bytes, expected {record.size}"))
         if len(record.crcs) != math.ceil(max(record.data_size, 0) / max(record.checksum_block, 1)):
