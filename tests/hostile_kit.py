@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import crc32c
 import torch
