@@ -449,10 +449,12 @@ def read_manifest(store, location: str) -> Manifest:
     for each row (see the "Trust model" section of docs/design.md)."""
     if not store.exists():
         raise CheckpointNotFoundError(f"checkpoint directory {location} does not exist")
-    if not store.has(MANIFEST):
+    try:
+        store.size(MANIFEST)  # a FIFO, device or link under this name is refused, never opened
+    except FileNotFoundError:
         message = describe_missing(store, location)
         error = CheckpointNotCommittedError if "did not finish" in message else CheckpointNotFoundError
-        raise error(message)
+        raise error(message) from None
     try:
         doc = json.loads(store.read(MANIFEST, MAX_MANIFEST))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:

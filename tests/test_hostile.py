@@ -313,3 +313,43 @@ def test_intact_checkpoint_still_loads_and_verifies(ckpt: Path):
     assert all(torch.equal(dest[k], state[k]) for k in state)
     assert verify_checkpoint(ckpt).ok
     json.dumps(inspect_checkpoint(ckpt).to_dict())
+
+
+@pytest.mark.parametrize("special", ["fifo", "zero"])
+def test_special_manifest_fails_every_tool_instead_of_hanging(ckpt: Path, special: str):
+    os.unlink(ckpt / "manifest.json")
+    if special == "fifo":
+        os.mkfifo(ckpt / "manifest.json")
+    else:
+        os.symlink("/dev/zero", ckpt / "manifest.json")
+    words = "FIFO" if special == "fifo" else "symbolic link"
+    entry = within(30, lambda: list_checkpoints(ckpt.parent))[0]
+    assert entry.state == "corrupt" and words in entry.reason
+    assert within(30, lambda: inspect_checkpoint(ckpt)).state == "corrupt"
+    assert any(words in p for p in verify_problems(ckpt))
+    assert words in load_error(ckpt)
+
+
+def test_fifo_data_file_fails_a_drain_instead_of_hanging(ckpt: Path, tmp_path: Path):
+    from dcp_nvme.tiers import DrainOptions, drain
+
+    name = files_of(ckpt)[0].name
+    os.unlink(ckpt / name)
+    os.mkfifo(ckpt / name)
+    with pytest.raises(Exception, match="FIFO"):
+        within(30, lambda: drain(ckpt, str(tmp_path / "mirror"), options=DrainOptions(retries=0)))
+
+
+def test_fsspec_store_opens_regular_files_only(ckpt: Path):
+    import fsspec
+
+    from dcp_nvme.remote import FsspecStore
+
+    os.mkfifo(ckpt / "rank_00001.00000000.safetensors")
+    store = FsspecStore(str(ckpt), fs=fsspec.filesystem("file"))
+    with pytest.raises(ManifestError, match="not a regular file"):
+        within(10, lambda: store.read("rank_00001.00000000.safetensors"))
+    with pytest.raises(ManifestError, match="more than the 10"):
+        store.read("manifest.json", max_size=10)
+    with pytest.raises(ManifestError, match="not a file name inside"):
+        store.path("../manifest.json")

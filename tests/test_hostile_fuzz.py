@@ -161,7 +161,7 @@ def _mutate_data(rng: random.Random, ckpt: Path) -> None:
 
 def _replace_with_special(rng: random.Random, ckpt: Path) -> None:
     doc = doc_of(ckpt)
-    name = rng.choice([doc["index"]["name"], doc["blocks"]["name"], doc["files"][0]["name"]])
+    name = rng.choice([doc["index"]["name"], doc["blocks"]["name"], doc["files"][0]["name"], "manifest.json"])
     os.unlink(ckpt / name)
     kind = rng.choice(["fifo", "link_zero", "link_out", "dir"])
     if kind == "fifo":

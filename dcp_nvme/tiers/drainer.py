@@ -23,7 +23,7 @@ from typing import Any
 
 from ..concurrency import run_bounded
 from ..manifest import MANIFEST, FileRecord, read_files, read_manifest, save_key_of
-from ..store import LocalStore
+from ..store import LocalStore, open_regular
 from .plan import (
     S3_MIN_PART,
     DrainError,
@@ -207,7 +207,7 @@ def _send_all(store, sink, journal, work, options, bucket, result, progress) -> 
     lock = threading.Lock()
 
     def send(record: FileRecord, piece: Piece) -> None:
-        with open(store.path(record.name), "rb") as handle:
+        with os.fdopen(open_regular(store.path(record.name)), "rb") as handle:  # no FIFO, no link
             data = os.pread(handle.fileno(), piece.length, piece.offset)
         if len(data) != piece.length:
             raise DrainError(store.path(record.name), sink.target,

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from ..manifest import MANIFEST
-from ..store import LocalStore
+from ..manifest import MANIFEST, MAX_MANIFEST
+from ..store import LocalStore, read_regular
 
 JOURNAL = ".drain.json"
 LOCAL, DRAINING, MIRRORED, FAILED, UNCOMMITTED = "local", "draining", "mirrored", "failed", "uncommitted"
@@ -62,8 +62,7 @@ def _alive(pid: int) -> bool:
 
 def load_journal(path: str | os.PathLike) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(path, JOURNAL), "rb") as handle:
-            doc = json.load(handle)
+        doc = json.loads(read_regular(os.path.join(path, JOURNAL), MAX_MANIFEST))  # no FIFO, no link
     except FileNotFoundError:
         return None
     except ValueError:
@@ -73,8 +72,8 @@ def load_journal(path: str | os.PathLike) -> dict[str, Any] | None:
 
 def _local_save_key(path: str | os.PathLike) -> str | None:
     try:
-        with open(os.path.join(path, MANIFEST), "rb") as handle:
-            return json.load(handle).get("save_key")
+        doc = json.loads(read_regular(os.path.join(path, MANIFEST), MAX_MANIFEST))  # no FIFO, no link
+        return doc.get("save_key") if isinstance(doc, dict) else None
     except (FileNotFoundError, ValueError):
         return None
 
