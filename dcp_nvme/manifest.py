@@ -193,7 +193,7 @@ FREE_ROWS = 4096
 MIN_ITEM_HEADER = 40
 """Fewest bytes one item takes in a safetensors header: a row needs an item, an item its header."""
 MIN_CHECKSUM_BLOCK = 512
-MAX_CHECKSUM_BLOCK = 64 << 20
+MAX_CHECKSUM_BLOCK = 16 << 20
 MAX_ROW_BYTES = 4096
 """Average decoded bytes per row allowed (names, shapes) before a table is refused as a bomb."""
 MAX_WORLD = 1 << 20

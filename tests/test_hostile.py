@@ -171,9 +171,12 @@ def test_index_bomb_is_refused_before_it_is_materialised(ckpt: Path):
             f"e = list_checkpoints({str(ckpt.parent)!r})[0]\nprint('STATE', e.state, e.reason)")
     peak, out = peak_rss_mib(code)
     assert "STATE corrupt" in out and "declares 200000 rows" in out
+    verify_peak, out = peak_rss_mib("from dcp_nvme.tools import verify_checkpoint\n"
+                                    f"print('PROBLEMS', verify_checkpoint({str(ckpt)!r}).problems)")
+    assert "declares 200000 rows" in out
     baseline, _ = peak_rss_mib("from dcp_nvme.tools import list_checkpoints\n"
                                f"list_checkpoints({str(ckpt.parent)!r})")
-    assert peak < baseline + 32, (peak, baseline)
+    assert peak < baseline + 32 and verify_peak < baseline + 32, (peak, verify_peak, baseline)
 
 
 @pytest.mark.parametrize("block", [0, -4096, 1 << 40, 100])

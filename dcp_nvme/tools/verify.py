@@ -194,9 +194,10 @@ def items_in(rows: list[ChunkRecord], start: int, end: int) -> tuple[str, ...]:
     return tuple(r.key for r in rows if r.byte_offset < end and start < r.byte_offset + r.length)
 
 
-def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport) -> bool:
+def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport,
+                  actual: int) -> bool:
     """Header crc, safetensors parse, and agreement with the index; False when unreadable."""
-    prefix = bytearray(record.data_start)  # bounded: read_files checked it against MAX_HEADER
+    prefix = bytearray(min(record.data_start, actual))  # what the file really holds, at most
     got = source.read_into(record.name, 0, memoryview(prefix))
     report.bytes_read += got
     if got < record.data_start:
@@ -292,7 +293,7 @@ def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRe
             report.problems.append(Problem(record.name, "size", f"is {actual} bytes, expected {record.size}"))
         if len(record.crcs) != math.ceil(max(record.data_size, 0) / max(record.checksum_block, 1)):
             continue  # already reported: its blocks cannot be checked
-        if _check_header(source, record, rows.get(record.name, []), report):
+        if _check_header(source, record, rows.get(record.name, []), report, actual):
             readable.append(record)
     total = sum(max(r.data_size, 0) for r in readable)
     bad: dict[str, list[tuple[int, int, str]]] = {}
