@@ -206,6 +206,13 @@ def _footer(data: bytes, what: str) -> pq.ParquetFile:
         raise ManifestError(f"{what} is not a readable Parquet file: {exc}") from None
 
 
+def _column_values(meta: pq.FileMetaData, column: str) -> int:
+    """Values the footer declares for a (list) column, over all row groups."""
+    return sum(meta.row_group(g).column(c).num_values for g in range(meta.num_row_groups)
+               for c in range(meta.num_columns)
+               if meta.row_group(g).column(c).path_in_schema.split(".")[0] == column)
+
+
 def _check_counts(parquet: pq.ParquetFile, what: str, max_rows: int,
                   long_column: str | None = None, max_long: int = 0) -> None:
     """Rows, values per column and decoded bytes the footer declares, against the bounds.
@@ -493,12 +500,8 @@ def read_files(store, manifest: Manifest, location: str) -> dict[str, FileRecord
         what = f"{location}/{entry['name']}"
         data = _load_table(store, entry, location)
         count = len(doc["files"])
-        crcs = _footer(data, what).metadata
-        crc_values = sum(crcs.row_group(g).column(c).num_values for g in range(crcs.num_row_groups)
-                         for c in range(crcs.num_columns)
-                         if crcs.row_group(g).column(c).path_in_schema.split(".")[0] == "crcs")
-        files = parse_files(data, what, count,
-                            _row_limit(store, manifest, crc_values, MIN_CHECKSUM_BLOCK, 64) + count)
+        crcs = _column_values(_footer(data, what).metadata, "crcs")
+        files = parse_files(data, what, count, _row_limit(store, manifest, crcs, MIN_CHECKSUM_BLOCK, 64) + count)
         check_files(files, manifest, what)
         manifest._files = files
     return manifest._files
