@@ -193,7 +193,8 @@ FREE_ROWS = 4096
 MIN_ITEM_HEADER = 40
 """Fewest bytes one item takes in a safetensors header: a row needs an item, an item its header."""
 MIN_CHECKSUM_BLOCK = 512
-MAX_CHECKSUM_BLOCK = 16 << 20
+MAX_CHECKSUM_BLOCK = 1 << 20
+"""Checksum blocks are powers of two in [MIN, MAX] (the writer's are gcd(block_size, 256 KiB))."""
 MAX_ROW_BYTES = 4096
 """Average decoded bytes per row allowed (names, shapes) before a table is refused as a bomb."""
 MAX_WORLD = 1 << 20
@@ -689,8 +690,9 @@ def check_files(files: dict[str, FileRecord], manifest: Manifest, where: str) ->
         if record.rank != entry["rank"] or record.size != entry["size"]:
             raise ManifestError(f"{where}: {name} has rank {record.rank}, {record.size} bytes; {MANIFEST} "
                                 f"says rank {entry['rank']}, {entry['size']} bytes")
-        if not MIN_CHECKSUM_BLOCK <= record.checksum_block <= MAX_CHECKSUM_BLOCK:
-            raise ManifestError(f"{where}: {name} has checksum_block {record.checksum_block}, outside "
+        block = record.checksum_block
+        if not MIN_CHECKSUM_BLOCK <= block <= MAX_CHECKSUM_BLOCK or block & (block - 1):
+            raise ManifestError(f"{where}: {name} has checksum_block {block}, not a power of two in "
                                 f"[{MIN_CHECKSUM_BLOCK}, {MAX_CHECKSUM_BLOCK}]")
         if not 8 <= record.data_start <= min(record.size, 8 + MAX_HEADER):
             raise ManifestError(f"{where}: {name} has data_start {record.data_start}, outside its "

@@ -179,7 +179,7 @@ def test_index_bomb_is_refused_before_it_is_materialised(ckpt: Path):
     assert peak < baseline + 32 and verify_peak < baseline + 32, (peak, verify_peak, baseline)
 
 
-@pytest.mark.parametrize("block", [0, -4096, 1 << 40, 100])
+@pytest.mark.parametrize("block", [0, -4096, 1 << 40, 100, 262145, 16 << 20])
 def test_insane_checksum_block_is_refused_by_verify_and_load(ckpt: Path, block: int):
     write_blocks(ckpt, [replace(f, checksum_block=block) for f in files_of(ckpt)])
     problems = verify_problems(ckpt)

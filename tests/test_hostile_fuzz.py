@@ -37,7 +37,7 @@ from dcp_nvme.errors import DCPNVMeError
 from dcp_nvme.tools import inspect_checkpoint, list_checkpoints, verify_checkpoint
 
 SEED = 1234
-MUTANTS_PER_KIND = 12
+MUTANTS_PER_KIND = 40
 LIMIT_S = 20
 
 
@@ -178,13 +178,17 @@ MUTATORS = {"manifest": _mutate_manifest, "index": _mutate_index, "blocks": _mut
             "header": _mutate_header, "data": _mutate_data, "special": _replace_with_special}
 
 
+DCP_CLEAR = ("metadata read failed", "Missing key in checkpoint state_dict")
+"""DCP's own clear refusals: a failed read_metadata (quoting our message), and a checkpoint
+that lacks a key the destination asks for (a forged, consistent rename)."""
+
+
 def _is_ours(exc: BaseException) -> bool:
     if isinstance(exc, DCPNVMeError):
         return True
     if isinstance(exc, CheckpointException):
         failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
-        # DCP reports a failed read_metadata as an AssertionError quoting our message
-        return all(isinstance(f, DCPNVMeError) or "metadata read failed" in str(f) for f in failures)
+        return all(isinstance(f, DCPNVMeError) or any(w in str(f) for w in DCP_CLEAR) for f in failures)
     return False
 
 
@@ -199,10 +203,9 @@ def _exercise(ckpt: Path, state: dict[str, torch.Tensor]) -> str:
         raise
     except BaseException as exc:  # noqa: BLE001
         assert _is_ours(exc), f"load raised {type(exc).__name__}: {str(exc)[:500]}"
-        outcome = "refused"
+        outcome = "refused" if not any(w in str(exc) for w in DCP_CLEAR[1:]) else "renamed"
     report = within(LIMIT_S, lambda: verify_checkpoint(ckpt))
-    assert report.ok == (outcome == "loaded") or not report.ok, "verify passed what load refused"
-    if outcome == "refused":
+    if outcome == "refused":  # a renamed key is a consistent checkpoint, not a damaged one
         assert not report.ok, "load refused a checkpoint that verify calls intact"
     for tool in (lambda: inspect_checkpoint(ckpt), lambda: list_checkpoints(ckpt.parent)):
         try:
@@ -245,7 +248,7 @@ def test_mutation_fuzz(tmp_path: Path):
     counts = json.loads(next(line for line in out.splitlines() if line.startswith("COUNTS"))[7:])
     print(counts, f"peak {peak:.0f} MiB")
     assert sum(counts.values()) == len(MUTATORS) * MUTANTS_PER_KIND
-    assert sum(v for k, v in counts.items() if k.endswith("refused")) >= len(MUTATORS) * MUTANTS_PER_KIND // 2
+    assert sum(v for k, v in counts.items() if not k.endswith("loaded")) >= len(MUTATORS) * MUTANTS_PER_KIND // 2
     assert peak < 1024, f"peak memory {peak:.0f} MiB"
 
 
