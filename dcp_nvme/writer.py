@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .config import IOConfig, resolve_config
+from .config import IOConfig, check_option, resolve_config
 from .engines import Engine, select_engine
 from .errors import CheckpointExistsError
 from .format import stored_as
@@ -146,8 +146,9 @@ class NVMeWriter(StorageWriter):
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine
         )
-        self.overwrite = overwrite
-        self.mirror, self.mirror_options = mirror, mirror_options
+        self.overwrite = check_option("overwrite", overwrite)
+        self.mirror = None if mirror is None else check_option("mirror", mirror)
+        self.mirror_options = mirror_options
         self.drain_future = None
         """On the coordinator with ``mirror``: a Future of the last save's drain (DrainResult)."""
         self.is_coordinator = False

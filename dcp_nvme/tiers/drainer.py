@@ -1,17 +1,23 @@
-"""The drain: copy one committed local checkpoint to its mirror, verified, manifest last.
+"""The drain: copy one committed local checkpoint to its mirror, confirmed, manifest last.
 
     drain(local, target)  one checkpoint, in the calling thread, retried with backoff
     Drainer               a background worker: submit() returns a Future per checkpoint,
                           applies retention after each success
 
-Order on the target: data files (pieces in parallel, each verified against the blocks table
-before it is sent), then (``verify="readback"``) every byte read back and verified, then the
-index and blocks tables, then ``manifest.json``: until that last PUT the mirror holds no
-loadable checkpoint. Files of other saves left on the target are removed after the commit.
+The save being drained is fixed when the drain starts: its manifest and tables are read once
+and checked, and a drain whose checkpoint is overwritten before the commit fails (the new save
+gets a drain of its own). Order on the target: data files (pieces in parallel, each verified
+against the blocks table before it is sent), each then checked for its size, (``verify=
+"readback"``) every byte read back and verified, then the index and blocks tables (read back),
+then ``manifest.json``: until that last write the mirror holds no loadable checkpoint. A piece
+or file an earlier, interrupted drain left on the target is skipped only once the target
+confirms it (read back, or the server's md5 of it equals the local bytes'). Files of other
+saves left on the target are removed after the commit.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -22,26 +28,51 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..concurrency import run_bounded
-from ..manifest import MANIFEST, FileRecord, read_files, read_manifest, save_key_of
-from ..store import LocalStore, open_regular
+from ..errors import CheckpointNotFoundError, ManifestError
+from ..manifest import MANIFEST, FileRecord, save_key_of
 from .plan import (
     S3_MIN_PART,
     DrainError,
+    IncompleteOnTarget,
     MiB,
     Piece,
+    SourceChanged,
     TokenBucket,
     backoff_delay,
+    check_coverage,
     classify,
     is_permanent,
+    matching_pieces,
+    overlap,
+    piece_entry,
     plan_pieces,
+    step,
     verify_piece,
 )
 from .sinks import S3Sink, Sink, open_sink
-from .state import DRAINING, FAILED, MIRRORED, Journal, drain_state
+from .source import DrainSource, overwritten
+from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
 
 log = logging.getLogger(__name__)
 
 VERIFY_MODES = ("sent", "readback")
+
+Hook = Callable[[str, dict[str, Any]], None]
+_hook: Hook | None = None
+"""Test seam: called at named points of a drain (``piece-sent``, ``piece-journaled``,
+``file-finished``, ``before-commit``) so crash and race tests can act at an exact moment."""
+
+
+def set_drain_hook(hook: Hook | None) -> Hook | None:
+    """Install ``hook(point, info)`` (tests: kill the process, overwrite the source...)."""
+    global _hook
+    previous, _hook = _hook, hook
+    return previous
+
+
+def _at(point: str, **info: Any) -> None:
+    if _hook is not None:
+        _hook(point, info)
 
 
 @dataclass(frozen=True)
@@ -49,7 +80,8 @@ class DrainOptions:
     """How a drain behaves. Defaults suit a shared network: 4 transfers, 64 MiB pieces, no cap.
 
     max_transfers: pieces in flight at once (across files).
-    part_size: bytes per piece (multipart part on S3; at least 5 MiB there).
+    part_size: bytes per piece (multipart part on S3; at least 5 MiB there). A file whose
+        transfer an interrupted drain began keeps the part size it was planned with.
     bandwidth: bytes/s cap for the whole drain (token bucket), None for no cap.
     verify: "sent" checks every piece's bytes against the blocks table before sending it;
         "readback" also reads every byte back from the target and checks it.
@@ -70,6 +102,8 @@ class DrainOptions:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.max_transfers < 1:
             raise ValueError(f"max_transfers must be >= 1, got {self.max_transfers}")
+        if self.part_size < 1:
+            raise ValueError(f"part_size must be >= 1, got {self.part_size}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
 
@@ -81,9 +115,9 @@ class DrainResult:
     save_key: str
     bytes_total: int
     bytes_sent: int = 0
-    """Bytes sent by this call (resumed pieces are not counted)."""
+    """Bytes sent by this call (confirmed, resumed pieces are not counted)."""
     bytes_skipped: int = 0
-    """Bytes already on the target from an earlier, interrupted drain."""
+    """Bytes an earlier, interrupted drain left on the target, confirmed there and not resent."""
     bytes_verified_remote: int = 0
     seconds: float = 0.0
     attempts: int = 0
@@ -107,40 +141,67 @@ def drain(
 ) -> DrainResult:
     """Copy the committed checkpoint at ``local`` to ``target`` (any fsspec URL or a path).
 
-    Resumes an interrupted drain of the same save to the same target without resending what
-    the target already holds. Retries failures with exponential backoff; when it gives up the
-    journal says ``failed: <cause>`` and DrainError is raised. The local checkpoint is only read.
+    Resumes an interrupted drain of the same save to the same target, resending only what the
+    target cannot confirm. Retries failures with exponential backoff; when it gives up the
+    journal says ``failed: <cause>`` and DrainError is raised. The local checkpoint is only
+    read; a target that is the checkpoint (or inside it, or holds it) is refused. The drain is
+    of the save committed when it starts: if the checkpoint is overwritten before the target's
+    commit, it fails (``source changed``) and leaves nothing committed for that save.
     ``progress(file, piece)`` is called after each piece reaches the target.
     """
     options = options or DrainOptions()
     location = os.fspath(local)
+    _refuse_overlap(location, target, open_sink(target, storage_options, filesystem))
+    try:
+        with drain_lock(location, target):
+            return _drain_locked(location, target, storage_options, filesystem, options, progress)
+    except (DrainBusy, CheckpointNotFoundError) as exc:
+        raise DrainError(location, target, str(exc)) from exc
+
+
+def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
+                  options: DrainOptions, progress: Progress | None) -> DrainResult:
     started = time.perf_counter()
     result: DrainResult | None = None
     journal: Journal | None = None
+    source: DrainSource | None = None
     attempt = 0
     while True:
         attempt += 1
+        sink: Sink | None = None
         try:
-            manifest = read_manifest(LocalStore(location), location)
-            if journal is None or journal.doc["save_key"] != manifest.save_key:
-                journal = Journal.open(location, target, manifest.save_key)
-                result = DrainResult(location, target, manifest.save_key,
-                                     int(manifest.doc.get("total_bytes", 0)))
+            fresh = DrainSource(location)
+            if source is not None and fresh.save_key != source.save_key:
+                raise overwritten(location, f"save {source.save_key} was replaced by save {fresh.save_key}")
+            source = fresh
+            if journal is None:
+                journal = Journal.open(location, target, source.save_key)
+                result = DrainResult(location, target, source.save_key,
+                                     int(source.manifest.doc.get("total_bytes", 0)))
             result.attempts = attempt
             journal.update(state=DRAINING, pid=os.getpid(), attempts=journal.doc.get("attempts", 0) + 1,
-                           bytes_total=result.bytes_total)
+                           bytes_total=result.bytes_total, cause="")
             sink = open_sink(target, storage_options, filesystem)
-            _attempt(location, manifest, sink, journal, options, result, progress)
+            _attempt(source, sink, journal, options, result, progress)
             result.seconds = time.perf_counter() - started
             journal.update(state=MIRRORED, cause="", finished_unix=time.time())
-            log.info("dcp_nvme: drained %s to %s: %.3f GB sent (%.3f GB already there) in %.2f s",
+            log.info("dcp_nvme: drained %s to %s: %.3f GB sent (%.3f GB confirmed already there) in %.2f s",
                      location, target, result.bytes_sent / 1e9, result.bytes_skipped / 1e9, result.seconds)
             return result
         except Exception as exc:  # noqa: BLE001  (botocore errors are not OSErrors)
+            if sink is not None:
+                sink.abandon()
+            why = source.changed() if source is not None and not isinstance(exc, SourceChanged) else None
+            if why is not None:  # e.g. a data file the overwrite's cleanup removed under us
+                changed = overwritten(location, why)
+                changed.__cause__ = exc
+                exc = changed
             cause = classify(exc)
             if result is not None:
                 result.errors.append(cause)
             final = is_permanent(exc) or attempt > options.retries
+            if final and is_permanent(exc) and journal is not None:
+                _discard(sink, journal, lambda: open_sink(target, storage_options, filesystem))
             if journal is not None:
                 journal.update(state=FAILED if final else DRAINING, cause=cause)
             if final:
@@ -153,70 +214,173 @@ def drain(
             time.sleep(delay)
 
 
-def _attempt(location, manifest, sink: Sink, journal: Journal, options: DrainOptions,
+def _refuse_overlap(location: str, target: str, sink: Sink) -> None:
+    if sink.local_root is None:
+        return
+    why = overlap(os.path.realpath(location), os.path.realpath(sink.local_root))
+    if why is not None:
+        raise DrainError(location, target, f"refused: {why}; a mirror must be another directory "
+                         "(draining there would replace or delete the only copy)")
+
+
+def _plan(record: FileRecord, entry: dict[str, Any], part_size: int, sink: Sink) -> tuple[int, list[Piece]]:
+    """The part size for one file: the one its unfinished transfer began with, else the option."""
+    planned = entry.get("part_size")
+    in_progress = bool(entry["pieces"]) or bool(entry.get("upload_id"))
+    minimum = S3_MIN_PART if isinstance(sink, S3Sink) else 1
+    if not (in_progress and isinstance(planned, int) and planned >= minimum):
+        planned = part_size
+    return planned, plan_pieces(record.size, record.data_start, record.checksum_block, planned)
+
+
+def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOptions,
              result: DrainResult, progress: Progress | None) -> None:
-    store = LocalStore(location)
-    files = read_files(store, manifest, location)
+    manifest = source.manifest
     part_size = options.part_size
     if isinstance(sink, S3Sink):
         part_size = max(part_size, S3_MIN_PART)
-    sink.prepare()
-    work: list[tuple[FileRecord, list[Piece]]] = []
+    with step(f"preparing the target {sink.target}"):
+        sink.prepare()
+    result.bytes_skipped = 0
+    work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
     for name in manifest.file_names:
-        record = files.get(name)
+        record = source.files.get(name)
         if record is None:
-            raise DrainError(location, sink.target, f"{name} is missing from the blocks table")
-        pieces = plan_pieces(record.size, record.data_start, record.checksum_block, part_size)
+            raise ManifestError(f"{source.location}: {name} is missing from the blocks table")
         entry = journal.file(name)
-        if entry["done"]:
-            if sink.remote_size(name) == record.size:
-                result.bytes_skipped += record.size
-                continue
-            entry.update(done=False, pieces={})  # the target lost it (e.g. a server restarted empty)
-        with journal.lock:
-            sink.begin(name, record.size, entry)
+        planned, pieces = _plan(record, entry, part_size, sink)
+        with step(f"checking {sink.location(name)} on the target"):
+            complete = sink.confirm_file(name, record, pieces, source.piece)
+        if complete:
+            with journal.lock:
+                entry.update(done=True, pieces={}, part_size=planned)
+                entry.pop("upload_id", None)
+                journal.save()
+            result.bytes_skipped += record.size
+            continue
+        claimed = matching_pieces(entry["pieces"], pieces)
+        with journal.lock, step(f"opening the transfer of {sink.location(name)}"):
+            entry.update(done=False, part_size=planned)
+            sink.begin(name, record, entry, resuming=bool(claimed))
             journal.save()
-        skipped = sum(p.length for p in pieces if str(p.index) in entry["pieces"])
-        result.bytes_skipped += skipped
-        work.append((record, [p for p in pieces if str(p.index) not in entry["pieces"]]))
+        with step(f"confirming the pieces of {sink.location(name)} already on the target"):
+            confirmed = sink.confirm_pieces(name, record, pieces, claimed, source.piece)
+        with journal.lock:
+            entry["pieces"] = {str(i): piece_entry(pieces[i], tag) for i, tag in confirmed.items()}
+            journal.save()
+        result.bytes_skipped += sum(pieces[i].length for i in confirmed)
+        work.append((record, pieces, [p for p in pieces if p.index not in confirmed]))
 
     bucket = TokenBucket(options.bandwidth, max(options.bandwidth or 0, part_size) if options.bandwidth else None)
-    _send_all(store, sink, journal, work, options, bucket, result, progress)
-    for record, _ in work:
-        entry = journal.file(record.name)
-        pieces = plan_pieces(record.size, record.data_start, record.checksum_block, part_size)
-        sink.finish(record.name, pieces, entry)
-        with journal.lock:
-            entry.update(done=True, pieces={})
-            journal.save()
+    _send_all(source, sink, journal, work, options, bucket, result, progress)
+    for record, pieces, _ in work:
+        _finish_file(sink, journal, record, pieces)
     if options.verify == "readback":
         for name in manifest.file_names:
-            _readback(sink, files[name], part_size, options, result)
-    for entry in (manifest.doc["index"], manifest.doc["blocks"]):
-        data = store.read(entry["name"])  # read_manifest checked the index; check both again
-        _check_table(location, entry, data)
-        sink.put_small(entry["name"], data)
-    sink.put_small(MANIFEST, store.read(MANIFEST))  # the commit on the target
-    for name in sink.names():
-        stale = save_key_of(name)
-        if stale and stale != manifest.save_key:
+            _readback(sink, source.files[name], part_size, options, result)
+    for name, data in source.tables:
+        _put_confirmed(sink, name, data)
+    _at("before-commit", location=source.location)
+    why = source.changed()
+    if why is not None:
+        raise overwritten(source.location, why)
+    _put_confirmed(sink, MANIFEST, source.manifest_bytes, commit=True)
+    _remove_stale(sink, source.save_key)
+
+
+def _finish_file(sink: Sink, journal: Journal, record: FileRecord, pieces: list[Piece]) -> None:
+    """Publish one file once every planned piece is journaled as sent or confirmed, then check
+    its size on the target against the manifest."""
+    where = sink.location(record.name)
+    entry = journal.file(record.name)
+    with journal.lock:
+        tags = matching_pieces(entry["pieces"], pieces)
+    missing = [p.index for p in pieces if p.index not in tags]
+    if missing:
+        raise IncompleteOnTarget(f"{where}: piece(s) {missing[:5]} never reached the target; not committing")
+    check_coverage(pieces, record.size, where)
+    with step(f"completing {where}"):
+        sink.finish(record.name, pieces, tags, entry)
+    _at("file-finished", name=record.name)
+    with step(f"checking the size of {where}"):
+        size = sink.remote_size(record.name)
+    if size != record.size:
+        raise IncompleteOnTarget(f"{where} is {size} bytes on the target after its transfer, the manifest "
+                                 f"says {record.size}; not committing")
+    with journal.lock:
+        entry.update(done=True, pieces={})
+        entry.pop("upload_id", None)
+        journal.save()
+
+
+def _put_confirmed(sink: Sink, name: str, data: bytes, commit: bool = False) -> None:
+    """Write a small file and read it back; a manifest that does not read back is removed."""
+    where = sink.location(name)
+    with step(f"{'committing' if commit else 'writing'} {where}"):
+        sink.put_small(name, data)
+    with step(f"reading back {where}"):
+        back = sink.read_small(name)
+    if back != data:
+        if commit:
             sink.remove(name)
+        raise IncompleteOnTarget(f"{where} reads back as {len(back)} bytes that differ from the "
+                                 f"{len(data)} written; not committing")
 
 
-def _send_all(store, sink, journal, work, options, bucket, result, progress) -> None:
+def _remove_stale(sink: Sink, save_key: str) -> None:
+    """After the commit: files of other saves (an overwritten checkpoint) leave the target, and
+    so do temporary files of drains that were killed (partial files, half-written temps)."""
+    try:
+        for name in sink.names():
+            if name.startswith(".") and (".drain-partial" in name or ".drain-tmp-" in name):
+                if save_key_of(name[1:].split(".drain-", 1)[0]) != save_key:
+                    sink.remove(name)
+                continue
+            stale = save_key_of(name)
+            if stale and stale != save_key:
+                sink.remove(name)
+    except Exception as exc:  # noqa: BLE001  the mirror is committed; leftovers only cost space
+        log.warning("dcp_nvme: %s is mirrored, but removing files of older saves there failed: %s",
+                    sink.target, classify(exc))
+
+
+def _discard(sink: Sink | None, journal: Journal, open_target: Callable[[], Sink]) -> None:
+    """After a permanent failure: drop this save's unfinished transfers and, unless the target's
+    committed manifest is this save's, its data files there too. Best effort."""
+    save_key = journal.doc["save_key"]
+    try:
+        sink = sink if sink is not None else open_target()
+        with journal.lock:
+            for name, entry in journal.doc["files"].items():
+                if isinstance(entry, dict):
+                    sink.discard(name, entry)
+                    entry.update(done=False, pieces={})
+        committed = None
+        if sink.has(MANIFEST):
+            committed = json.loads(sink.read_small(MANIFEST)).get("save_key")
+        if committed != save_key:
+            for name in sink.names():
+                if save_key_of(name) == save_key:
+                    sink.remove(name)
+    except Exception as exc:  # noqa: BLE001  cleanup must not hide the failure being reported
+        log.warning("dcp_nvme: could not clean up the unfinished drain on %s: %s", sink.target, classify(exc))
+
+
+def _send_all(source: DrainSource, sink: Sink, journal: Journal, work, options: DrainOptions,
+              bucket: TokenBucket, result: DrainResult, progress: Progress | None) -> None:
     lock = threading.Lock()
 
     def send(record: FileRecord, piece: Piece) -> None:
-        with os.fdopen(open_regular(store.path(record.name)), "rb") as handle:  # no FIFO, no link
-            data = os.pread(handle.fileno(), piece.length, piece.offset)
-        if len(data) != piece.length:
-            raise DrainError(store.path(record.name), sink.target,
-                             f"local file is truncated at {piece.offset + len(data)} of {record.size}")
-        verify_piece(record, piece.offset, data, store.path(record.name))  # what we send is right
+        data = source.piece(record, piece)
         bucket.take(len(data))
         entry = journal.file(record.name)
-        tag = sink.put_piece(record.name, piece, data, entry)
-        journal.piece_done(record.name, piece.index, len(data), tag)
+        where = sink.location(record.name)
+        with step(f"sending piece {piece.index} (bytes {piece.offset}-{piece.offset + piece.length}) "
+                   f"of {where}"):
+            tag = sink.put_piece(record.name, piece, data, entry)
+        _at("piece-sent", name=record.name, piece=piece)
+        journal.piece_done(record.name, piece, tag)
+        _at("piece-journaled", name=record.name, piece=piece)
         with lock:
             result.bytes_sent += len(data)
         if progress is not None:
@@ -227,9 +391,9 @@ def _send_all(store, sink, journal, work, options, bucket, result, progress) -> 
             send(record, piece)
 
     if sink.ordered:
-        tasks = [(send_file, (record, pieces)) for record, pieces in work]
+        tasks = [(send_file, (record, todo)) for record, _, todo in work]
     else:
-        tasks = [(send, (record, piece)) for record, pieces in work for piece in pieces]
+        tasks = [(send, (record, piece)) for record, _, todo in work for piece in todo]
     run_bounded(options.max_transfers, tasks, lambda task: task[0](*task[1]), "dcp-nvme-drain-io")
 
 
@@ -238,26 +402,16 @@ def _readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOpti
     where = sink.location(record.name)
     size = sink.remote_size(record.name)
     if size != record.size:
-        raise DrainError(where, sink.target, f"readback: {record.name} is {size} bytes on the target, "
-                         f"expected {record.size}")
+        raise IncompleteOnTarget(f"readback: {where} is {size} bytes on the target, expected {record.size}")
     pieces = plan_pieces(record.size, record.data_start, record.checksum_block, part_size)
 
     def check(piece: Piece) -> None:
-        data = sink.read_range(record.name, piece.offset, piece.offset + piece.length)
-        verify_piece(record, piece.offset, data, where)
+        with step(f"reading back {where} bytes {piece.offset}-{piece.offset + piece.length}"):
+            data = sink.read_range(record.name, piece.offset, piece.offset + piece.length)
+            verify_piece(record, piece.offset, data, where)
 
     run_bounded(options.max_transfers, pieces, check, "dcp-nvme-readback")
     result.bytes_verified_remote += record.size
-
-
-def _check_table(location: str, entry: dict[str, Any], data: bytes) -> None:
-    import crc32c
-
-    from ..errors import ManifestError
-
-    if len(data) != entry["size"] or crc32c.crc32c(data) != entry["crc32c"]:
-        raise ManifestError(f"{location}: {entry['name']} does not match manifest.json; not draining "
-                            "a corrupt checkpoint")
 
 
 def verify_mirror(local: str | os.PathLike, target: str, *, storage_options: dict[str, Any] | None = None,
@@ -266,17 +420,29 @@ def verify_mirror(local: str | os.PathLike, target: str, *, storage_options: dic
     local blocks table. A mismatch marks the drain ``failed: checksum mismatch`` and raises."""
     options = options or DrainOptions(verify="readback")
     location = os.fspath(local)
-    manifest = read_manifest(LocalStore(location), location)
-    files = read_files(LocalStore(location), manifest, location)
-    journal = Journal.open(location, target, manifest.save_key)
-    result = DrainResult(location, target, manifest.save_key, int(manifest.doc.get("total_bytes", 0)))
+    try:
+        with drain_lock(location, target):
+            return _verify_locked(location, target, storage_options, filesystem, options)
+    except DrainBusy as exc:
+        raise DrainError(location, target, str(exc)) from exc
+
+
+def _verify_locked(location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
+                   options: DrainOptions) -> DrainResult:
+    source = DrainSource(location)
+    journal = Journal.open(location, target, source.save_key)
+    result = DrainResult(location, target, source.save_key, int(source.manifest.doc.get("total_bytes", 0)))
     started = time.perf_counter()
     sink = open_sink(target, storage_options, filesystem)
     try:
         if not sink.has(MANIFEST):
-            raise DrainError(location, target, "the target holds no committed manifest.json")
-        for name in manifest.file_names:
-            _readback(sink, files[name], options.part_size, options, result)
+            raise IncompleteOnTarget(f"{sink.location(MANIFEST)} is missing: the target holds no "
+                                     "committed checkpoint")
+        if sink.read_small(MANIFEST) != source.manifest_bytes:
+            raise IncompleteOnTarget(f"{sink.location(MANIFEST)} is not the manifest of save "
+                                     f"{source.save_key} (the target holds another save)")
+        for name in source.manifest.file_names:
+            _readback(sink, source.files[name], options.part_size, options, result)
     except Exception as exc:
         journal.update(state=FAILED, cause=classify(exc))
         raise
@@ -308,7 +474,12 @@ class Drainer:
             if self.keep_last is not None:
                 from .retention import apply_retention
 
-                apply_retention(os.path.dirname(os.path.abspath(os.fspath(local))), self.keep_last)
+                run_dir = os.path.dirname(os.path.abspath(os.fspath(local)))
+                try:  # the drain succeeded: a broken sibling must not turn it into a failure
+                    apply_retention(run_dir, self.keep_last)
+                except Exception as exc:  # noqa: BLE001
+                    log.error("dcp_nvme: %s is mirrored, but retention in %s failed: %s", local, run_dir, exc)
+                    result.errors.append(f"retention in {run_dir}: {type(exc).__name__}: {exc}")
             return result
 
         future = self._pool.submit(run)

@@ -1,11 +1,15 @@
-"""Pure parts of the drain: how a file is cut into pieces, how a piece is verified, how an
-error is named, and the token bucket that caps bandwidth. No I/O here except sleeping."""
+"""Pure parts of the drain: how a file is cut into pieces, which journaled pieces still match
+a plan, whether a target overlaps its source, how a piece is verified, how an error is named,
+and the token bucket that caps bandwidth. No I/O here except sleeping."""
 
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import crc32c
@@ -25,6 +29,23 @@ class DrainError(DCPNVMeError, RuntimeError):
         self.location, self.target, self.cause = location, target, cause
         super().__init__(f"drain of {location} to {target} failed: {cause}. The local checkpoint is "
                          "intact; fix the cause and run `dcp-nvme drain` on it to resume.")
+
+
+class DrainFault(Exception):
+    """A problem the drain found itself (not raised by a library); the message is the cause.
+    ``permanent`` faults are not retried: a retry cannot fix them."""
+
+    permanent = False
+
+
+class IncompleteOnTarget(DrainFault):
+    """A file on the target does not match the manifest after it was sent (size, coverage)."""
+
+
+class SourceChanged(DrainFault):
+    """The local checkpoint was overwritten (a new save committed) while it was draining."""
+
+    permanent = True
 
 
 @dataclass(frozen=True)
@@ -54,6 +75,54 @@ def plan_pieces(size: int, data_start: int, checksum_block: int, part_size: int)
         offset, end = end, min(size, end + part_size)
 
 
+def piece_entry(piece: Piece, tag: str) -> dict[str, int | str]:
+    """What the journal keeps of a piece that reached the target: its byte range and tag."""
+    return {"offset": piece.offset, "length": piece.length, "tag": tag}
+
+
+def matching_pieces(journaled: dict[str, object], pieces: list[Piece]) -> dict[int, str]:
+    """Pieces of ``pieces`` the journal claims are on the target, with their tags.
+
+    A claim counts only when its recorded byte range is exactly the planned piece's: an entry
+    from another plan (another part size) or an older journal without ranges claims nothing.
+    """
+    claimed = {}
+    for piece in pieces:
+        entry = journaled.get(str(piece.index))
+        if (isinstance(entry, dict) and entry.get("offset") == piece.offset
+                and entry.get("length") == piece.length and isinstance(entry.get("tag"), str)):
+            claimed[piece.index] = entry["tag"]
+    return claimed
+
+
+def check_coverage(pieces: list[Piece], size: int, name: str) -> None:
+    """The pieces a file is assembled from cover ``[0, size)`` exactly, in order, once."""
+    offset = 0
+    for piece in sorted(pieces, key=lambda p: p.offset):
+        if piece.offset != offset or piece.length <= 0:
+            raise IncompleteOnTarget(f"{name}: the pieces sent leave bytes {offset}-{piece.offset} "
+                                     "uncovered or overlap; not committing")
+        offset += piece.length
+    if offset != size:
+        raise IncompleteOnTarget(f"{name}: the pieces sent cover {offset} of {size} bytes; not committing")
+
+
+def overlap(source: str, target: str) -> str | None:
+    """Why draining ``source`` into local directory ``target`` would destroy it, or None.
+
+    Both are resolved paths (symlinks followed). Refused: the same directory, a target inside
+    the checkpoint, or the checkpoint inside the target.
+    """
+    source, target = os.path.normpath(source), os.path.normpath(target)
+    if source == target:
+        return f"the target {target} is the checkpoint itself"
+    if target.startswith(source.rstrip(os.sep) + os.sep):
+        return f"the target {target} is inside the checkpoint {source}"
+    if source.startswith(target.rstrip(os.sep) + os.sep):
+        return f"the checkpoint {source} is inside the target {target}"
+    return None
+
+
 def verify_piece(record: FileRecord, offset: int, data: bytes | memoryview, where: str) -> None:
     """Check the header and every checksum block inside ``data`` (the file's bytes at ``offset``).
 
@@ -77,29 +146,57 @@ def verify_piece(record: FileRecord, offset: int, data: bytes | memoryview, wher
             raise ChecksumMismatchError(where, lo, hi, record.crcs[index], actual)
 
 
+STEP = "dcp_nvme_drain_step"
+"""Attribute the drain sets on an exception: the operation and file it happened in."""
+
+
+@contextmanager
+def step(what: str) -> Iterator[None]:
+    """Name the operation and file on any exception raised inside (the innermost name wins)."""
+    try:
+        yield
+    except Exception as exc:
+        if getattr(exc, STEP, None) is None:
+            try:
+                setattr(exc, STEP, what)
+            except (AttributeError, TypeError):
+                pass
+        raise
+
+
 def classify(exc: BaseException) -> str:
-    """A one-line cause for the drain state: what went wrong, in words a user can act on."""
+    """A one-line cause for the drain state: what went wrong, during which operation on which
+    file (when known), in words a user can act on."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     name = type(exc).__name__
+    step = getattr(exc, STEP, None)
+    where = f"{step}: " if step else ""
     if isinstance(exc, ChecksumMismatchError):
-        return f"checksum mismatch: {text}"
+        return f"checksum mismatch: {where}{text}"
+    if isinstance(exc, SourceChanged):
+        return f"source changed: {text}"
+    if isinstance(exc, DrainFault):
+        return f"{where}{text}"
     if isinstance(exc, PermissionError):
-        return f"access denied (credentials refused?): {text}"
+        return f"access denied (credentials refused?): {where}{text}"
     if isinstance(exc, FileNotFoundError) and "bucket" in text.lower():
-        return f"bucket missing: {text}"
+        return f"bucket missing: {where}{text}"
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:
-        return f"server busy (503 SlowDown): {text}"
+        return f"server busy (503 SlowDown): {where}{text}"
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"quota exceeded / no space: {text}"
+        return f"quota exceeded / no space: {where}{text}"
     if "Connect" in name or "Endpoint" in name or isinstance(exc, (ConnectionError, TimeoutError)):
-        return f"remote unreachable: {name}: {text}"
-    return f"{name}: {text}"
+        return f"remote unreachable: {where}{name}: {text}"
+    return f"{where}{name}: {text}"
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """Errors a retry cannot fix: bad local data, a corrupt mirror, a local checkpoint gone."""
+    """Errors a retry cannot fix: bad local data, a corrupt mirror, a local checkpoint gone or
+    overwritten under the drain."""
     from ..errors import CheckpointNotFoundError, ManifestError
 
+    if isinstance(exc, DrainFault):
+        return exc.permanent
     return isinstance(exc, (ChecksumMismatchError, CheckpointNotFoundError, ManifestError))
 
 

@@ -1,27 +1,38 @@
 """Where drained bytes go. One small interface, three implementations:
 
 - ``LocalSink``: a second directory (a parallel filesystem mount): pieces are pwritten into a
-  hidden partial file and fsynced, the file is renamed into place when complete. Resumes per piece.
-- ``S3Sink``: an s3fs target: one multipart upload per file, one part per piece, completed when
-  every part is in. The upload id and part ETags live in the journal, so a restarted drain
-  continues the same upload (``list_parts`` says what the server still has). Resumes per piece.
+  hidden partial file and fsynced, the file is renamed into place when complete. Resumes per
+  piece: a piece the journal names is read back from the partial file and checked first.
+- ``S3Sink``: an s3fs target: one multipart upload per file, one part per piece (sent with its
+  Content-MD5), completed when every part is in. The upload id and part ETags live in the
+  journal; a restarted drain continues the same upload, keeping a part only when ``ListParts``
+  shows it with the piece's size and the md5 of the local piece's bytes.
 - ``StreamSink``: any other fsspec filesystem: a file is streamed in order through
   ``fs.open(path, "wb")``. Resumes per file.
 
 Small files (tables, manifest) go through ``put_small``, which is atomic on every target.
+Nothing here trusts the journal: ``confirm_file`` and ``confirm_pieces`` say what the target
+provably holds (size, and checksums of bytes read back or md5s the server reports).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from fsspec.asyn import sync
 
+from ..errors import ChecksumMismatchError
+from ..manifest import FileRecord
 from ..remote import FsspecStore, filesystem, is_local_fs
 from ..store import LocalStore, fsync_dir, is_remote_url, local_path
-from .plan import Piece
+from .plan import Piece, verify_piece
+
+LocalPiece = Callable[[FileRecord, Piece], bytes]
+"""Reads one piece of a local data file, checked against the blocks table."""
 
 
 class Sink:
@@ -29,6 +40,8 @@ class Sink:
 
     ordered = False
     """True when a file's pieces must be sent in order by one thread (no random-access writes)."""
+    local_root: str | None = None
+    """The target directory when it is on a local (or mounted) filesystem."""
 
     def __init__(self, target: str, store) -> None:
         self.target = target
@@ -46,18 +59,49 @@ class Sink:
         except FileNotFoundError:
             return None
 
-    def begin(self, name: str, size: int, entry: dict[str, Any]) -> None:
-        """Open (or re-open) the transfer of one file; drop journal pieces the target lost."""
+    def confirm_file(self, name: str, record: FileRecord, pieces: list[Piece], local: LocalPiece) -> bool:
+        """True when ``name`` is on the target, complete: its size, and every checksum block read
+        back and checked. A file that cannot be confirmed is sent again."""
+        if self.remote_size(name) != record.size:
+            return False
+        return all(self._read_back_ok(name, record, piece, name) for piece in pieces)
+
+    def _read_back_ok(self, name: str, record: FileRecord, piece: Piece, source: str) -> bool:
+        data = self.read_range(source, piece.offset, piece.offset + piece.length)
+        if len(data) != piece.length:
+            return False
+        try:
+            verify_piece(record, piece.offset, data, self.location(name))
+        except ChecksumMismatchError:
+            return False
+        return True
+
+    def begin(self, name: str, record: FileRecord, entry: dict[str, Any], resuming: bool) -> None:
+        """Open (or, ``resuming``, re-open) the transfer of one file."""
+
+    def confirm_pieces(self, name: str, record: FileRecord, pieces: list[Piece], claimed: dict[int, str],
+                       local: LocalPiece) -> dict[int, str]:
+        """Of the pieces the journal ``claimed`` (index: tag), those the target provably holds."""
+        return {}
 
     def put_piece(self, name: str, piece: Piece, data: bytes, entry: dict[str, Any]) -> str:
-        """Send one piece; returns a tag the journal keeps (an ETag on S3)."""
+        """Send one piece, durably; returns a tag the journal keeps (an ETag on S3)."""
         raise NotImplementedError
 
-    def finish(self, name: str, pieces: list[Piece], entry: dict[str, Any]) -> None:
+    def finish(self, name: str, pieces: list[Piece], tags: dict[int, str], entry: dict[str, Any]) -> None:
         """Every piece is in: make the file visible under its name."""
+
+    def discard(self, name: str, entry: dict[str, Any]) -> None:
+        """Drop the unfinished transfer of ``name`` (partial file, pending upload)."""
+
+    def abandon(self) -> None:
+        """After a failed attempt: release open transfers without publishing anything."""
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         return self.store.read_range(name, start, end)
+
+    def read_small(self, name: str) -> bytes:
+        return self.store.read(name)
 
     def put_small(self, name: str, data: bytes) -> None:
         self.store.write_atomic(name, data)
@@ -84,17 +128,26 @@ class LocalSink(Sink):
         root = local_path(target)
         super().__init__(target, _LocalReadStore(root))
         self.root = root
+        self.local_root = root
+
+    def _partial_name(self, name: str) -> str:
+        return f".{name}.drain-partial"
 
     def _partial(self, name: str) -> str:
-        return os.path.join(self.root, f".{name}.drain-partial")
+        return os.path.join(self.root, self._partial_name(name))
 
-    def begin(self, name: str, size: int, entry: dict[str, Any]) -> None:
-        partial = self._partial(name)
-        if entry["pieces"] and not os.path.exists(partial):
-            entry["pieces"] = {}  # the partial file vanished: start the file again
-        if not entry["pieces"]:
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def begin(self, name: str, record: FileRecord, entry: dict[str, Any], resuming: bool) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | (0 if resuming else os.O_TRUNC)
+        fd = os.open(self._partial(name), flags, 0o644)
+        try:
+            os.ftruncate(fd, record.size)  # a longer leftover is cut; a hole never passes a checksum
+        finally:
             os.close(fd)
+
+    def confirm_pieces(self, name: str, record: FileRecord, pieces: list[Piece], claimed: dict[int, str],
+                       local: LocalPiece) -> dict[int, str]:
+        partial = self._partial_name(name)
+        return {i: tag for i, tag in claimed.items() if self._read_back_ok(name, record, pieces[i], partial)}
 
     def put_piece(self, name: str, piece: Piece, data: bytes, entry: dict[str, Any]) -> str:
         fd = os.open(self._partial(name), os.O_WRONLY)
@@ -108,8 +161,32 @@ class LocalSink(Sink):
             os.close(fd)
         return ""
 
-    def finish(self, name: str, pieces: list[Piece], entry: dict[str, Any]) -> None:
+    def finish(self, name: str, pieces: list[Piece], tags: dict[int, str], entry: dict[str, Any]) -> None:
         os.replace(self._partial(name), os.path.join(self.root, name))
+        fsync_dir(self.root)
+
+    def discard(self, name: str, entry: dict[str, Any]) -> None:
+        try:
+            os.unlink(self._partial(name))
+        except FileNotFoundError:
+            pass
+
+    def put_small(self, name: str, data: bytes) -> None:
+        """Temp, fsync, rename, fsync dir; a failed write (ENOSPC) leaves no temp file behind."""
+        final = os.path.join(self.root, name)
+        temp = os.path.join(self.root, f".{name}.drain-tmp-{os.getpid()}")
+        try:
+            with open(temp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, final)
+        except BaseException:
+            try:
+                os.unlink(temp)
+            except FileNotFoundError:
+                pass
+            raise
         fsync_dir(self.root)
 
 
@@ -117,6 +194,7 @@ class S3Sink(Sink):
     def __init__(self, target: str, fs) -> None:
         super().__init__(target, FsspecStore(target, fs=fs))
         self.fs = fs
+        self._listed: dict[str, dict[int, dict[str, Any]]] = {}
 
     def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
         return sync(self.fs.loop, self.fs._call_s3, method, **kwargs)
@@ -131,30 +209,70 @@ class S3Sink(Sink):
         self.fs.invalidate_cache(bucket)
         self.fs.ls(bucket)
 
-    def begin(self, name: str, size: int, entry: dict[str, Any]) -> None:
+    def confirm_file(self, name: str, record: FileRecord, pieces: list[Piece], local: LocalPiece) -> bool:
+        """Fast path: the object's multipart ETag is the md5 of the local pieces' md5s (no GET).
+        Otherwise (another part size, a server whose ETags are not md5s): read back and check."""
+        self.fs.invalidate_cache(self.store.path(name))
+        try:
+            info = self.fs.info(self.store.path(name))
+        except FileNotFoundError:
+            return False
+        if int(info.get("size", -1)) != record.size:
+            return False
+        etag = str(info.get("ETag", "")).strip('"')
+        if etag.endswith(f"-{len(pieces)}"):
+            md5s = [hashlib.md5(local(record, p)).hexdigest() for p in pieces]
+            if multipart_etag(md5s) == etag:
+                return True
+        return all(self._read_back_ok(name, record, piece, name) for piece in pieces)
+
+    def begin(self, name: str, record: FileRecord, entry: dict[str, Any], resuming: bool) -> None:
         bucket, key = self._key(name)
         upload = entry.get("upload_id")
-        if upload:
+        self._listed[name] = {}
+        if isinstance(upload, str) and upload:
             try:
-                listed = self._call("list_parts", Bucket=bucket, Key=key, UploadId=upload)
-            except FileNotFoundError:  # NoSuchUpload: aborted, expired, or the server lost it
+                listed = self._list_parts(bucket, key, upload)
+            except FileNotFoundError:  # NoSuchUpload: aborted, expired, completed, or the server lost it
                 listed = None
             if listed is not None:
-                have = {p["PartNumber"]: p["ETag"] for p in listed.get("Parts", [])}
-                entry["pieces"] = {i: tag for i, tag in entry["pieces"].items() if have.get(int(i) + 1) == tag}
+                self._listed[name] = listed
                 return
-        entry["pieces"] = {}
         entry["upload_id"] = self._call("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+
+    def _list_parts(self, bucket: str, key: str, upload: str) -> dict[int, dict[str, Any]]:
+        parts: dict[int, dict[str, Any]] = {}
+        page: dict[str, Any] = {}
+        while True:
+            answer = self._call("list_parts", Bucket=bucket, Key=key, UploadId=upload, **page)
+            for part in answer.get("Parts", []):
+                parts[int(part["PartNumber"])] = part
+            if not answer.get("IsTruncated"):
+                return parts
+            page = {"PartNumberMarker": int(answer["NextPartNumberMarker"])}
+
+    def confirm_pieces(self, name: str, record: FileRecord, pieces: list[Piece], claimed: dict[int, str],
+                       local: LocalPiece) -> dict[int, str]:
+        listed = self._listed.get(name, {})
+        confirmed = {}
+        for index, tag in claimed.items():
+            part = listed.get(index + 1)
+            if part is None or int(part.get("Size", -1)) != pieces[index].length or part.get("ETag") != tag:
+                continue
+            if tag.strip('"') == hashlib.md5(local(record, pieces[index])).hexdigest():
+                confirmed[index] = tag  # the server holds exactly the local piece's bytes
+        return confirmed
 
     def put_piece(self, name: str, piece: Piece, data: bytes, entry: dict[str, Any]) -> str:
         bucket, key = self._key(name)
+        md5 = base64.b64encode(hashlib.md5(data).digest()).decode()  # the server checks what it got
         answer = self._call("upload_part", Bucket=bucket, Key=key, UploadId=entry["upload_id"],
-                            PartNumber=piece.index + 1, Body=data)
+                            PartNumber=piece.index + 1, Body=data, ContentMD5=md5)
         return answer["ETag"]
 
-    def finish(self, name: str, pieces: list[Piece], entry: dict[str, Any]) -> None:
+    def finish(self, name: str, pieces: list[Piece], tags: dict[int, str], entry: dict[str, Any]) -> None:
         bucket, key = self._key(name)
-        parts = [{"PartNumber": p.index + 1, "ETag": entry["pieces"][str(p.index)]} for p in pieces]
+        parts = [{"PartNumber": p.index + 1, "ETag": tags[p.index]} for p in pieces]
         try:
             self._call("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=entry["upload_id"],
                        MultipartUpload={"Parts": parts})
@@ -165,6 +283,15 @@ class S3Sink(Sink):
                 raise
         entry.pop("upload_id", None)
         self.fs.invalidate_cache(self.store.path(name))
+
+    def discard(self, name: str, entry: dict[str, Any]) -> None:
+        upload = entry.pop("upload_id", None)
+        if upload:
+            bucket, key = self._key(name)
+            try:
+                self._call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+            except FileNotFoundError:
+                pass
 
     def _has_etag(self, name: str, etag: str) -> bool:
         self.fs.invalidate_cache(self.store.path(name))
@@ -187,16 +314,22 @@ class StreamSink(Sink):
         self.fs = fs
         self.handles: dict[str, Any] = {}
 
-    def begin(self, name: str, size: int, entry: dict[str, Any]) -> None:
-        entry["pieces"] = {}  # no random-access writes: a file is resent whole
-        self.handles[name] = self.fs.open(self.store.path(name), "wb")
+    def begin(self, name: str, record: FileRecord, entry: dict[str, Any], resuming: bool) -> None:
+        self.handles[name] = self.fs.open(self.store.path(name), "wb")  # no random access: resent whole
 
     def put_piece(self, name: str, piece: Piece, data: bytes, entry: dict[str, Any]) -> str:
         self.handles[name].write(data)
         return ""
 
-    def finish(self, name: str, pieces: list[Piece], entry: dict[str, Any]) -> None:
+    def finish(self, name: str, pieces: list[Piece], tags: dict[int, str], entry: dict[str, Any]) -> None:
         self.handles.pop(name).close()
+
+    def abandon(self) -> None:
+        while self.handles:
+            _, handle = self.handles.popitem()
+            discard = getattr(handle, "discard", None)  # buffered fsspec files: drop, never publish
+            if discard is not None:
+                discard()
 
 
 def open_sink(target: str, storage_options: dict[str, Any] | None = None, filesystem_=None) -> Sink:

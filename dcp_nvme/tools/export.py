@@ -82,6 +82,7 @@ def export_hf(
     out_dtype = parse_out_dtype(dtype)
     limit = parse_size(max_shard_size)
     out_path = Path(out)
+    _refuse_overlap(location, out_path)
     _check_out(out_path, overwrite)
     store = LocalStore(location)
     manifest = read_manifest(store, location)
@@ -122,6 +123,16 @@ def export_hf(
 
 def _match(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
+
+
+def _refuse_overlap(checkpoint: str, out: Path) -> None:
+    """An export onto the checkpoint it reads (or into it, or around it) would replace it."""
+    from ..tiers.plan import overlap
+
+    why = overlap(os.path.realpath(checkpoint), os.path.realpath(out))
+    if why is not None:
+        raise ValueError(f"refusing to export: {why.replace('target', 'output')}; choose an output "
+                         "directory outside the checkpoint")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

@@ -1,0 +1,79 @@
+"""The save a drain copies: read once when the drain starts, it is what the target receives.
+
+A checkpoint directory can be overwritten (a new save committed) while it drains. The drain
+holds on to the manifest and tables it read at the start, reads data only through file names
+that carry that save's key, checks every piece against that save's blocks table, and asks
+``changed()`` before it commits, so a mirror never mixes two saves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import crc32c
+
+from ..errors import ManifestError
+from ..manifest import MANIFEST, FileRecord, Manifest, read_files, read_manifest
+from ..store import LocalStore, open_regular
+from .plan import DrainFault, Piece, SourceChanged, step, verify_piece
+
+
+class DrainSource:
+    """The save being drained, read once: its manifest and tables are what the target gets."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        self.store = LocalStore(location)
+        self.manifest_bytes = self.store.read(MANIFEST) if self.store.has(MANIFEST) else b""
+        self.manifest: Manifest = read_manifest(self.store, location)
+        if self.manifest_bytes != self.store.read(MANIFEST):  # a commit landed between the reads
+            raise DrainFault(f"{location} was committed again while the drain started")  # retried
+        self.files: dict[str, FileRecord] = read_files(self.store, self.manifest, location)
+        self.tables = [(entry["name"], self._table(entry)) for entry in
+                       (self.manifest.doc["index"], self.manifest.doc["blocks"])]
+
+    @property
+    def save_key(self) -> str:
+        return self.manifest.save_key
+
+    def _table(self, entry: dict[str, Any]) -> bytes:
+        data = self.store.read(entry["name"])
+        if len(data) != entry["size"] or crc32c.crc32c(data) != entry["crc32c"]:
+            raise ManifestError(f"{self.location}: {entry['name']} does not match {MANIFEST}; not "
+                                "draining a corrupt checkpoint")
+        return data
+
+    def piece(self, record: FileRecord, piece: Piece) -> bytes:
+        """The piece's bytes from local disk, checked against the blocks table."""
+        path = self.store.path(record.name)
+        with step(f"reading {path} bytes {piece.offset}-{piece.offset + piece.length}"):
+            with os.fdopen(open_regular(path), "rb") as handle:  # no FIFO, no link
+                data = os.pread(handle.fileno(), piece.length, piece.offset)
+            if len(data) != piece.length:
+                raise ManifestError(f"{path} is truncated at {piece.offset + len(data)} of "
+                                    f"{record.size} bytes")
+            verify_piece(record, piece.offset, data, path)  # what we send is right
+        return data
+
+    def changed(self) -> str | None:
+        """Why the local checkpoint is no longer the save being drained, or None."""
+        try:
+            current = self.store.read(MANIFEST)
+        except FileNotFoundError:
+            return f"{self.location}/{MANIFEST} is gone"
+        except OSError:
+            return None  # cannot tell; the error being handled says what went wrong
+        if current == self.manifest_bytes:
+            return None
+        try:
+            key = json.loads(current).get("save_key")
+        except (ValueError, AttributeError):
+            key = "?"
+        return f"save {self.save_key} was replaced by save {key}"
+
+
+def overwritten(location: str, why: str) -> SourceChanged:
+    return SourceChanged(f"{location} was overwritten during the drain ({why}); nothing of it was "
+                         "committed on the target; drain again to mirror the new save")
