@@ -158,7 +158,12 @@ def test_sparse_rank_file_claiming_a_huge_header_is_refused_with_bounded_memory(
             f"r = inspect_checkpoint({str(path)!r})\nprint('ERR', r.partial[{name!r}]['error'])")
     peak, out = peak_rss_mib(code)
     assert "more than the 100000000 allowed" in out
-    baseline, _ = peak_rss_mib("import dcp_nvme.tools")
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / name).write_bytes((16).to_bytes(8, "little") + b"{}" + b" " * 14)
+    baseline, out = peak_rss_mib("from dcp_nvme.tools import inspect_checkpoint\n"
+                                 f"print(inspect_checkpoint({str(small)!r}).partial)")
+    assert "'items': 0" in out
     assert peak < baseline + 64, (peak, baseline)
 
 
