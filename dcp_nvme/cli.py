@@ -25,11 +25,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("dcp_nvme.tools.commands", "tensors, shapes, dtypes and sizes of a checkpoint (no data read)"),
     "verify": ("dcp_nvme.tools.commands", "read every byte and check every checksum; exit 0 only if intact"),
     "export": ("dcp_nvme.tools.commands", "consolidate into a Hugging Face safetensors model"),
+    "convert": ("dcp_nvme.tools.commands", "to and from DCP's stock layout and torch.save files"),
     "drain": ("dcp_nvme.tiers", "copy a committed checkpoint to its mirror (resumes an interrupted drain)"),
     "status": ("dcp_nvme.tiers", "drain state of a checkpoint, or of every checkpoint in a run directory"),
     "tune": ("dcp_nvme.tune", "sweep queue depth x block size on a directory; save the best for the plugin"),
     "bench": ("dcp_nvme.bench", "measure dcp_nvme against the device limit, DCP FileSystemWriter, "
                                 "torch.save, safetensors"),
+    "unlock": ("dcp_nvme.savelock", "remove a checkpoint directory's save lock left by a dead save"),
 }
 """Command name -> (module defining it, one-line help shown by ``dcp-nvme --help``)."""
 

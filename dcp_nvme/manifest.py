@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +62,7 @@ from .format import (  # noqa: F401  (names re-exported: the manifest is where c
     stored_as,
     table_name,
 )
+from .store import fsync_dir
 
 FORMAT = "dcp_nvme"
 FORMAT_VERSION = 1
@@ -67,6 +70,61 @@ FORMAT_VERSION = 1
 
 def new_save_key() -> str:
     return secrets.token_hex(4)
+
+
+_TEMP_RE = re.compile(r"^\.(manifest\.json|(?:index|blocks)\.[0-9a-f]+\.parquet)\.tmp-([0-9A-Za-z]+)$")
+
+
+def temp_name(name: str, save_key: str) -> str:
+    """Where ``name`` is written before it is renamed into place; it names the save."""
+    return f".{name}.tmp-{save_key}"
+
+
+def temp_of(name: str) -> tuple[str, str] | None:
+    """(final name, save key or legacy pid) of one of our commit temp files, else None.
+
+    Other hidden temp files of the directory (the drain journal's) are not ours."""
+    match = _TEMP_RE.match(name)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def write_commit_file(directory: str | os.PathLike, name: str, data: bytes, save_key: str) -> None:
+    """Write ``directory/name`` all or nothing: temp file, write, fsync, rename, fsync of the dir.
+
+    A failure removes the temp file and raises OSError naming the file and the step (the
+    errno is kept: ENOSPC stays ENOSPC). Until the rename nothing under ``name`` changed."""
+    directory = os.fspath(directory)
+    temp = os.path.join(directory, temp_name(name, save_key))
+    final = os.path.join(directory, name)
+    step, subject = "create", temp
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            step = "write"
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            step = "fsync"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        step, subject = "rename into place", final
+        os.replace(temp, final)
+    except OSError as exc:
+        _unlink_quietly(temp)
+        raise OSError(exc.errno, f"cannot {step} {subject} while saving: {exc.strerror or exc}") from exc
+    try:
+        fsync_dir(directory)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{final} was renamed into place but the fsync of {directory} "
+                                 f"failed: {exc.strerror or exc}; it may not survive a power loss") from exc
 
 
 # --------------------------------------------------------------------------- records
@@ -383,10 +441,15 @@ class Manifest:
             planner_data=decode_json(self.doc.get("planner_data")),
             storage_data=storage,
             storage_meta=StorageMeta(
-                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id")
+                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id"),
+                modules=[m for m in _list_or_empty(meta.get("modules")) if isinstance(m, str)],
             ),
             version=self.doc.get("dcp_version"),
         )
+
+
+def _list_or_empty(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def table_entry(name: str, data: bytes) -> dict[str, Any]:
@@ -428,7 +491,8 @@ def describe_missing(store, location: str) -> str:
     names = store.names()
     if DCP_METADATA in names:
         return (f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
-                "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader")
+                "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
+                f"or convert it: dcp-nvme convert {location} OUT --to nvme")
     ours = [n for n in names if save_key_of(n)]
     if ours:
         return (f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -117,6 +118,8 @@ class NVMeReader(StorageReader):
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
+        self.load_id: str = str(uuid.uuid4())
+        """DCP's ``StorageMeta.load_id``: new at every reset, set on ``read_metadata()``."""
 
     @property
     def store(self) -> LocalStore:
@@ -133,6 +136,7 @@ class NVMeReader(StorageReader):
         self._manifest = None
         self._checked = set()
         self.storage_data = {}
+        self.load_id = str(uuid.uuid4())
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
@@ -140,7 +144,13 @@ class NVMeReader(StorageReader):
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self.manifest().to_metadata()
+        metadata = self.manifest().to_metadata()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data

@@ -5,7 +5,8 @@
     report = verify_checkpoint("/nvme/run1/step_1000", jobs=8); assert report.ok, report.problems
     export_hf("/nvme/run1/step_1000", "hf_out", keys="model.*", strip_prefix="model.", dtype="bf16")
 
-The same as ``dcp-nvme list | inspect | verify | export``.
+The same as ``dcp-nvme list | inspect | verify | export``; ``dcp-nvme convert`` is
+``dcp_nvme.tools.convert.convert``.
 """
 
 import importlib

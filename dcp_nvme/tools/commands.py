@@ -161,6 +161,34 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- convert
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert  # torch is imported only when the command runs
+
+    result = convert(args.src, args.dst, args.to, memory_budget=args.memory_budget, overwrite=args.overwrite)
+    if args.json:
+        _json(result.to_dict())
+        return 0
+    print(f"converted {result.src_format} {result.src} -> {result.to} {result.dst}: {result.tensors} tensor(s), "
+          f"{result.objects} other item(s), {human_bytes(result.tensor_bytes)} in {result.seconds:.2f} s")
+    return 0
+
+
+def register_convert(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("convert", help="to and from DCP's stock layout and torch.save files")
+    p.add_argument("src", help="a dcp_nvme checkpoint, a stock DCP checkpoint (.metadata) or a torch.save file")
+    p.add_argument("dst", help="output directory (--to nvme, dcp) or file (--to torch); must not exist")
+    p.add_argument("--to", required=True, choices=["nvme", "dcp", "torch"],
+                   help="nvme: dcp_nvme; dcp: DCP's FileSystemWriter layout; torch: one torch.save file")
+    p.add_argument("--memory-budget", default="1GiB", metavar="SIZE",
+                   help="tensor bytes held at once between checkpoint layouts (default 1GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_convert)
+
+
 # --------------------------------------------------------------------------- registration
 
 
@@ -199,3 +227,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_export)
+
+    register_convert(subparsers)
