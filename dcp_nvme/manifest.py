@@ -37,11 +37,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .checksums import check_table
 from .errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     ManifestError,
+    TableError,
 )
 from .format import (  # noqa: F401  (names re-exported: the manifest is where callers look)
     DCP_METADATA,
@@ -486,18 +488,21 @@ def build_manifest_doc(
     }
 
 
-def describe_missing(store, location: str) -> str:
-    """Why a directory without a committed manifest cannot be loaded, in one sentence."""
+def missing_manifest_error(store, location: str) -> CheckpointNotFoundError:
+    """Why a directory without a committed manifest cannot be loaded: not committed (our files
+    without a manifest), or not ours at all."""
     names = store.names()
     if DCP_METADATA in names:
-        return (f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
-                "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
-                f"or convert it: dcp-nvme convert {location} OUT --to nvme")
+        return CheckpointNotFoundError(
+            f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
+            "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
+            f"or convert it: dcp-nvme convert {location} OUT --to nvme")
     ours = [n for n in names if save_key_of(n)]
     if ours:
-        return (f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "
-                "the save did not finish (it crashed or is still running), so it cannot be loaded")
-    return f"{location} is not a dcp_nvme checkpoint (no {MANIFEST})"
+        return CheckpointNotCommittedError(
+            f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "
+            "the save did not finish (it crashed or is still running), so it cannot be loaded")
+    return CheckpointNotFoundError(f"{location} is not a dcp_nvme checkpoint (no {MANIFEST})")
 
 
 SELF_CRC = "manifest_crc32c"
@@ -524,9 +529,7 @@ def read_manifest(store, location: str) -> Manifest:
     try:
         store.size(MANIFEST)  # a FIFO, device or link under this name is refused, never opened
     except FileNotFoundError:
-        message = describe_missing(store, location)
-        error = CheckpointNotCommittedError if "did not finish" in message else CheckpointNotFoundError
-        raise error(message) from None
+        raise missing_manifest_error(store, location) from None
     try:
         doc = json.loads(store.read(MANIFEST, MAX_MANIFEST))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -592,20 +595,18 @@ def _row_limit(store, manifest: Manifest, wanted: int, bytes_each: int, free_fac
 
 
 def _load_table(store, entry: dict[str, Any], location: str) -> bytes:
+    """A table's bytes: a regular file of the size the manifest records (checked before it is
+    read, so a claim cannot make us allocate), then its crc32c."""
     name = entry["name"]
     try:
         size = store.size(name)
     except FileNotFoundError:
-        raise ManifestError(f"{location}: {name} named by {MANIFEST} is missing") from None
+        raise TableError(name, f"{location}: {name} named by {MANIFEST} is missing") from None
     if size != entry["size"]:
-        raise ManifestError(f"{location}: {name} does not match {MANIFEST} (size {size} vs "
-                            f"{entry['size']}): the index is corrupt")
+        raise TableError(name, f"{location}: {name} does not match {MANIFEST} (size {size} vs "
+                               f"{entry['size']}): the table is corrupt or was modified after the save")
     data = store.read(name, entry["size"])
-    if len(data) != entry["size"] or crc32c.crc32c(data) != entry["crc32c"]:
-        raise ManifestError(
-            f"{location}: {name} does not match {MANIFEST} (size {len(data)} vs {entry['size']}, "
-            "or its checksum): the index is corrupt"
-        )
+    check_table(location, entry, data)
     return data
 
 

@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..concurrency import run_bounded
-from ..errors import CheckpointNotFoundError, ManifestError
+from ..errors import CheckpointNotFoundError, DrainError, ManifestError
 from ..manifest import MANIFEST, FileRecord, save_key_of
-from .plan import (
+from .sinks import S3Sink, Sink, open_sink
+from .source import DrainSource, overwritten
+from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
+from .transfer import (
     S3_MIN_PART,
-    DrainError,
     IncompleteOnTarget,
     MiB,
     Piece,
@@ -49,9 +51,6 @@ from .plan import (
     step,
     verify_piece,
 )
-from .sinks import S3Sink, Sink, open_sink
-from .source import DrainSource, overwritten
-from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError
 from ..manifest import MANIFEST, MAX_MANIFEST
 from ..store import LocalStore, read_regular
-from .plan import Piece, piece_entry
+from .transfer import Piece, piece_entry
 
 log = logging.getLogger(__name__)
 

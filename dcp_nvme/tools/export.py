@@ -14,14 +14,16 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..config import IOConfig, parse_size
+from ..display import progress_bar
 from ..engines.posix import PosixEngine
 from ..format import build_header
 from ..layout import FileBlocks, plan_reads
@@ -29,7 +31,6 @@ from ..manifest import FileRecord, check_container, read_files, read_manifest
 from ..memory import tensor_bytes
 from ..store import LocalStore, is_remote_url
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
-from .verify import progress_bar
 
 INDEX_NAME = "model.safetensors.index.json"
 HEADER_ALIGN = 8
@@ -116,7 +117,7 @@ def export_hf(
         raise
     finally:
         engine.close()
-        bar(None)
+        bar.close()
     result.seconds = time.perf_counter() - started
     return result
 
@@ -127,7 +128,7 @@ def _match(name: str, pattern: str) -> bool:
 
 def _refuse_overlap(checkpoint: str, out: Path) -> None:
     """An export onto the checkpoint it reads (or into it, or around it) would replace it."""
-    from ..tiers.plan import overlap
+    from ..tiers.transfer import overlap
 
     why = overlap(os.path.realpath(checkpoint), os.path.realpath(out))
     if why is not None:
@@ -157,7 +158,7 @@ def _publish(temp: Path, out: Path) -> None:
 
 
 def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict[str, FileRecord],
-                 engine: PosixEngine, bar: Callable[[int | None], None]) -> None:
+                 engine: PosixEngine, bar: tqdm) -> None:
     header, _ = build_header([t.entry for t in shard], {"format": "pt"}, HEADER_ALIGN)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -166,7 +167,7 @@ def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict
             full = assemble(tensor, location, files, engine)
             _write_tensor(fd, full, tensor.out)
             del full
-            bar(tensor.nbytes)
+            bar.update(tensor.nbytes)
         os.fsync(fd)
     finally:
         os.close(fd)
