@@ -96,8 +96,8 @@ def test_table_names_outside_the_checkpoint_are_refused(ckpt: Path, table: str):
 
 
 def test_drain_never_writes_outside_its_target(ckpt: Path, tmp_path: Path):
+    from dcp_nvme.errors import DrainError
     from dcp_nvme.tiers import DrainOptions, drain
-    from dcp_nvme.tiers.plan import DrainError
 
     doc = doc_of(ckpt)
     escape = "../../escaped.safetensors"
