@@ -8,13 +8,12 @@ comes from a staging arena laid out in the same order, memory and file offsets s
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .config import ALIGN
+from .format import build_header
 
 
 def align_up(value: int, alignment: int = ALIGN) -> int:
@@ -79,19 +78,10 @@ def plan_container(
 ) -> ContainerLayout:
     """Place items back to back and build the safetensors header that describes them."""
     offsets, cursor = place_back_to_back([item.nbytes for item in items])
-    header: dict[str, object] = {"__metadata__": dict(metadata)}
-    for item, offset in zip(items, offsets):
-        if item.key in header:
-            raise ValueError(f"duplicate item key {item.key!r} in one container")
-        header[item.key] = {
-            "dtype": item.st_dtype,
-            "shape": list(item.st_shape),
-            "data_offsets": [offset, offset + item.nbytes],
-        }
-    text = json.dumps(header, separators=(",", ":")).encode()
-    data_start = align_up(8 + len(text), alignment)
-    padded = text + b" " * (data_start - 8 - len(text))
-    return ContainerLayout(struct.pack("<Q", len(padded)) + padded, tuple(offsets), cursor)
+    header, _ = build_header(  # lays the items back to back too: the same offsets
+        [(item.key, item.st_dtype, item.st_shape, item.nbytes) for item in items], metadata, alignment
+    )
+    return ContainerLayout(header, tuple(offsets), cursor)
 
 
 # --------------------------------------------------------------------------- write windows

@@ -29,7 +29,15 @@ from .engines import shared_engine
 from .engines.fsspec import FsspecEngine
 from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
-from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
+from .manifest import (
+    ChunkRecord,
+    FileRecord,
+    Manifest,
+    check_container,
+    parse_dtype,
+    read_files,
+    read_manifest,
+)
 from .memory import tensor_bytes
 from .objects import bytes_for_planner, check_destination_kind
 from .remote import open_store
@@ -111,6 +119,8 @@ class NVMeReader(StorageReader):
         self.storage_options = storage_options
         self._store = None
         self._manifest: Manifest | None = None
+        self._checked: set[str] = set()
+        """Containers whose header was checked against the index in this load."""
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
@@ -130,6 +140,7 @@ class NVMeReader(StorageReader):
             self.path = local_path(checkpoint_id)
             self._store = None
         self._manifest = None
+        self._checked = set()
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
 
@@ -272,14 +283,13 @@ class NVMeReader(StorageReader):
 
     def _plan_requests(self, batch: _Batch) -> tuple[list, int]:
         """The batch's requests, and the largest request size they were cut to."""
-        files = read_files(self.store, self.manifest(), self.path) if self.config.verify else {}
+        files = read_files(self.store, self.manifest(), self.path)
         requests, largest = [], self.config.block_size
         for name, needs in batch.needs.items():
+            record = files[name]  # read_manifest checked that every row's file is listed
+            self._check_container(record)
             blocks, max_request = None, self.config.block_size
             if self.config.verify:
-                record = files.get(name)
-                if record is None:
-                    raise FileNotFoundError(f"{self.path}: {name} is not listed in the checkpoint's blocks table")
                 blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
                 # whole checksum blocks per request, as close to block_size as they allow
                 granule = record.checksum_block
@@ -287,6 +297,12 @@ class NVMeReader(StorageReader):
                 largest = max(largest, max_request)
             requests += plan_reads(self.store.path(name), needs, max_request=max_request, blocks=blocks)
         return requests, largest
+
+    def _check_container(self, record: FileRecord) -> None:
+        """Before reading a container: its own header agrees with the index (once per load)."""
+        if record.name not in self._checked:
+            check_container(self.store, record, self.manifest(), self.path, self.config.verify)
+            self._checked.add(record.name)
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:

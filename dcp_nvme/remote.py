@@ -12,7 +12,8 @@ from typing import Any
 
 import fsspec
 
-from .store import LocalStore, fsync_dir, is_remote_url, local_path
+from .errors import ManifestError
+from .store import LocalStore, bare_name, fsync_dir, is_remote_url, local_path
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None):
@@ -44,7 +45,7 @@ class FsspecStore:
         self.local = is_local_fs(fs)
 
     def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        return f"{self.root}/{bare_name(name)}"
 
     def _refresh(self, path: str | None = None) -> None:
         self.fs.invalidate_cache(path or self.root)
@@ -71,8 +72,12 @@ class FsspecStore:
             return []
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "file")
 
-    def read(self, name: str) -> bytes:
-        return self.fs.cat_file(self.path(name))
+    def read(self, name: str, max_size: int | None = None) -> bytes:
+        size = self.size(name)  # a regular file, and not larger than its kind allows
+        if max_size is not None and size > max_size:
+            raise ManifestError(f"{self.path(name)} is {size} bytes, more than the {max_size} a file of "
+                                "its kind may have; the checkpoint is damaged or not a dcp_nvme checkpoint")
+        return self.fs.cat_file(self.path(name), start=0, end=size)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         return self.fs.cat_file(self.path(name), start=start, end=end)
@@ -83,8 +88,14 @@ class FsspecStore:
         return len(data)
 
     def size(self, name: str) -> int:
-        self._refresh(self.path(name))
-        return int(self.fs.size(self.path(name)))
+        """The size of a regular file (fs.info checked before any read: no FIFO, device or link)."""
+        path = self.path(name)
+        self._refresh(path)
+        info = self.fs.info(path)
+        if info.get("type") != "file" or info.get("islink"):
+            raise ManifestError(f"{path} is a {info.get('type')}{' link' if info.get('islink') else ''}, "
+                                "not a regular file; a checkpoint holds only regular files, so it is refused")
+        return int(info["size"])
 
     def make(self) -> None:
         # Object stores have no directories; makedirs there would even create a missing bucket.

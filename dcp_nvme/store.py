@@ -6,8 +6,11 @@ Bulk data goes through an engine; this is for the manifest, the index and cleanu
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any, Protocol
+
+from .errors import ManifestError
 
 
 def is_remote_url(location: Any) -> bool:
@@ -33,9 +36,13 @@ class Store(Protocol):
     location: str
 
     def exists(self) -> bool: ...
-    def has(self, name: str) -> bool: ...
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a regular file here (a FIFO, device or link is not)."""
+        ...
     def names(self) -> list[str]: ...
-    def read(self, name: str) -> bytes: ...
+    def read(self, name: str, max_size: int | None = None) -> bytes:
+        """The whole file; a ManifestError when it is not a regular file or over ``max_size``."""
+        ...
     def size(self, name: str) -> int: ...
 
     def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
@@ -51,6 +58,62 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def bare_name(name: str) -> str:
+    """``name`` if it names an entry of the directory itself: no separator, not ``.``/``..``.
+
+    Names read from a checkpoint are checked against their exact form in ``format.check_name``;
+    this is the last guard before a name is joined onto the directory."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ManifestError(f"{name!r} is not a file name inside the checkpoint directory")
+    return name
+
+
+def not_regular(path: str, mode: int) -> ManifestError:
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    return ManifestError(f"{path} is {kind}; a checkpoint holds only regular files, so it is refused")
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """An fd of ``path`` for reading, only if it is a regular file (never a link, FIFO or device).
+
+    O_NONBLOCK so that opening a FIFO cannot hang; O_NOFOLLOW so that a link cannot lead out."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if os.path.islink(path):
+            raise not_regular(os.fspath(path), stat.S_IFLNK) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise not_regular(os.fspath(path), mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: str | os.PathLike, max_size: int | None = None) -> bytes:
+    """All of a regular file, refusing it when over ``max_size`` before reading a byte."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if max_size is not None and size > max_size:
+            raise ManifestError(f"{os.fspath(path)} is {size} bytes, more than the {max_size} a file of "
+                                "its kind may have; the checkpoint is damaged or not a dcp_nvme checkpoint")
+        data = bytearray(size)
+        view, total = memoryview(data), 0
+        while total < size:
+            got = os.preadv(fd, [view[total:]], total)
+            if got == 0:
+                break
+            total += got
+        return bytes(data[:total])
+    finally:
+        os.close(fd)
+
+
 class LocalStore:
     """A checkpoint directory on a local (or locally mounted) filesystem."""
 
@@ -59,25 +122,32 @@ class LocalStore:
         self.location = os.fspath(root)  # as the user wrote it, for messages
 
     def path(self, name: str) -> str:
-        return str(self.root / name)
+        return str(self.root / bare_name(name))
 
     def exists(self) -> bool:
         return self.root.is_dir()
 
     def has(self, name: str) -> bool:
-        return (self.root / name).is_file()
+        try:
+            return stat.S_ISREG(os.lstat(self.path(name)).st_mode)
+        except OSError:
+            return False
 
     def names(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
 
-    def read(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+    def read(self, name: str, max_size: int | None = None) -> bytes:
+        return read_regular(self.path(name), max_size)
 
     def size(self, name: str) -> int:
-        return (self.root / name).stat().st_size
+        path = self.path(name)
+        mode = os.lstat(path)
+        if not stat.S_ISREG(mode.st_mode):
+            raise not_regular(path, mode.st_mode)
+        return mode.st_size
 
     def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
-        fd = os.open(self.root / name, os.O_RDONLY)
+        fd = open_regular(self.path(name))
         try:
             total = 0
             while total < len(buffer):

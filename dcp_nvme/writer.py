@@ -31,6 +31,7 @@ from .blockdev import warn_once
 from .config import IOConfig, check_option, resolve_config
 from .engines import shared_engine
 from .errors import CheckpointExistsError, CheckpointLockedError
+from .format import stored_as
 from .health import DriveWatch
 from .layout import ItemSpec, plan_container
 from .manifest import (
@@ -61,14 +62,6 @@ from .telemetry import format_summary, layer_summary
 
 log = logging.getLogger(__name__)
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
-"""dtypes safetensors readers understand; any other dtype is stored as raw U8 bytes."""
 
 @dataclass(frozen=True)
 class RankPlan:
@@ -107,9 +100,8 @@ def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, Ch
         tensor = tensor.contiguous()  # only the view's bytes, never the whole storage
     source = tensor_bytes(tensor)
     chunk = item.tensor_data.chunk
-    st_dtype = SAFETENSORS_DTYPES.get(tensor.dtype)
-    shape = tuple(tensor.shape) if st_dtype else (source.numel(),)
-    spec = ItemSpec(key, source.numel(), st_dtype or "U8", shape)
+    st_dtype, shape = stored_as(tensor.dtype, tensor.shape, source.numel())
+    spec = ItemSpec(key, source.numel(), st_dtype, shape)
     record = ChunkRecord(
         item.index.fqn, "tensor", tuple(chunk.offsets), tuple(chunk.sizes),
         tuple(item.tensor_data.size), dtype_name(tensor.dtype), "", 0, source.numel(), key,

@@ -57,3 +57,38 @@ def test_save_key_of_recognises_only_our_files():
     assert save_key_of("index.deadbeef.parquet") == "deadbeef"
     assert save_key_of("manifest.json") is None
     assert save_key_of("model.safetensors") is None
+
+
+def _chunk(i: int) -> ChunkRecord:
+    return ChunkRecord(f"t{i}", "tensor", (0,), (4,), (4,), "float32", "rank_00000.ab.safetensors",
+                       4096 + 16 * i, 16, f"t{i}")
+
+
+def test_row_count_is_checked_from_the_footer_before_reading():
+    data = chunks_table([_chunk(i) for i in range(50)])
+    assert len(parse_chunks(data, max_rows=50)) == 50
+    with pytest.raises(ManifestError, match="declares 50 rows, more than the 49"):
+        parse_chunks(data, max_rows=49)
+
+
+def test_table_with_wrong_types_or_nulls_is_refused():
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = pq.read_table(pa.BufferReader(chunks_table([_chunk(0)])))
+    sink = pa.BufferOutputStream()
+    pq.write_table(good.set_column(good.schema.get_field_index("length"), "length", pa.array(["16"])), sink)
+    with pytest.raises(ManifestError, match="column length is string"):
+        parse_chunks(sink.getvalue().to_pybytes())
+    sink = pa.BufferOutputStream()
+    offsets = pa.array([[None]], type=pa.list_(pa.int64()))
+    pq.write_table(good.set_column(good.schema.get_field_index("chunk_offsets"), "chunk_offsets", offsets), sink)
+    with pytest.raises(ManifestError, match="chunk_offsets has 1 empty"):
+        parse_chunks(sink.getvalue().to_pybytes())
+
+
+def test_crc_count_is_bounded_before_reading():
+    files = [FileRecord("rank_00000.ab.safetensors", 0, 4096 + 4096 * 300, 4096, 4096, 1, (7,) * 300)]
+    assert parse_files(files_table(files), max_rows=1, max_crcs=300)
+    with pytest.raises(ManifestError, match="crcs declares 300 values"):
+        parse_files(files_table(files), max_rows=1, max_crcs=299)

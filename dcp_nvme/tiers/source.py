@@ -15,7 +15,7 @@ from typing import Any
 from ..checksums import check_table
 from ..errors import ManifestError
 from ..manifest import MANIFEST, FileRecord, Manifest, read_files, read_manifest
-from ..store import LocalStore
+from ..store import LocalStore, open_regular
 from .transfer import DrainFault, Piece, SourceChanged, step, verify_piece
 
 
@@ -46,7 +46,7 @@ class DrainSource:
         """The piece's bytes from local disk, checked against the blocks table."""
         path = self.store.path(record.name)
         with step(f"reading {path} bytes {piece.offset}-{piece.offset + piece.length}"):
-            with open(path, "rb") as handle:
+            with os.fdopen(open_regular(path), "rb") as handle:  # no FIFO, no link
                 data = os.pread(handle.fileno(), piece.length, piece.offset)
             if len(data) != piece.length:
                 raise ManifestError(f"{path} is truncated at {piece.offset + len(data)} of "

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from ..manifest import MANIFEST
-from ..store import LocalStore
+from ..manifest import MANIFEST, MAX_MANIFEST
+from ..store import LocalStore, read_regular
 from .transfer import Piece, piece_entry
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,7 @@ def _alive(pid: int) -> bool:
 
 def load_journal(path: str | os.PathLike) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(path, JOURNAL), "rb") as handle:
-            doc = json.load(handle)
+        doc = json.loads(read_regular(os.path.join(path, JOURNAL), MAX_MANIFEST))  # no FIFO, no link
     except FileNotFoundError:
         return None
     except ValueError:
@@ -89,8 +88,7 @@ def _local_save_key(path: str | os.PathLike) -> tuple[str | None, str]:
     """(save key, "") of a committed checkpoint, or (None, why not). Never raises for a bad file:
     a sibling's broken manifest must not break status or retention of the others."""
     try:
-        with open(os.path.join(path, MANIFEST), "rb") as handle:
-            doc = json.load(handle)
+        doc = json.loads(read_regular(os.path.join(path, MANIFEST), MAX_MANIFEST))  # no FIFO, no link
     except FileNotFoundError:
         return None, f"no committed {MANIFEST}"
     except (OSError, ValueError) as exc:

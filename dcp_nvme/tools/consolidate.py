@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..format import ST_DTYPES
 from ..layout import Need, count_runs, slice_runs
 from ..manifest import ChunkRecord, parse_dtype
-from .st_format import ST_DTYPES, Entry
 
 MAX_RUNS_PER_READ = 16384
 """Runs planned at once for one chunk; bounds the planner's lists for finely split chunks."""
@@ -55,8 +55,9 @@ class TensorPlan:
         return self.numel * self.stored.itemsize
 
     @property
-    def entry(self) -> Entry:
-        return Entry(self.name, ST_DTYPES[self.out], self.shape)
+    def entry(self) -> tuple[str, str, tuple[int, ...], int]:
+        """``(key, st_dtype, shape, nbytes)`` as ``format.build_header`` takes it."""
+        return self.name, ST_DTYPES[self.out], self.shape, self.nbytes
 
     @property
     def nbytes(self) -> int:

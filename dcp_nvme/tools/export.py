@@ -25,14 +25,16 @@ from tqdm import tqdm
 from ..config import IOConfig, parse_size
 from ..display import progress_bar
 from ..engines.posix import PosixEngine
+from ..format import build_header
 from ..layout import FileBlocks, plan_reads
-from ..manifest import FileRecord, read_files, read_manifest
+from ..manifest import FileRecord, check_container, read_files, read_manifest
 from ..memory import tensor_bytes
 from ..store import LocalStore, is_remote_url
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
-from .st_format import build_header
 
 INDEX_NAME = "model.safetensors.index.json"
+HEADER_ALIGN = 8
+"""safetensors pads its header so the data is 8-byte aligned."""
 CAST_BUFFER = 16 << 20
 """Bytes of output cast at once when --dtype changes a tensor's dtype."""
 READ_CONFIG = IOConfig(queue_depth=4, block_size=4 << 20, direct_io=False, verify=True)
@@ -88,6 +90,8 @@ def export_hf(
     tensors = select_tensors(manifest.chunks, keys=keys, strip_prefix=strip_prefix, dtype=out_dtype,
                              location=location)
     files = read_files(store, manifest, location)
+    for name in sorted({c.file for t in tensors for c in t.chunks}):
+        check_container(store, files[name], manifest, location)
     shards = plan_shards(tensors, limit)
     result = ExportResult(str(out_path), tensors=len(tensors), total_size=sum(t.nbytes for t in tensors),
                           largest_tensor=max(t.stored_nbytes for t in tensors))
@@ -155,7 +159,7 @@ def _publish(temp: Path, out: Path) -> None:
 
 def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict[str, FileRecord],
                  engine: PosixEngine, bar: tqdm) -> None:
-    header = build_header([t.entry for t in shard], {"format": "pt"})
+    header, _ = build_header([t.entry for t in shard], {"format": "pt"}, HEADER_ALIGN)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         _write_all(fd, memoryview(header))

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import struct
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
+from ..manifest import read_header
 from ..remote import open_store
 from ..store import Store
-from .st_format import parse_header
 from .status import FOREIGN, MISSING, NOT_A_CHECKPOINT, CheckpointState, checkpoint_state
 
 
@@ -155,16 +154,11 @@ def _span(entry: dict[str, Any]) -> int:
 
 
 def read_safetensors_header(source: Store, name: str) -> dict[str, Any]:
-    """A safetensors file's JSON header, reading only the header bytes."""
-    size = source.size(name)
-    first = bytearray(8)
-    if source.read_into(name, 0, memoryview(first)) < 8:
-        raise ValueError(f"{name}: {size} bytes is too short for a safetensors file")
-    (length,) = struct.unpack("<Q", first)
-    if 8 + length > size:
-        raise ValueError(f"{name}: the header claims {length} bytes but the file has {size} "
-                         "(truncated, or not a safetensors file)")
-    prefix = bytearray(8 + length)
-    source.read_into(name, 0, memoryview(prefix))
-    header, _ = parse_header(bytes(prefix), name)
+    """A safetensors file's header as ``{key: entry, "__metadata__": ...}``, reading only the
+    header bytes; a header longer than the cap or the file is refused before any allocation."""
+    metadata, items, _, _ = read_header(source, name)
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for item in items:
+        header[item.key] = {"dtype": item.st_dtype, "shape": list(item.shape),
+                            "data_offsets": [item.start, item.end]}
     return header

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError
+from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, DCPNVMeError
 from ..manifest import DCP_METADATA, MANIFEST, Manifest, read_manifest, save_key_of
 from ..store import Store
 
@@ -62,10 +62,14 @@ def quick_check(source: Store, manifest: Manifest) -> list[str]:
     except (KeyError, TypeError, ValueError) as exc:
         return [f"{MANIFEST} has a malformed 'files' list ({_one_line(exc)})"]
     for name, size in listed:
-        if not source.has(name):
+        try:
+            actual = source.size(name)  # a regular file, or refused unopened
+        except FileNotFoundError:
             problems.append(f"{name} is missing")
             continue
-        actual = source.size(name)
+        except DCPNVMeError as exc:
+            problems.append(_one_line(exc))
+            continue
         if actual != size:
             problems.append(f"{name} is {actual} bytes, the manifest says {size}")
     return problems

@@ -1,15 +1,16 @@
 """``verify``: read every byte of a checkpoint and check every checksum and cross-reference.
 
-Checked: the manifest parses and its two tables match their recorded size and crc32c; the
-tables agree with the manifest and with each other; each container has the recorded size, its
-header bytes match ``header_crc``, its safetensors header parses and places every item exactly
-where the index says; every ``checksum_block`` of every data region matches its crc32c. Every
-problem is collected (not just the first), with the file, byte range and items it hits.
+Checked: the manifest, the index and the blocks table pass the validation every reader runs
+(``manifest.read_manifest``/``read_files``: names, sizes, crc32c, row counts, each row inside
+its data region, no shared bytes, tiling; the first failure there ends the check, since nothing
+after it can be trusted); each container is a regular file of the recorded size, its header
+bytes match ``header_crc``, its safetensors header parses and places, types and shapes every
+item exactly as the index does; every ``checksum_block`` of every data region matches its
+crc32c. Container problems are all collected, with the file, byte range and items they hit.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -22,21 +23,26 @@ import crc32c
 from ..checksums import checks_within, host_crcs, items_in, mismatches
 from ..concurrency import run_bounded
 from ..display import progress_bar
-from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError, TableError
+from ..errors import (
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    DCPNVMeError,
+    ManifestError,
+    TableError,
+)
 from ..manifest import (
     MANIFEST,
     ChunkRecord,
     FileRecord,
     Manifest,
-    parse_dtype,
+    header_mismatches,
+    parse_header,
     read_files,
     read_manifest,
-    save_key_of,
 )
 from ..objects import items_needing_pickle
 from ..remote import open_store
 from ..store import Store
-from .st_format import ST_ITEMSIZE, parse_header
 
 DEFAULT_SPAN = 8 << 20
 """Bytes one worker reads and checks per task (rounded to whole checksum blocks)."""
@@ -141,83 +147,25 @@ def _files(source: Store, manifest: Manifest, report: VerifyReport) -> dict[str,
 
 
 def _check_tables(manifest: Manifest, files: dict[str, FileRecord], report: VerifyReport) -> None:
-    """The manifest, the index and the blocks table must tell the same story."""
+    """What read_manifest/read_files leave to verify: the manifest's total agrees with the files.
+
+    Every name and number of the manifest, the index and the blocks table (files listed alike,
+    ranks, sizes, checksum blocks, each row inside its data region, no shared bytes, tiling) was
+    checked while reading them; a failure there is already a problem of this report."""
     doc = manifest.doc
-    index_name = doc["index"].get("name", "index")
-    listed = {f.get("name"): f for f in doc.get("files", []) if isinstance(f, dict)}
-    for name in sorted(set(listed) | set(files)):
-        if name not in files:
-            report.problems.append(Problem(name, "blocks", f"listed in {MANIFEST} but not in the blocks table"))
-        elif name not in listed:
-            report.problems.append(Problem(name, "manifest", f"in the blocks table but not listed in {MANIFEST}"))
-        else:
-            record, entry = files[name], listed[name]
-            if entry.get("size") != record.size or entry.get("rank") != record.rank:
-                report.problems.append(Problem(name, "manifest", (
-                    f"{MANIFEST} says rank {entry.get('rank')}, {entry.get('size')} bytes; the blocks "
-                    f"table says rank {record.rank}, {record.size} bytes")))
     if doc.get("total_bytes") != sum(f.size for f in files.values()):
         report.problems.append(Problem(MANIFEST, "manifest", (
             f"total_bytes {doc.get('total_bytes')} differs from the sum of file sizes "
             f"{sum(f.size for f in files.values())}")))
-    key = doc.get("save_key")
-    tables = [doc["index"].get("name"), doc["blocks"].get("name")]
-    for name in [*files, *tables]:
-        if save_key_of(name or "") != key:
-            report.problems.append(Problem(MANIFEST, "manifest", f"save_key {key!r} does not match file {name}"))
-    world = doc.get("world_size")
-    if not isinstance(world, int) or any(not 0 <= f.rank < world for f in files.values()):
-        report.problems.append(Problem(MANIFEST, "manifest", f"world_size {world!r} does not cover the files' ranks"))
-    for record in files.values():
-        expected = math.ceil(record.data_size / record.checksum_block) if record.checksum_block > 0 else -1
-        if record.data_size < 0 or len(record.crcs) != expected:
-            report.problems.append(Problem(record.name, "blocks", (
-                f"the blocks table has {len(record.crcs)} checksums for a {record.data_size}-byte data "
-                f"region in blocks of {record.checksum_block}")))
-    for chunk in manifest.chunks:
-        message = _chunk_problem(chunk, files)
-        if message:
-            report.problems.append(Problem(index_name, "index", f"row {chunk.key!r} of {chunk.fqn}: {message}"))
-
-
-def _chunk_problem(chunk: ChunkRecord, files: dict[str, FileRecord]) -> str:
-    record = files.get(chunk.file)
-    if record is None:
-        return f"names file {chunk.file!r}, which the checkpoint does not have"
-    if chunk.byte_offset < record.data_start or chunk.byte_offset + chunk.length > record.size:
-        return (f"bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.length}) are outside the data "
-                f"region [{record.data_start}, {record.size}) of {chunk.file}")
-    if chunk.kind == "bytes":
-        return ""
-    if chunk.kind != "tensor":
-        return f"unknown kind {chunk.kind!r}"
-    try:
-        itemsize = parse_dtype(chunk.dtype).itemsize
-    except Exception as exc:
-        return str(exc)
-    dims = (len(chunk.offsets), len(chunk.sizes), len(chunk.global_shape))
-    if len(set(dims)) != 1:
-        return f"offsets/sizes/shape have different ranks {dims}"
-    if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(chunk.offsets, chunk.sizes, chunk.global_shape)):
-        return f"chunk at {chunk.offsets} of size {chunk.sizes} lies outside the shape {chunk.global_shape}"
-    if math.prod(chunk.sizes) * itemsize != chunk.length:
-        return f"length {chunk.length} is not {chunk.sizes} x {itemsize} bytes"
-    return ""
 
 
 # --------------------------------------------------------------------------- containers
 
 
-def _rows_by_file(manifest: Manifest) -> dict[str, list[ChunkRecord]]:
-    rows: dict[str, list[ChunkRecord]] = {}
-    for chunk in manifest.chunks:
-        rows.setdefault(chunk.file, []).append(chunk)
-    return rows
-
-
-def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport) -> bool:
+def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport,
+                  actual: int) -> bool:
     """Header crc, safetensors parse, and agreement with the index; False when unreadable."""
-    prefix = bytearray(record.data_start)
+    prefix = bytearray(min(record.data_start, actual))  # what the file really holds, at most
     got = source.read_into(record.name, 0, memoryview(prefix))
     report.bytes_read += got
     if got < record.data_start:
@@ -227,8 +175,8 @@ def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], re
         report.problems.append(Problem(record.name, "header", "header bytes do not match their crc32c",
                                        0, record.data_start))
     try:
-        header, data_start = parse_header(bytes(prefix), record.name)
-    except ValueError as exc:
+        _, items, data_start = parse_header(prefix, record.name)
+    except DCPNVMeError as exc:
         report.problems.append(Problem(record.name, "header", str(exc), 0, record.data_start))
         return True
     if data_start != record.data_start:
@@ -236,40 +184,14 @@ def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], re
             f"the safetensors header puts the data at byte {data_start}, the blocks table at "
             f"{record.data_start}"), 0, record.data_start))
         return True
-    for message in header_mismatches(header, rows, record.data_start):
-        report.problems.append(Problem(record.name, "layout", message, 0, record.data_start))
+    for message in header_mismatches(items, rows, record.data_start):
+        report.problems.append(Problem(record.name, "layout", message, 0, record.data_start,
+                                       _keys_named(message, rows)))
     return True
 
 
-def header_mismatches(header: dict[str, Any], rows: list[ChunkRecord], data_start: int) -> list[str]:
-    """Where a container's safetensors header and the index disagree (pure)."""
-    problems = []
-    items = {k: v for k, v in header.items() if k != "__metadata__"}
-    keys = {r.key for r in rows}
-    extra, missing = sorted(set(items) - keys), sorted(keys - set(items))
-    if extra:
-        problems.append(f"the safetensors header has item(s) the index lacks: {extra[:5]}")
-    if missing:
-        problems.append(f"the index has item(s) the safetensors header lacks: {missing[:5]}")
-    for row in rows:
-        entry = items.get(row.key)
-        if not isinstance(entry, dict):
-            continue
-        try:
-            start, end = (int(x) for x in entry["data_offsets"])
-            itemsize = ST_ITEMSIZE[entry["dtype"]]
-            count = math.prod(int(n) for n in entry["shape"])
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"item {row.key!r} has a malformed safetensors entry {entry!r}")
-            continue
-        if (data_start + start, end - start) != (row.byte_offset, row.length):
-            problems.append(f"item {row.key!r}: the safetensors header says bytes "
-                            f"[{data_start + start}, {data_start + end}), the index "
-                            f"[{row.byte_offset}, {row.byte_offset + row.length})")
-        elif count * itemsize != row.length:
-            problems.append(f"item {row.key!r}: dtype {entry['dtype']} x shape {entry['shape']} is not "
-                            f"{row.length} bytes")
-    return problems
+def _keys_named(message: str, rows: list[ChunkRecord]) -> tuple[str, ...]:
+    return tuple(r.key for r in rows if f"{r.key!r}" in message)
 
 
 @dataclass(frozen=True)
@@ -328,19 +250,21 @@ def _check_objects(source: Store, manifest: Manifest, report: VerifyReport, allo
 
 def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRecord],
                       report: VerifyReport, jobs: int, progress: bool, span: int) -> None:
-    rows = _rows_by_file(manifest)
+    rows = manifest.rows_by_file()
     readable = []
     for record in files.values():
         report.files += 1
-        if not source.has(record.name):
+        try:
+            actual = source.size(record.name)  # a regular file, or refused unopened
+        except FileNotFoundError:
             report.problems.append(Problem(record.name, "missing", "the file is missing"))
             continue
-        actual = source.size(record.name)
+        except DCPNVMeError as exc:
+            report.problems.append(Problem(record.name, "missing", str(exc)))
+            continue
         if actual != record.size:
             report.problems.append(Problem(record.name, "size", f"is {actual} bytes, expected {record.size}"))
-        if len(record.crcs) != math.ceil(max(record.data_size, 0) / max(record.checksum_block, 1)):
-            continue  # already reported: its blocks cannot be checked
-        if _check_header(source, record, rows.get(record.name, []), report):
+        if _check_header(source, record, rows.get(record.name, []), report, actual):
             readable.append(record)
     total = sum(max(r.data_size, 0) for r in readable)
     bad: dict[str, list[tuple[int, int, str]]] = {}
