@@ -228,15 +228,16 @@ def encode_chunks(data: bytes | memoryview, chunks: Sequence[Chunk], *, level: i
         return list(own.map(one, chunks))
 
 
-def table_entries(chunks: Sequence[Chunk], coded: Sequence[tuple[bytes, int]], *,
+def table_entries(chunks: Sequence[Chunk], coded: Sequence[tuple[int, int]], *,
                   delta: bool = False) -> list[Entry]:
-    """The chunk table for chunks stored back to back after the header and table."""
+    """The chunk table for chunks stored back to back after the header and table;
+    ``coded``: (stored length, crc32c of the decoded bytes) of each chunk."""
     position = HEADER_SIZE + ENTRY_SIZE * len(chunks)
     entries = []
     for chunk, (stored, crc) in zip(chunks, coded, strict=True):
-        entries.append(Entry(chunk.offset, chunk.length, position, len(stored), crc, chunk.planes,
+        entries.append(Entry(chunk.offset, chunk.length, position, stored, crc, chunk.planes,
                              DELTA if delta else 0))
-        position += len(stored)
+        position += stored
     return entries
 
 
@@ -310,7 +311,7 @@ def encode(data: bytes | memoryview, regions: Sequence[tuple[int, int, str | Non
     view = memoryview(data).cast("B")
     chunks = plan_chunks(len(view), regions, chunk_size)
     coded = encode_chunks(view, chunks, level=level, threads=threads, base=base)
-    entries = table_entries(chunks, coded, delta=base is not None)
+    entries = table_entries(chunks, [(len(s), c) for s, c in coded], delta=base is not None)
     return pack_header(entries, len(view)) + b"".join(stored for stored, _ in coded)
 
 

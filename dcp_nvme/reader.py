@@ -226,7 +226,12 @@ class NVMeReader(StorageReader):
         with timer.span("plan"):
             requests = self._plan_requests(batch)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
-        if is_remote_url(self.path):
+        from .tiers.coded import coded_engine
+
+        engine = coded_engine(self.store, self.manifest(), self.path, self.config)  # compressed mirror
+        if engine is not None:
+            pass
+        elif is_remote_url(self.path):
             engine = FsspecEngine(self.store.fs, self.config)
         else:
             engine, _ = shared_engine(self.config, has_device, self.path)

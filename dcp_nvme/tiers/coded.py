@@ -1,0 +1,202 @@
+"""Reading a compressed mirror: ranges of the original rank files, decoded from ``.dcz`` files.
+
+A mirror drained with compression holds, per rank file, ``<rank file>.dcz`` (see
+``dcp_nvme.codec``) and a manifest whose ``compression`` section names it. ``CodedFile``
+serves any byte range of the original file by fetching only the stored bytes of the chunks it
+overlaps (one ranged read) and decoding them, each chunk checked against its crc32c.
+``CodedEngine`` is the read half of the engine protocol on top of it, so ``NVMeReader`` plans,
+reshards and verifies (blocks table of the original) exactly as for a plain checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import codec
+from ..concurrency import run_bounded
+from ..config import IOConfig
+from ..engines.posix import check_length, verify_checks
+from ..layout import SCRATCH, ReadRequest
+from ..manifest import FileRecord, Manifest
+from ..stats import IOStats
+from .plan import plan_pieces, verify_piece
+
+Fetch = Callable[[str, int, int], bytes]
+"""(name, start, end) -> the stored bytes [start, end) of a file of the mirror."""
+
+
+def store_fetch(store: Any) -> Fetch:
+    """Ranged reads from a LocalStore or FsspecStore."""
+    if hasattr(store, "read_range"):
+        return store.read_range
+
+    def fetch(name: str, start: int, end: int) -> bytes:
+        buffer = bytearray(end - start)
+        got = store.read_into(name, start, memoryview(buffer))
+        return bytes(buffer[:got])
+
+    return fetch
+
+
+def coded_files(doc: dict[str, Any], location: str) -> dict[str, tuple[str, int, int]] | None:
+    """original name -> (stored name, original size, stored size) from a manifest's
+    ``compression`` section; None for a plain checkpoint. Checked before any is used."""
+    section = doc.get("compression")
+    if section is None:
+        return None
+    where = f"{location}/manifest.json compression section"
+    if not isinstance(section, dict) or section.get("codec") != codec.CODEC:
+        raise codec.CodecError(f"{where}: unknown codec {section.get('codec') if isinstance(section, dict) else section!r}")
+    if section.get("version") != codec.CODEC_VERSION:
+        raise codec.CodecError(f"{where}: codec version {section.get('version')!r}, this dcp_nvme reads "
+                               f"{codec.CODEC_VERSION}; upgrade dcp_nvme")
+    files = section.get("files")
+    if not isinstance(files, dict):
+        raise codec.CodecError(f"{where}: 'files' is not a mapping")
+    out = {}
+    for name, info in files.items():
+        stored = info.get("stored") if isinstance(info, dict) else None
+        sizes = [info.get(k) if isinstance(info, dict) else None for k in ("size", "stored_size")]
+        if (not isinstance(stored, str) or stored != name + ".dcz" or "/" in stored
+                or not all(isinstance(s, int) and s >= 0 for s in sizes)):
+            raise codec.CodecError(f"{where}: entry for {name!r} is malformed: {info!r}")
+        out[name] = (stored, sizes[0], sizes[1])
+    return out
+
+
+class CodedFile:
+    """One ``.dcz`` file of a mirror: header and chunk table read once, ranges decoded on demand."""
+
+    def __init__(self, fetch: Fetch, stored: str, size: int, stored_size: int, where: str) -> None:
+        self.fetch, self.stored, self.where = fetch, stored, where
+        head = fetch(stored, 0, codec.HEADER_SIZE)
+        _, count, decoded, table_crc = codec.parse_header(head, where)
+        if decoded != size:
+            raise codec.CodecError(f"{where} decodes to {decoded} bytes, the manifest says {size}")
+        table = fetch(stored, codec.HEADER_SIZE, codec.HEADER_SIZE + count * codec.ENTRY_SIZE)
+        self.entries = codec.parse_table(table, count, decoded, table_crc, stored_size, where)
+        self.size = decoded
+        if any(e.flags & codec.DELTA for e in self.entries):
+            raise codec.CodecError(f"{where} holds delta chunks; this reader has no base for them")
+
+    def read(self, start: int, end: int) -> bytes:
+        """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk."""
+        end = min(end, self.size)
+        needed = codec.overlapping(self.entries, start, end)
+        if not needed:
+            return b""
+        base = needed[0].stored_offset
+        stored = self.fetch(self.stored, base, needed[-1].stored_offset + needed[-1].stored_length)
+        out = []
+        for entry in needed:
+            lo = entry.stored_offset - base
+            try:
+                data = codec.decode_chunk(entry, memoryview(stored)[lo: lo + entry.stored_length])
+            except codec.CodecError as exc:
+                raise codec.CodecError(f"{self.where}: {exc}") from None
+            out.append(memoryview(data)[max(0, start - entry.offset): min(entry.length, end - entry.offset)])
+        return b"".join(out)
+
+
+class CodedEngine:
+    """Ranged reads of a compressed mirror into destination tensors, ``queue_depth`` at a time;
+    each request's decoded bytes are checked against the original's blocks before use."""
+
+    name = "dcz"
+
+    def __init__(self, fetch: Fetch, paths: dict[str, tuple[str, int, int]], location: str,
+                 config: IOConfig) -> None:
+        self.fetch, self.paths, self.location, self.config = fetch, paths, location, config
+        self._files: dict[str, CodedFile] = {}
+        self._lock = threading.Lock()
+
+    def file(self, path: str) -> CodedFile:
+        with self._lock:
+            opened = self._files.get(path)
+        if opened is None:
+            stored, size, stored_size = self.paths[path]
+            opened = CodedFile(self.fetch, stored, size, stored_size, f"{self.location}/{stored}")
+            with self._lock:
+                self._files[path] = opened
+        return opened
+
+    def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
+        from ..remote import _copy_into
+
+        stats = IOStats("read")
+        started = time.perf_counter()
+
+        def run(request: ReadRequest) -> None:
+            begun = stats.begin()
+            data = self.file(request.file).read(request.file_offset, request.file_offset + request.length)
+            stats.end(begun, len(data), len(data))
+            check_length(request, request.file_offset + len(data))
+            verify_checks(request, [memoryview(data)])
+            source = np.frombuffer(data, dtype=np.uint8)
+            position = 0
+            for dest, dest_offset, length in request.pieces:
+                if dest != SCRATCH and length:
+                    _copy_into(dests[dest], dest_offset, source, position, length)
+                position += length
+
+        run_bounded(self.config.queue_depth, requests, run, "dcp-nvme-dcz")
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def write_file(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("a compressed mirror is written by the drain, not by NVMeWriter")
+
+    def close(self) -> None:
+        pass
+
+
+def coded_engine(store: Any, manifest: Manifest, location: str, config: IOConfig) -> CodedEngine | None:
+    """The engine for a compressed mirror (one per manifest, tables cached), else None."""
+    files = coded_files(manifest.doc, location)
+    if files is None:
+        return None
+    engine = getattr(manifest, "_coded_engine", None)
+    if engine is None:
+        paths = {store.path(name): info for name, info in files.items()}
+        engine = CodedEngine(store_fetch(store), paths, location, config)
+        manifest._coded_engine = engine  # cached beside the manifest's other parsed tables
+    return engine
+
+
+def same_save(remote: bytes, local: bytes) -> bool:
+    """Whether a mirror's manifest is the local one plus a compression section."""
+    try:
+        theirs, ours = json.loads(remote), json.loads(local)
+    except ValueError:
+        return False
+    if not isinstance(theirs, dict) or not isinstance(ours, dict) or "compression" not in theirs:
+        return False
+    strip = ("compression", "manifest_crc32c")
+    return {k: v for k, v in theirs.items() if k not in strip} == {k: v for k, v in ours.items() if k not in strip}
+
+
+def readback_coded(fetch: Fetch, doc: dict[str, Any], location: str, records: dict[str, FileRecord],
+                   window: int) -> int:
+    """Decode every chunk of a compressed mirror and check the result against the original's
+    blocks table (ChecksumMismatchError / CodecError naming the file); returns bytes checked."""
+    checked = 0
+    for name, (stored, size, stored_size) in (coded_files(doc, location) or {}).items():
+        record = records.get(name)
+        if record is None or record.size != size:
+            raise codec.CodecError(f"{location}/{stored}: not a file of this save (or of another size)")
+        where = f"{location}/{stored}"
+        coded = CodedFile(fetch, stored, size, stored_size, where)
+        for piece in plan_pieces(size, record.data_start, record.checksum_block, window):
+            data = coded.read(piece.offset, piece.offset + piece.length)
+            if len(data) != piece.length:
+                raise codec.CodecError(f"{where}: decodes short at {piece.offset + len(data)}")
+            verify_piece(record, piece.offset, data, where)
+        checked += size
+    return checked
