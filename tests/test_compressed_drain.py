@@ -240,3 +240,24 @@ def test_writer_mirror_compress_and_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "compressed (bytegroup)" in out and "CPU s on 1 thread" in out
     assert_same(load(NVMeReader(str(tmp_path / "mc")), sd), sd)
+
+
+def test_tools_read_a_compressed_mirror(tmp_path, capsys):
+    from dcp_nvme.tools.listing import describe
+    from dcp_nvme.tools.verify import verify_checkpoint
+
+    sd = make_state(17)
+    local = save(tmp_path / "step_17", sd)
+    target = str(tmp_path / "mirror")
+    drain(local, target, options=DrainOptions(**FAST, compress="bytegroup"))
+    report = verify_checkpoint(target, progress=False)
+    assert report.ok and report.bytes_read == mirror_doc(target)["compression"]["bytes"]
+    assert describe(target).state == "committed"
+    assert cli_main(["inspect", target]) == 0
+    assert "compressed:  bytegroup v1" in capsys.readouterr().out
+    path = _dcz(target)
+    blob = bytearray(open(path, "rb").read())
+    blob[-5] ^= 0xFF  # inside the last chunk
+    open(path, "wb").write(blob)
+    with pytest.raises(codec.CodecError, match=os.path.basename(path)):
+        verify_checkpoint(target, progress=False)

@@ -200,3 +200,79 @@ def readback_coded(fetch: Fetch, doc: dict[str, Any], location: str, records: di
             verify_piece(record, piece.offset, data, where)
         checked += size
     return checked
+
+
+class DecodedStore:
+    """A compressed mirror seen as the plain checkpoint it encodes: the tools (verify, list,
+    export) read rank files by their original names and get decoded, chunk-checked bytes."""
+
+    def __init__(self, store: Any, files: dict[str, tuple[str, int, int]]) -> None:
+        self.inner, self.files, self.location = store, files, store.location
+        self._fetch = store_fetch(store)
+        self._open: dict[str, CodedFile] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:  # path, make, write_atomic... as the store's
+        return getattr(self.inner, name)
+
+    def _coded(self, name: str) -> CodedFile:
+        with self._lock:
+            opened = self._open.get(name)
+        if opened is None:
+            stored, size, stored_size = self.files[name]
+            opened = CodedFile(self._fetch, stored, size, stored_size, f"{self.location}/{stored}")
+            with self._lock:
+                self._open[name] = opened
+        return opened
+
+    def exists(self) -> bool:
+        return self.inner.exists()
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(self.files[name][0]) if name in self.files else self.inner.has(name)
+
+    def names(self) -> list[str]:
+        stored = {info[0]: name for name, info in self.files.items()}
+        return sorted(stored.get(n, n) for n in self.inner.names())
+
+    def size(self, name: str) -> int:
+        return self._coded(name).size if name in self.files else self.inner.size(name)
+
+    def read(self, name: str) -> bytes:
+        if name in self.files:
+            return self._coded(name).read(0, self._coded(name).size)
+        return self.inner.read(name)
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
+        if name not in self.files:
+            return self.inner.read_into(name, offset, buffer)
+        data = self._coded(name).read(offset, offset + len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def decoded_view(store: Any) -> Any:
+    """``store`` itself for a plain checkpoint, a DecodedStore for a compressed mirror (a
+    missing or unreadable manifest is left for the caller to report)."""
+    try:
+        doc = json.loads(store.read("manifest.json")) if store.has("manifest.json") else None
+    except (OSError, ValueError):
+        return store
+    files = coded_files(doc, store.location) if isinstance(doc, dict) else None
+    return store if files is None else DecodedStore(store, files)
+
+
+def describe_compression(location: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """One line on a compressed mirror (codec, version, ratio, sizes), or None if plain."""
+    from ..remote import open_store
+
+    store = open_store(location, storage_options)
+    try:
+        doc = json.loads(store.read("manifest.json"))
+    except (OSError, ValueError):
+        return None
+    section = doc.get("compression") if isinstance(doc, dict) else None
+    if not isinstance(section, dict):
+        return None
+    return (f"{section.get('codec')} v{section.get('version')}, level {section.get('level')}: "
+            f"{section.get('bytes')} -> {section.get('stored_bytes')} bytes ({section.get('ratio')}x)")

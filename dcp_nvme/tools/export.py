@@ -27,6 +27,7 @@ from ..layout import FileBlocks, plan_reads
 from ..manifest import FileRecord, read_files, read_manifest
 from ..memory import tensor_bytes
 from ..store import LocalStore, is_remote_url
+from ..tiers.coded import decoded_view
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
 from .st_format import build_header
 from .verify import progress_bar
@@ -82,7 +83,7 @@ def export_hf(
     out_path = Path(out)
     _refuse_overlap(location, out_path)
     _check_out(out_path, overwrite)
-    store = LocalStore(location)
+    store = decoded_view(LocalStore(location))  # a compressed mirror reads as its plain files
     manifest = read_manifest(store, location)
     tensors = select_tensors(manifest.chunks, keys=keys, strip_prefix=strip_prefix, dtype=out_dtype,
                              location=location)

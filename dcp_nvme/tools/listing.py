@@ -9,6 +9,7 @@ from typing import Any
 
 from ..manifest import DCP_METADATA, MANIFEST, save_key_of
 from ..store import LocalStore
+from ..tiers.coded import decoded_view
 from .status import parse_step, probe
 
 
@@ -68,7 +69,7 @@ def tiers_available() -> bool:
 def describe(path: str | os.PathLike) -> CheckpointEntry:
     """One checkpoint directory as a list row."""
     root = Path(path)
-    source = LocalStore(root)
+    source = decoded_view(LocalStore(root))  # a compressed mirror reads as its plain files
     found = probe(source)
     total = 0
     newest = 0.0

@@ -33,6 +33,7 @@ from ..manifest import (
 )
 from ..remote import open_store
 from ..store import Store
+from ..tiers.coded import decoded_view
 from .st_format import ST_ITEMSIZE, parse_header
 
 DEFAULT_SPAN = 8 << 20
@@ -91,7 +92,7 @@ def verify_checkpoint(
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {jobs}")
-    source = open_store(location)
+    source = decoded_view(open_store(location))  # a compressed mirror reads as its plain files
     report = VerifyReport(source.location)
     started = time.perf_counter()
     manifest = _manifest(source, report)
