@@ -16,10 +16,26 @@ from .errors import (
     EngineUnavailableError,
     ManifestError,
 )
-from .reader import NVMeReader
 from .rundir import CheckpointDir, checkpoints, latest
-from .staging import NVMeStager
-from .writer import NVMeWriter
+
+# The torch-backed classes load on first use, so that `dcp-nvme --help` and tools that only need
+# the light modules start without importing torch.
+_LAZY = {"NVMeReader": ".reader", "NVMeStager": ".staging", "NVMeWriter": ".writer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CheckpointDir",

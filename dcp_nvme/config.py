@@ -14,6 +14,7 @@ import logging
 import os
 import re
 from dataclasses import asdict, dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -44,25 +45,129 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNOREC
 
 
 def parse_size(value: int | str) -> int:
-    """Bytes from ``8388608``, ``"8MiB"`` or ``"8M"`` (binary), or ``"5GB"`` (decimal)."""
+    """Bytes from ``8388608``, ``"8MiB"`` or ``"8M"`` (binary), or ``"5GB"`` (decimal).
+
+    A whole number of bytes only: floats, booleans and fractional results are refused.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"not a size: {value!r} (use an integer number of bytes, or e.g. '8MiB' or '5GB')")
     if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"not a size: {value!r} (negative)")
         return value
-    match = _SIZE_RE.match(str(value))
+    match = _SIZE_RE.match(value)
     if not match:
         raise ValueError(f"not a size: {value!r} (use e.g. 8388608, '8MiB' or '5GB')")
     number, unit, binary, byte = match.groups()
     power = "kmgt".index(unit.lower()) + 1 if unit else 0
     decimal = bool(unit) and bool(byte) and not binary
-    return int(float(number) * (1000 if decimal else 1024) ** power)
+    exact = Fraction(number) * (1000 if decimal else 1024) ** power
+    if exact.denominator != 1:
+        raise ValueError(f"not a size: {value!r} is not a whole number of bytes")
+    return int(exact)
 
 
-def _parse_bool(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+# --------------------------------------------------------------------------- validation
+# Every option of NVMeWriter / NVMeReader / IOConfig is checked here, wherever it came from.
+
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+              "0": False, "false": False, "no": False, "off": False}
+
+QUEUE_DEPTH_RANGE = (1, 256)
+BLOCK_SIZE_RANGE = (ALIGN, 256 << 20)
+"""Requests of 4 KiB to 256 MiB, a multiple of 4 KiB: queue_depth of them are the bounce
+buffers of a rank, so the largest block times the deepest queue is already 64 GiB."""
+MEMORY_BUDGET_RANGE = (1 << 20, 1 << 40)
+
+
+def _fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def _invalid(name: str, value: Any, source: str, problem: str) -> ValueError:
+    return ValueError(f"{name}={value!r} from {source} is not valid: {problem}")
+
+
+def check_bool(name: str, value: Any, source: str = "the argument") -> bool:
+    """A bool, or one of the words true/false, 1/0, yes/no, on/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.strip().lower()]
+    raise _invalid(name, value, source, "expected True/False or one of true/false, 1/0, yes/no, on/off")
+
+
+def check_int(name: str, value: Any, bounds: tuple[int, int], source: str = "the argument") -> int:
+    """An integer (or a string of digits) within ``bounds``, inclusive."""
+    lo, hi = bounds
+    number = value
+    if isinstance(value, str) and value.strip().isdigit():
+        number = int(value.strip())
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise _invalid(name, value, source, f"expected an integer from {lo} to {hi}")
+    if not lo <= number <= hi:
+        raise _invalid(name, value, source, f"must be from {lo} to {hi}")
+    return number
+
+
+def check_size(name: str, value: Any, bounds: tuple[int, int], source: str = "the argument",
+               multiple: int = 1) -> int:
+    """Bytes: an integer or a string like ``"8MiB"``, within ``bounds`` and a multiple of ``multiple``."""
+    lo, hi = bounds
+    try:
+        number = parse_size(value)
+    except ValueError as exc:
+        raise _invalid(name, value, source, str(exc)) from None
+    if not lo <= number <= hi:
+        raise _invalid(name, value, source, f"must be from {_fmt_size(lo)} to {_fmt_size(hi)}")
+    if number % multiple:
+        raise _invalid(name, value, source, f"must be a multiple of {_fmt_size(multiple)}")
+    return number
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...], source: str = "the argument") -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise _invalid(name, value, source, f"expected one of {', '.join(choices)}")
+    return value
+
+
+def check_url(name: str, value: Any, source: str = "the argument") -> str:
+    """A directory or an fsspec URL whose protocol fsspec knows (checked now, not at first use)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise _invalid(name, value, source, "expected a directory or an fsspec URL such as s3://bucket/path")
+    if "://" in value:
+        protocol = value.split("://", 1)[0]
+        import fsspec  # not at import time: ``dcp-nvme --help`` stays light
+
+        if protocol not in fsspec.available_protocols():
+            raise _invalid(name, value, source, f"fsspec knows no protocol {protocol!r}")
+    return value
+
+
+_CHECKS: dict[str, Any] = {
+    "queue_depth": lambda n, v, s: check_int(n, v, QUEUE_DEPTH_RANGE, s),
+    "block_size": lambda n, v, s: check_size(n, v, BLOCK_SIZE_RANGE, s, multiple=ALIGN),
+    "direct_io": check_bool,
+    "engine": lambda n, v, s: check_choice(n, v, ENGINES, s),
+    "verify": check_bool,
+    "overwrite": check_bool,
+    "allow_pickle": check_bool,
+    "memory_budget": lambda n, v, s: check_size(n, v, MEMORY_BUDGET_RANGE, s),
+    "mirror": check_url,
+}
+"""The one place each option's form and range is checked: name -> check(name, value, source)."""
+
+
+def check_option(name: str, value: Any, source: str = "the argument") -> Any:
+    """``value`` of option ``name`` in its canonical form, or ValueError naming option, value and source."""
+    return _CHECKS[name](name, value, source)
 
 
 @dataclass(frozen=True)
@@ -80,16 +185,8 @@ class IOConfig:
     verify: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.queue_depth, int) or self.queue_depth < 1:
-            raise ValueError(f"queue_depth must be an integer >= 1, got {self.queue_depth!r}")
-        if self.queue_depth > 256:
-            raise ValueError(f"queue_depth {self.queue_depth} is above the supported 256")
-        if self.block_size < ALIGN or self.block_size % ALIGN:
-            raise ValueError(
-                f"block_size must be a positive multiple of {ALIGN} bytes, got {self.block_size}"
-            )
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
+            object.__setattr__(self, name, check_option(name, getattr(self, name)))
 
     @property
     def checksum_block(self) -> int:
@@ -102,26 +199,17 @@ class IOConfig:
         return asdict(self)
 
 
-_FIELDS = {
-    "queue_depth": int,
-    "block_size": parse_size,
-    "direct_io": bool,
-    "engine": str,
-    "verify": bool,
-}
+_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify")
 
 
 def _from_env() -> dict[str, Any]:
     found: dict[str, Any] = {}
-    for name, kind in _FIELDS.items():
-        raw = os.environ.get(ENV_PREFIX + name.upper())
+    for name in _FIELDS:
+        env_name = ENV_PREFIX + name.upper()
+        raw = os.environ.get(env_name)
         if raw is None or raw == "":
             continue
-        env_name = ENV_PREFIX + name.upper()
-        try:
-            found[name] = _parse_bool(env_name, raw) if kind is bool else kind(raw)
-        except ValueError as exc:
-            raise ValueError(f"environment variable {env_name}: {exc}") from None
+        found[name] = check_option(name, raw, f"environment variable {env_name}")
     return found
 
 
@@ -132,21 +220,25 @@ def _from_tune_file() -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
         best = doc["best"]
-        return {k: best[k] for k in ("queue_depth", "block_size", "direct_io") if k in best}
+        values = {k: best[k] for k in ("queue_depth", "block_size", "direct_io") if k in best}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring tune file %s: %s (rerun `dcp-nvme tune`)", path, exc)
         return {}
+    return {k: check_option(k, v, f"tune file {path} (rerun `dcp-nvme tune` or delete it)")
+            for k, v in values.items()}
 
 
 def resolve_config(**explicit: Any) -> IOConfig:
-    """Build an IOConfig: explicit arguments (None means unset) > env > tune file > defaults."""
+    """Build an IOConfig: explicit arguments (None means unset) > env > tune file > defaults.
+
+    Every value is checked where it is read, so an error names its source: the argument, the
+    environment variable, or the tune file.
+    """
     unknown = set(explicit) - set(_FIELDS)
     if unknown:
         raise TypeError(f"unknown I/O option(s): {sorted(unknown)}")
     values: dict[str, Any] = {}
     values.update(_from_tune_file())
     values.update(_from_env())
-    values.update({k: v for k, v in explicit.items() if v is not None})
-    if "block_size" in values:
-        values["block_size"] = parse_size(values["block_size"])
+    values.update({k: check_option(k, v) for k, v in explicit.items() if v is not None})
     return replace(IOConfig(), **values)

@@ -296,10 +296,15 @@ class Manifest:
             planner_data=decode_json(self.doc.get("planner_data")),
             storage_data=storage,
             storage_meta=StorageMeta(
-                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id")
+                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id"),
+                modules=[m for m in _list_or_empty(meta.get("modules")) if isinstance(m, str)],
             ),
             version=self.doc.get("dcp_version"),
         )
+
+
+def _list_or_empty(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def table_entry(name: str, data: bytes) -> dict[str, Any]:
@@ -340,7 +345,8 @@ def describe_missing(store, location: str) -> str:
     names = store.names()
     if DCP_METADATA in names:
         return (f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
-                "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader")
+                "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
+                f"or convert it: dcp-nvme convert {location} OUT --to nvme")
     ours = [n for n in names if save_key_of(n)]
     if ours:
         return (f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "

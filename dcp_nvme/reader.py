@@ -9,11 +9,12 @@ whole checksum blocks and is verified before the data is handed to DCP.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,11 +23,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .config import IOConfig, resolve_config
+from .config import IOConfig, check_option, resolve_config
 from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
 from .memory import tensor_bytes
+from .objects import bytes_for_planner, check_destination_kind
 from .remote import FsspecEngine, open_store
 from .stats import IOStats, PhaseTimer
 from .store import LocalStore, is_local_path, is_remote_url, local_path
@@ -71,6 +73,10 @@ class NVMeReader(StorageReader):
         queue_depth, block_size, direct_io, engine: as for NVMeWriter (and the same env vars).
         verify: check every byte read against the manifest's crc32c (env ``DCP_NVME_VERIFY``).
         memory_budget: bytes of temporary buffers held at once for resharded slices.
+        allow_pickle: load non-tensor items with full pickle, which runs any code the
+            checkpoint's author put in them. Off by default: they are decoded by torch's
+            weights-only unpickler (plain Python values, containers, tensors), and an item that
+            needs more is refused with an error naming it. Turn on only for checkpoints you trust.
         storage_options: for a URL path (``s3://...``, any fsspec URL): the filesystem's options;
             reads are then ranged GETs, ``queue_depth`` in flight, checksum verified.
     """
@@ -86,6 +92,7 @@ class NVMeReader(StorageReader):
         verify: bool | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__()
         self.path = local_path(path)
@@ -93,13 +100,16 @@ class NVMeReader(StorageReader):
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
             engine=engine, verify=verify,
         )
-        self.memory_budget = memory_budget
+        self.memory_budget = check_option("memory_budget", memory_budget)
+        self.allow_pickle = check_option("allow_pickle", allow_pickle)
         self.storage_options = storage_options
         self._store = None
         self._manifest: Manifest | None = None
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
+        self.load_id: str = str(uuid.uuid4())
+        """DCP's ``StorageMeta.load_id``: new at every reset, set on ``read_metadata()``."""
 
     @property
     def store(self) -> LocalStore:
@@ -115,6 +125,7 @@ class NVMeReader(StorageReader):
             self._store = None
         self._manifest = None
         self.storage_data = {}
+        self.load_id = str(uuid.uuid4())
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
@@ -122,7 +133,13 @@ class NVMeReader(StorageReader):
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self.manifest().to_metadata()
+        metadata = self.manifest().to_metadata()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -137,6 +154,9 @@ class NVMeReader(StorageReader):
         started = time.perf_counter()
         stats, timer = IOStats("read"), PhaseTimer()
         needed = 0
+        for item in plan.items:  # refuse before any byte lands in the caller's state_dict
+            if item.type == LoadItemType.BYTE_IO:
+                check_destination_kind(planner, item.dest_index.fqn, str(self.path))
         items = sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
         batch = _Batch()
         for item in items:
@@ -175,7 +195,8 @@ class NVMeReader(StorageReader):
             dest = torch.empty(chunk.length, dtype=torch.uint8)
             batch.need(chunk, 0, chunk.length, batch.add_dest(dest))
             batch.temp_bytes += chunk.length
-            batch.after.append(lambda: planner.load_bytes(item, io.BytesIO(dest.numpy().tobytes())))
+            batch.after.append(lambda: planner.load_bytes(item, bytes_for_planner(
+                dest.numpy().tobytes(), item.dest_index.fqn, str(self.path), allow_pickle=self.allow_pickle)))
             return
         stored = parse_dtype(chunk.dtype)
         itemsize = torch.empty((), dtype=stored).element_size()
@@ -224,17 +245,20 @@ class NVMeReader(StorageReader):
         if not batch.after:
             return 0
         with timer.span("plan"):
-            requests = self._plan_requests(batch)
+            requests, request_size = self._plan_requests(batch)
+        # the checkpoint's checksum block, not this reader's block_size, sets the smallest request
+        config = self.config if request_size <= self.config.block_size else \
+            replace(self.config, block_size=request_size)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
         from .tiers.coded import coded_engine
 
-        engine = coded_engine(self.store, self.manifest(), self.path, self.config)  # compressed mirror
+        engine = coded_engine(self.store, self.manifest(), self.path, config)  # compressed mirror
         if engine is not None:
             pass
         elif is_remote_url(self.path):
-            engine = FsspecEngine(self.store.fs, self.config)
+            engine = FsspecEngine(self.store.fs, config)
         else:
-            engine, _ = shared_engine(self.config, has_device, self.path)
+            engine, _ = shared_engine(config, has_device, self.path)
         try:
             with timer.span("io"):
                 stats.merge(engine.read(requests, batch.dests))
@@ -245,19 +269,23 @@ class NVMeReader(StorageReader):
                 action()
         return sum(n.length for needs in batch.needs.values() for n in needs)
 
-    def _plan_requests(self, batch: _Batch) -> list:
+    def _plan_requests(self, batch: _Batch) -> tuple[list, int]:
+        """The batch's requests, and the largest request size they were cut to."""
         files = read_files(self.store, self.manifest(), self.path) if self.config.verify else {}
-        requests = []
+        requests, largest = [], self.config.block_size
         for name, needs in batch.needs.items():
-            blocks = None
+            blocks, max_request = None, self.config.block_size
             if self.config.verify:
                 record = files.get(name)
                 if record is None:
                     raise FileNotFoundError(f"{self.path}: {name} is not listed in the checkpoint's blocks table")
                 blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
-            requests += plan_reads(self.store.path(name), needs,
-                                   max_request=self.config.block_size, blocks=blocks)
-        return requests
+                # whole checksum blocks per request, as close to block_size as they allow
+                granule = record.checksum_block
+                max_request = max(granule, max_request // granule * granule)
+                largest = max(largest, max_request)
+            requests += plan_reads(self.store.path(name), needs, max_request=max_request, blocks=blocks)
+        return requests, largest
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:

@@ -327,15 +327,26 @@ def _directs(text: str) -> list[bool]:
     return choices[text.lower()]
 
 
+TUNE_DESCRIPTION = """\
+Sweep queue depth x block size (x O_DIRECT) on a directory of the target drive.
+
+Each point writes a fresh file of --size bytes (fsync included), drops it from the page cache,
+reads it back and deletes it. The point with the best geometric mean of write and read GB/s
+(within 3 %, the one using the least memory) is saved as JSON; every NVMeWriter and NVMeReader
+that is not told otherwise then uses it (environment variables and arguments still win)."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "tune", help="sweep queue depth x block size on a directory; save the best for the plugin",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=TUNE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=".", help="directory on the target drive (default: .)")
     parser.add_argument("--size", type=parse_size, default=parse_size("1GiB"),
                         help="bytes written and read per point (default 1GiB)")
-    parser.add_argument("--queue-depths", type=_int_list, default=[1, 2, 4, 8, 16])
-    parser.add_argument("--block-sizes", type=_size_list, default=_size_list("1MiB,4MiB,8MiB,16MiB"))
+    parser.add_argument("--queue-depths", type=_int_list, default=[1, 2, 4, 8, 16],
+                        help="requests in flight to try, comma-separated (default 1,2,4,8,16)")
+    parser.add_argument("--block-sizes", type=_size_list, default=_size_list("1MiB,4MiB,8MiB,16MiB"),
+                        help="bytes per request to try, comma-separated (default 1MiB,4MiB,8MiB,16MiB)")
     parser.add_argument("--direct", type=_directs, default=[True, False],
                         help="O_DIRECT: both (default), on or off")
     parser.add_argument("--repeat", type=int, default=1, help="runs per point; the median counts")

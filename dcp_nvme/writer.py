@@ -10,10 +10,12 @@ import io
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .config import IOConfig, resolve_config
+from .config import IOConfig, check_option, resolve_config
 from .engines import Engine, select_engine
 from .errors import CheckpointExistsError
 from .layout import ItemSpec, plan_container
@@ -158,8 +160,9 @@ class NVMeWriter(StorageWriter):
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine
         )
-        self.overwrite = overwrite
-        self.mirror, self.mirror_options = mirror, mirror_options
+        self.overwrite = check_option("overwrite", overwrite)
+        self.mirror = None if mirror is None else check_option("mirror", mirror)
+        self.mirror_options = mirror_options
         if compress is not None:
             from .tiers.compress import MODES
 
@@ -170,6 +173,10 @@ class NVMeWriter(StorageWriter):
         """On the coordinator with ``mirror``: a Future of the last save's drain (DrainResult)."""
         self.is_coordinator = False
         self.save_key: str | None = None
+        self.save_id: str = str(uuid.uuid4())
+        """DCP's ``StorageMeta.save_id``: new at every reset, stored in the manifest."""
+        self.use_collectives = True
+        """DCP's ``use_collectives`` of the current save (False is refused on several ranks)."""
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last save: bytes, seconds by phase, GB/s, requests."""
         self.last_manifest: dict[str, Any] | None = None
@@ -181,11 +188,19 @@ class NVMeWriter(StorageWriter):
         if checkpoint_id is not None:
             self.path = local_path(checkpoint_id)
         self.save_key = None
+        self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not self.use_collectives and _world_size() > 1:
+            # each rank would plan alone as rank 0 and commit its own manifest over the others'
+            raise ValueError(
+                f"{self.path}: dcp_nvme saves need use_collectives=True (the default): one manifest, "
+                "committed by the coordinator, describes every rank's data. Save without "
+                "use_collectives=False, or give each rank its own checkpoint directory")
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
@@ -208,8 +223,8 @@ class NVMeWriter(StorageWriter):
         target: RankPlan = plan.storage_data
         self.save_key = target.save_key
         future: Future[list[WriteResult]] = Future()
-        if not plan.items:
-            self.last_stats = {"rank": target.rank, "bytes": 0, "items": 0}
+        if not plan.items:  # e.g. a coordinator that holds nothing: still a part of the save
+            self.last_stats = {"rank": target.rank, "bytes": 0, "items": 0, "phases": {}}
             future.set_result([])
             return future
         timer = PhaseTimer()
@@ -272,16 +287,18 @@ class NVMeWriter(StorageWriter):
             save_key=key, files=files,
             index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
             world_size=len(results), planner_data=metadata.planner_data,
-            dcp_version=metadata.version,
-            storage_meta={"checkpoint_id": self.path},
+            dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
+            storage_meta=_storage_meta_doc(self.storage_meta()),
             extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
         )
-        store.write_atomic(MANIFEST, seal(doc))  # the commit
+        sealed = seal(doc)  # everything that can fail happens before the commit
+        _write_pointer(store)
+        store.write_atomic(MANIFEST, sealed)  # the commit
         _remove_stale(store, key)
         doc["commit_seconds"] = time.perf_counter() - started
         self.last_manifest = doc
         if self.last_stats is not None:
-            self.last_stats["phases"]["commit"] = round(doc["commit_seconds"], 6)
+            self.last_stats.setdefault("phases", {})["commit"] = round(doc["commit_seconds"], 6)
         if self.mirror:  # committed locally; the drain runs on in the background
             from .tiers import submit_mirror
 
@@ -292,11 +309,50 @@ class NVMeWriter(StorageWriter):
         return {**self.__dict__, "drain_future": None}  # a Future does not pickle (PROCESS mode)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path)
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_local_path(checkpoint_id)
+
+
+POINTER = ".metadata.HOW_TO_LOAD.txt"
+"""Where DCP looks for its missing .metadata (`ls -a`, tab completion): says how to load this directory."""
+
+POINTER_TEXT = """\
+This directory is a dcp_nvme checkpoint (manifest.json), not one in DCP's stock layout (.metadata).
+torch.distributed.checkpoint finds no .metadata here: give it dcp_nvme's reader instead,
+
+    from dcp_nvme import NVMeReader
+    dcp.load(state_dict, storage_reader=NVMeReader("<this directory>"))
+
+or convert the checkpoint for tools that only read the stock layout or torch.save files:
+
+    dcp-nvme convert <this directory> OUT --to dcp      (or --to torch)
+"""
+
+
+def _write_pointer(store: LocalStore) -> None:
+    """The pointer for stock DCP users (not a part of the checkpoint; written once per directory)."""
+    if not store.has(POINTER):
+        with open(store.path(POINTER), "w") as handle:
+            handle.write(POINTER_TEXT)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:
+    """DCP's StorageMeta as JSON; ``load_id`` belongs to a load, never to the checkpoint."""
+    return {"checkpoint_id": os.fspath(meta.checkpoint_id) if meta.checkpoint_id is not None else None,
+            "save_id": meta.save_id, "modules": list(meta.modules)}
 
 
 def _key_from_results(results: list[list[WriteResult]]) -> str:

@@ -1,8 +1,9 @@
 import json
+import re
 
 import pytest
 
-from dcp_nvme.config import IOConfig, parse_size, resolve_config
+from dcp_nvme.config import IOConfig, check_option, parse_size, resolve_config
 
 
 def test_parse_size_units():
@@ -50,3 +51,139 @@ def test_corrupt_tune_file_is_ignored_with_a_warning(tmp_path, monkeypatch, capl
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune))
     assert resolve_config() == IOConfig()
     assert "ignoring tune file" in caplog.text
+
+
+# --------------------------------------------------------------------------- strict validation
+
+
+@pytest.mark.parametrize("word, expected", [("no", False), ("OFF", False), ("0", False), (" false ", False),
+                                            ("yes", True), ("On", True), ("1", True), ("true", True),
+                                            (True, True), (False, False), (1, True), (0, False)])
+def test_booleans_accept_clear_spellings(word, expected):
+    assert check_option("direct_io", word) is expected
+    assert resolve_config(direct_io=word).direct_io is expected
+
+
+@pytest.mark.parametrize("name", ["direct_io", "verify", "overwrite", "allow_pickle"])
+@pytest.mark.parametrize("value", ["maybe", "", 2, 1.0, "nope", [], None])
+def test_booleans_refuse_anything_else(name, value):
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} from the argument is not valid")):
+        check_option(name, value)
+
+
+@pytest.mark.parametrize("bad, problem", [
+    (dict(queue_depth=True), "queue_depth=True from the argument .* expected an integer from 1 to 256"),
+    (dict(queue_depth=0), "queue_depth=0 .* must be from 1 to 256"),
+    (dict(queue_depth=257), "must be from 1 to 256"),
+    (dict(queue_depth=2.0), "expected an integer"),
+    (dict(block_size=4096.7), "block_size=4096.7 .* not a size"),
+    (dict(block_size=4096.0), "not a size"),
+    (dict(block_size=True), "not a size"),
+    (dict(block_size="1TiB"), "block_size='1TiB' .* must be from 4 KiB to 256 MiB"),
+    (dict(block_size="4096.5"), "not a whole number of bytes"),
+    (dict(block_size=1000), "must be from 4 KiB"),
+    (dict(block_size=12289), "multiple of 4 KiB"),
+    (dict(block_size=-4096), "negative"),
+    (dict(engine="spdk"), "engine='spdk' .* expected one of auto, posix, kvikio"),
+])
+def test_bad_arguments_name_option_value_and_source(bad, problem):
+    with pytest.raises(ValueError, match=problem):
+        resolve_config(**bad)
+    with pytest.raises(ValueError, match=problem):
+        IOConfig(**bad)
+
+
+def test_sizes_accept_unit_strings_and_integers():
+    assert resolve_config(block_size="8MiB").block_size == 8 << 20
+    assert resolve_config(block_size="1.5MiB").block_size == 3 << 19
+    assert IOConfig(block_size="256MiB").block_size == 256 << 20
+    assert resolve_config(queue_depth="16").queue_depth == 16
+
+
+@pytest.mark.parametrize("env, value, problem", [
+    ("DCP_NVME_BLOCK_SIZE", "1TiB", "must be from 4 KiB to 256 MiB"),
+    ("DCP_NVME_QUEUE_DEPTH", "lots", "expected an integer"),
+    ("DCP_NVME_DIRECT_IO", "maybe", "expected True/False"),
+    ("DCP_NVME_ENGINE", "spdk", "expected one of"),
+])
+def test_bad_environment_names_variable_and_value(monkeypatch, env, value, problem):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=f"={value!r} from environment variable {env} is not valid: {problem}"):
+        resolve_config()
+
+
+@pytest.mark.parametrize("best", [{"queue_depth": "many"}, {"block_size": 4096.5}, {"direct_io": "perhaps"},
+                                  {"block_size": "1TiB"}])
+def test_bad_tune_file_values_name_the_file(tmp_path, monkeypatch, best):
+    tune = tmp_path / "tune.json"
+    tune.write_text(json.dumps({"best": best}))
+    monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune))
+    with pytest.raises(ValueError, match=f"from tune file {tune}"):
+        resolve_config()
+
+
+def test_writer_and_reader_check_their_options_at_construction(tmp_path):
+    from dcp_nvme import NVMeReader, NVMeWriter
+
+    with pytest.raises(ValueError, match="overwrite='maybe'"):
+        NVMeWriter(tmp_path, overwrite="maybe")
+    with pytest.raises(ValueError, match="queue_depth=True"):
+        NVMeWriter(tmp_path, queue_depth=True)
+    with pytest.raises(ValueError, match="memory_budget='lots'"):
+        NVMeReader(tmp_path, memory_budget="lots")
+    with pytest.raises(ValueError, match="allow_pickle='sure'"):
+        NVMeReader(tmp_path, allow_pickle="sure")
+    assert NVMeWriter(tmp_path, overwrite="no", direct_io="no").overwrite is False
+    assert NVMeWriter(tmp_path, direct_io="no").config.direct_io is False
+    assert NVMeReader(tmp_path, memory_budget="64MiB").memory_budget == 64 << 20
+
+
+def test_mirror_protocol_is_checked_at_construction(tmp_path):
+    import time
+
+    from dcp_nvme import NVMeWriter
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="mirror='nosuchproto://x' .* fsspec knows no protocol 'nosuchproto'"):
+        NVMeWriter(tmp_path, mirror="nosuchproto://x")
+    assert time.monotonic() - started < 5  # at once, not after retries
+    assert NVMeWriter(tmp_path, mirror="memory://bucket/run").mirror == "memory://bucket/run"
+    assert NVMeWriter(tmp_path, mirror=str(tmp_path / "mirror")).mirror == str(tmp_path / "mirror")
+
+
+def test_overwrite_no_keeps_the_committed_checkpoint(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_nvme import NVMeReader, NVMeWriter
+
+    dcp.save({"w": torch.ones(4)}, storage_writer=NVMeWriter(tmp_path, direct_io="off"), no_dist=True)
+    with pytest.raises(CheckpointException, match="CheckpointExistsError: .* already holds a committed checkpoint"):
+        dcp.save({"w": torch.zeros(4)}, storage_writer=NVMeWriter(tmp_path, overwrite="no", direct_io="no"),
+                 no_dist=True)
+    loaded = {"w": torch.empty(4)}
+    dcp.load(loaded, storage_reader=NVMeReader(tmp_path, direct_io=False), no_dist=True)
+    assert torch.equal(loaded["w"], torch.ones(4))
+
+
+@pytest.mark.parametrize("reader_block", ["128KiB", "4KiB", "12KiB", "1MiB"])
+def test_reader_block_size_is_independent_of_the_writers_checksum_block(tmp_path, monkeypatch, reader_block):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_nvme import NVMeReader, NVMeWriter
+    from dcp_nvme.manifest import read_files, read_manifest
+    from dcp_nvme.store import LocalStore
+
+    torch.manual_seed(0)
+    state = {"big": torch.randn(300_000), "rows": torch.randn(64, 1000)}  # 1.2 MB: several 256 KiB blocks
+    dcp.save(state, storage_writer=NVMeWriter(tmp_path, direct_io=False), no_dist=True)
+    files = read_files(LocalStore(tmp_path), read_manifest(LocalStore(tmp_path), str(tmp_path)), str(tmp_path))
+    assert {f.checksum_block for f in files.values()} == {256 << 10}
+    monkeypatch.setenv("DCP_NVME_BLOCK_SIZE", reader_block)
+    reader = NVMeReader(tmp_path, direct_io=False)
+    assert reader.config.block_size == check_option("block_size", reader_block)
+    loaded = {"big": torch.zeros(300_000), "rows": torch.zeros(64, 1000)}
+    dcp.load(loaded, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)

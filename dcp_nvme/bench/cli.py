@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 
 from ..config import parse_size
 from .plot import plot
@@ -13,10 +12,23 @@ from .records import BenchOptions
 from .report import format_report
 from .runner import run_bench
 
+BENCH_DESCRIPTION = """\
+Measure dcp_nvme beside the device limit and the usual ways to save, in one run.
+
+One synthetic Llama-shaped state, one directory, one process per rank:
+- the device limit: fio sequential O_DIRECT write and read at the plugin's queue depth and block
+  size (the plugin's own engine when fio is not installed), and a memory-copy floor;
+- dcp_nvme: sync save, cold load, async save (blocking and total), a resharded load;
+- peers: DCP's FileSystemWriter (thread_count 1, 2, 4, 8) and FileSystemReader, torch.save and
+  torch.load, safetensors save_file and load_file.
+
+Every save goes to a fresh directory and includes fsync. Before each load the checkpoint's files
+are dropped from the page cache (fsync + posix_fadvise, only those files); the report says what
+share of pages a sampled read still found cached."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    # the package's docstring describes the whole command; it is --help's description
-    description = sys.modules[__package__].__doc__
+    description = BENCH_DESCRIPTION
     parser = subparsers.add_parser(
         "bench", help="measure dcp_nvme against the device limit, DCP FileSystemWriter, torch.save, "
                       "safetensors", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from ..config import parse_size
+from ..config import check_option, parse_size
 from ..rundir import checkpoints
 from .compress import MODES as COMPRESS_MODES
 from .drainer import DrainOptions, drain, verify_mirror
@@ -24,11 +24,14 @@ def register(subparsers) -> None:
     parser.add_argument("--to", dest="target", help="target URL or directory (default: the journal's)")
     parser.add_argument("--storage-options", default=None,
                         help="JSON object of fsspec storage options, e.g. '{\"endpoint_url\": ...}'")
-    parser.add_argument("--max-transfers", type=int, default=DrainOptions.max_transfers)
+    parser.add_argument("--max-transfers", type=int, default=DrainOptions.max_transfers,
+                        help=f"pieces in flight at once (default {DrainOptions.max_transfers})")
     parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB); a file an interrupted drain began keeps the part "
                              "size it was planned with")
     parser.add_argument("--bandwidth", default=None, help="cap, bytes per second, e.g. 200MiB")
-    parser.add_argument("--verify", choices=("sent", "readback"), default="sent")
+    parser.add_argument("--verify", choices=("sent", "readback"), default="sent",
+                        help="sent: check each piece as it is sent (default); readback: also read the "
+                             "mirror back and check every byte")
     parser.add_argument("--compress", choices=COMPRESS_MODES, default="off",
                         help="send byte-grouped .dcz files (bytegroup), only when it finishes sooner "
                              "over the link (auto: needs --bandwidth or --link-rate), or plain (off)")
@@ -37,8 +40,10 @@ def register(subparsers) -> None:
                         help="threads coding for the drain (default: half the cores, at most 2)")
     parser.add_argument("--verify-only", action="store_true",
                         help="do not send: read the mirror back and check every byte")
-    parser.add_argument("--retries", type=int, default=DrainOptions.retries)
-    parser.add_argument("--backoff", type=float, default=DrainOptions.backoff)
+    parser.add_argument("--retries", type=int, default=DrainOptions.retries,
+                        help=f"attempts after the first before giving up (default {DrainOptions.retries})")
+    parser.add_argument("--backoff", type=float, default=DrainOptions.backoff,
+                        help=f"seconds before the first retry, doubling after (default {DrainOptions.backoff:g})")
     parser.add_argument("--keep-last", type=int, default=None,
                         help="then prune the parent run directory to the K newest checkpoints")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -50,8 +55,8 @@ def register(subparsers) -> None:
         name = "status"
     parser = subparsers.add_parser(
         name, help="drain state of a checkpoint, or of every checkpoint in a run directory")
-    parser.add_argument("path")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("path", help="a checkpoint directory, or a run directory holding checkpoints")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=_status)
 
 
@@ -59,7 +64,13 @@ def _drain(args: argparse.Namespace) -> int:
     target = args.target or (load_journal(args.path) or {}).get("target")
     if not isinstance(target, str) or not target:
         raise ValueError(f"{args.path}: no --to given and no drain journal names a target")
-    storage_options = json.loads(args.storage_options) if args.storage_options else None
+    target = check_option("mirror", target, "--to")  # an unknown protocol fails now, not after retries
+    try:
+        storage_options = json.loads(args.storage_options) if args.storage_options else None
+    except ValueError as exc:
+        raise ValueError(f"--storage-options is not valid JSON: {exc}") from None
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise ValueError("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}'")
     options = DrainOptions(
         max_transfers=args.max_transfers, part_size=parse_size(args.part_size),
         bandwidth=parse_size(args.bandwidth) if args.bandwidth else None, verify=args.verify,

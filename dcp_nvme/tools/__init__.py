@@ -5,13 +5,33 @@
     report = verify_checkpoint("/nvme/run1/step_1000", jobs=8); assert report.ok, report.problems
     export_hf("/nvme/run1/step_1000", "hf_out", keys="model.*", strip_prefix="model.", dtype="bf16")
 
-The same as ``dcp-nvme list | inspect | verify | export``.
+The same as ``dcp-nvme list | inspect | verify | export``; ``dcp-nvme convert`` is
+``dcp_nvme.tools.convert.convert``.
 """
 
-from .export import ExportResult, export_hf
-from .inspection import Inspection, ObjectInfo, TensorInfo, inspect_checkpoint
-from .listing import CheckpointEntry, list_checkpoints
-from .verify import Problem, VerifyReport, verify_checkpoint
+import importlib
+
+# Names load on first use, so that ``dcp-nvme list --help`` (which imports this package for its
+# commands module) starts without torch.
+_LAZY = {
+    "ExportResult": ".export", "export_hf": ".export",
+    "Inspection": ".inspection", "ObjectInfo": ".inspection", "TensorInfo": ".inspection",
+    "inspect_checkpoint": ".inspection",
+    "CheckpointEntry": ".listing", "list_checkpoints": ".listing",
+    "Problem": ".verify", "VerifyReport": ".verify", "verify_checkpoint": ".verify",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "CheckpointEntry",

@@ -1,7 +1,8 @@
 """``dcp-nvme list | inspect | verify | export``: the command-line face of ``dcp_nvme.tools``.
 
-Each command prints a table (or ``--json``) and returns its exit status; user errors raise
-OSError/ValueError, which ``dcp_nvme.cli`` prints as one line.
+Each command prints a table (or ``--json``) and returns its exit status; errors raise, and
+``dcp_nvme.cli`` prints them as one line. The tools (and torch) are imported when a command
+runs, not when its arguments are registered, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -11,11 +12,6 @@ import json
 import sys
 import time
 from typing import Any
-
-from .export import export_hf
-from .inspection import inspect_checkpoint
-from .listing import list_checkpoints, tiers_available
-from .verify import verify_checkpoint
 
 
 def human_bytes(n: int | None) -> str:
@@ -46,6 +42,8 @@ def _when(unix: float | None) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from .listing import list_checkpoints, tiers_available
+
     entries = list_checkpoints(args.dir)
     if args.json:
         _json([e.to_dict() for e in entries])
@@ -72,6 +70,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspection import inspect_checkpoint
+
     info = inspect_checkpoint(args.checkpoint, filter=args.filter)
     if args.json:
         _json(info.to_dict())
@@ -123,13 +123,19 @@ def _rank_of(name: str) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify_checkpoint
+
     progress = not args.no_progress and not args.json
-    report = verify_checkpoint(args.checkpoint, jobs=args.jobs, progress=progress)
+    report = verify_checkpoint(args.checkpoint, jobs=args.jobs, progress=progress,
+                               allow_pickle=args.allow_pickle)
     if args.json:
         _json(report.to_dict())
         return 0 if report.ok else 1
     for problem in report.problems:
         print(f"BAD {problem}")
+    if args.allow_pickle:
+        for item in report.needs_pickle:
+            print(f"PICKLE {item} (loads only with allow_pickle=True: trust the author first)")
     figures = (f"{report.files} file(s), {human_bytes(report.bytes_read)} read in {report.seconds:.2f} s "
                f"({report.gbps:.2f} GB/s)")
     if report.ok:
@@ -143,6 +149,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_hf
+
     progress = not args.no_progress and not args.json
     result = export_hf(args.checkpoint, args.out, keys=args.keys, strip_prefix=args.strip_prefix,
                        dtype=args.dtype, max_shard_size=args.max_shard_size,
@@ -156,6 +164,34 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"skipped {len(result.skipped_objects)} non-tensor item(s): "
               + ", ".join(result.skipped_objects[:5]) + (" ..." if len(result.skipped_objects) > 5 else ""))
     return 0
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert  # torch is imported only when the command runs
+
+    result = convert(args.src, args.dst, args.to, memory_budget=args.memory_budget, overwrite=args.overwrite)
+    if args.json:
+        _json(result.to_dict())
+        return 0
+    print(f"converted {result.src_format} {result.src} -> {result.to} {result.dst}: {result.tensors} tensor(s), "
+          f"{result.objects} other item(s), {human_bytes(result.tensor_bytes)} in {result.seconds:.2f} s")
+    return 0
+
+
+def register_convert(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("convert", help="to and from DCP's stock layout and torch.save files")
+    p.add_argument("src", help="a dcp_nvme checkpoint, a stock DCP checkpoint (.metadata) or a torch.save file")
+    p.add_argument("dst", help="output directory (--to nvme, dcp) or file (--to torch); must not exist")
+    p.add_argument("--to", required=True, choices=["nvme", "dcp", "torch"],
+                   help="nvme: dcp_nvme; dcp: DCP's FileSystemWriter layout; torch: one torch.save file")
+    p.add_argument("--memory-budget", default="1GiB", metavar="SIZE",
+                   help="tensor bytes held at once between checkpoint layouts (default 1GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_convert)
 
 
 # --------------------------------------------------------------------------- registration
@@ -176,6 +212,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("verify", help="read every byte and check every checksum; exit 0 only if intact")
     p.add_argument("checkpoint", help="checkpoint directory or fsspec URL")
     p.add_argument("--jobs", type=int, default=4, metavar="N", help="parallel readers (default 4)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept non-tensor items that only full pickle can load (they run code when "
+                        "loaded); they are listed instead of failing the check")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify)
@@ -193,3 +232,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_export)
+
+    register_convert(subparsers)

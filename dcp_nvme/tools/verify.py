@@ -31,6 +31,7 @@ from ..manifest import (
     read_manifest,
     save_key_of,
 )
+from ..objects import items_needing_pickle
 from ..remote import open_store
 from ..store import Store
 from ..tiers.coded import decoded_view
@@ -44,7 +45,7 @@ DEFAULT_SPAN = 8 << 20
 class Problem:
     file: str
     kind: str
-    """manifest, index, blocks, missing, size, header, layout, data, incomplete"""
+    """manifest, index, blocks, missing, size, header, layout, data, incomplete, pickle"""
     message: str
     start: int | None = None
     end: int | None = None
@@ -63,6 +64,8 @@ class VerifyReport:
     files: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    needs_pickle: list[str] = field(default_factory=list)
+    """Non-tensor items that load only with ``allow_pickle=True`` (they would run code)."""
 
     @property
     def ok(self) -> bool:
@@ -84,11 +87,14 @@ def verify_checkpoint(
     jobs: int = 4,
     progress: bool = False,
     span: int = DEFAULT_SPAN,
+    allow_pickle: bool = False,
 ) -> VerifyReport:
     """Verify a checkpoint (local path or fsspec URL). ``report.ok`` only when all is intact.
 
     Raises CheckpointNotFoundError when the path is missing or holds no dcp_nvme checkpoint at
     all; an unfinished or damaged checkpoint is a report with problems, not an exception.
+    A non-tensor item that only full pickle can load is a problem unless ``allow_pickle``;
+    either way it is listed in ``report.needs_pickle``.
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {jobs}")
@@ -101,6 +107,7 @@ def verify_checkpoint(
         if files is not None:
             _check_tables(manifest, files, report)
             _check_containers(source, manifest, files, report, jobs, progress, span)
+        _check_objects(source, manifest, report, allow_pickle)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -320,6 +327,14 @@ def _merge(ranges: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
         else:
             merged.append((start, end, why))
     return merged
+
+
+def _check_objects(source: Store, manifest: Manifest, report: VerifyReport, allow_pickle: bool) -> None:
+    for fqn, name, reason in items_needing_pickle(source, manifest.chunks):
+        report.needs_pickle.append(f"{fqn}: {reason}")
+        if not allow_pickle:
+            report.problems.append(Problem(name, "pickle", f"non-tensor item {fqn!r} loads only with "
+                                           f"allow_pickle=True, which would run code ({reason})", items=(fqn,)))
 
 
 def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRecord],
