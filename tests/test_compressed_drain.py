@@ -261,3 +261,42 @@ def test_tools_read_a_compressed_mirror(tmp_path, capsys):
     open(path, "wb").write(blob)
     with pytest.raises(codec.CodecError, match=os.path.basename(path)):
         verify_checkpoint(target, progress=False)
+
+
+def _step(sd: dict, seed: int) -> dict:
+    """The next checkpoint: a small update of the weights and moments, the rest unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    out = dict(sd)
+    out["w_bf16"] = (sd["w_bf16"].float() + torch.randn(sd["w_bf16"].shape, generator=g) * 1e-4).to(torch.bfloat16)
+    out["adam_fp32"] = sd["adam_fp32"] * 0.9 + torch.randn(sd["adam_fp32"].shape, generator=g) * 1e-5
+    out["meta"] = {"step": seed, "note": "compressed"}
+    return out
+
+
+def test_delta_chain_loads_through_its_bases_and_a_missing_base_is_refused(tmp_path):
+    states, docs = [make_state(21)], []
+    for i in range(1, 4):
+        states.append(_step(states[-1], 21 + i))
+    opts = DrainOptions(**FAST, compress="delta", delta_every=3)
+    results = []
+    for i, sd in enumerate(states, start=1):
+        local = save(tmp_path / "run" / f"step_{i}", sd)
+        results.append(drain(local, str(tmp_path / "pfs" / f"step_{i}"), options=opts))
+        docs.append(mirror_doc(tmp_path / "pfs" / f"step_{i}")["compression"])
+    assert "delta" not in docs[0] and "no earlier mirrored" in results[0].compression["base"]
+    assert docs[1]["delta"]["base"] == str(tmp_path / "pfs" / "step_1") and docs[1]["delta"]["depth"] == 1
+    assert docs[2]["delta"]["base"] == str(tmp_path / "pfs" / "step_2") and docs[2]["delta"]["depth"] == 2
+    assert "delta" not in docs[3] and "coding full" in results[3].compression["base"]  # full every 3
+    assert docs[1]["ratio"] > docs[0]["ratio"]  # a small update codes smaller against its base
+    for i in (2, 3):  # step_3 reads step_2, which reads step_1
+        assert_same(load(NVMeReader(str(tmp_path / "pfs" / f"step_{i}"), block_size="1MiB"), states[i - 1]),
+                    states[i - 1])
+    assert verify_mirror(str(tmp_path / "run" / "step_3"), str(tmp_path / "pfs" / "step_3")).bytes_verified_remote
+    os.remove(tmp_path / "pfs" / "step_1" / MANIFEST)  # the chain's full base is gone
+    with pytest.raises(CheckpointException) as caught:
+        load(NVMeReader(str(tmp_path / "pfs" / "step_3")), states[2])
+    error = caught.value.failures[0]
+    error = error[0] if isinstance(error, tuple) else error
+    assert isinstance(error, codec.CodecError)
+    assert f"delta against {tmp_path / 'pfs' / 'step_1'}" in str(error) and "missing" in str(error)
+    assert_same(load(NVMeReader(str(tmp_path / "pfs" / "step_4")), states[3]), states[3])  # full: unaffected

@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     parser.add_argument("--compress", choices=COMPRESS_MODES, default="off",
                         help="send byte-grouped .dcz files (bytegroup), only when it finishes sooner "
                              "over the link (auto: needs --bandwidth or --link-rate), or plain (off)")
+    parser.add_argument("--delta-every", type=int, default=DrainOptions.delta_every,
+                        help="--compress delta: a full checkpoint at least every this many "
+                             f"(default {DrainOptions.delta_every})")
     parser.add_argument("--link-rate", default=None, help="the link's bytes/s for --compress auto, e.g. 1GB")
     parser.add_argument("--codec-threads", type=int, default=None,
                         help="threads coding for the drain (default: half the cores, at most 2)")
@@ -74,7 +77,7 @@ def _drain(args: argparse.Namespace) -> int:
     options = DrainOptions(
         max_transfers=args.max_transfers, part_size=parse_size(args.part_size),
         bandwidth=parse_size(args.bandwidth) if args.bandwidth else None, verify=args.verify,
-        retries=args.retries, backoff=args.backoff, compress=args.compress,
+        retries=args.retries, backoff=args.backoff, compress=args.compress, delta_every=args.delta_every,
         link_rate=parse_size(args.link_rate) if args.link_rate else None, codec_threads=args.codec_threads,
     )
     if args.verify_only:

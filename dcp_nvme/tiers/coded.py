@@ -45,8 +45,8 @@ def store_fetch(store: Any) -> Fetch:
     return fetch
 
 
-def coded_files(doc: dict[str, Any], location: str) -> dict[str, tuple[str, int, int]] | None:
-    """original name -> (stored name, original size, stored size) from a manifest's
+def coded_files(doc: dict[str, Any], location: str) -> dict[str, tuple[str, int, int, str | None]] | None:
+    """original name -> (stored name, original size, stored size, base file or None) from a manifest's
     ``compression`` section; None for a plain checkpoint. Checked before any is used."""
     section = doc.get("compression")
     if section is None:
@@ -67,15 +67,56 @@ def coded_files(doc: dict[str, Any], location: str) -> dict[str, tuple[str, int,
         if (not isinstance(stored, str) or stored != name + ".dcz" or "/" in stored
                 or not all(isinstance(s, int) and s >= 0 for s in sizes)):
             raise codec.CodecError(f"{where}: entry for {name!r} is malformed: {info!r}")
-        out[name] = (stored, sizes[0], sizes[1])
+        base = info.get("base")
+        if base is not None and (not isinstance(base, str) or "/" in base or base.startswith(".")):
+            raise codec.CodecError(f"{where}: base of {name!r} is malformed: {base!r}")
+        out[name] = (stored, sizes[0], sizes[1], base)
     return out
+
+
+def open_base(store: Any, doc: dict[str, Any], location: str) -> Any:
+    """The decoded view of the checkpoint a delta mirror is coded against (itself perhaps a
+    delta: its own base is opened the same way). Refused clearly when it is missing or holds
+    another save."""
+    from ..remote import FsspecStore
+    from ..store import LocalStore, is_remote_url, local_path
+
+    delta = (doc.get("compression") or {}).get("delta")
+    url, key = (delta.get("base"), delta.get("base_save_key")) if isinstance(delta, dict) else (None, None)
+    if not isinstance(url, str) or not url or not isinstance(key, str):
+        raise codec.CodecError(f"{location}/manifest.json: delta section is malformed: {delta!r}")
+    base = FsspecStore(url, fs=store.fs) if is_remote_url(url) and hasattr(store, "fs") else LocalStore(local_path(url))
+    what = (f"{location} is coded as a delta against {url} (save {key})")
+    try:
+        found = json.loads(base.read("manifest.json")) if base.has("manifest.json") else None
+    except (OSError, ValueError):
+        found = None
+    if not isinstance(found, dict):
+        raise codec.CodecError(f"{what}, which is missing or not committed: the delta cannot be decoded "
+                               "without it; restore that mirror, or load a full checkpoint")
+    if found.get("save_key") != key:
+        raise codec.CodecError(f"{what}, but {url} now holds save {found.get('save_key')}: the delta "
+                               "cannot be decoded; load a full checkpoint")
+    return decoded_view(base)
+
+
+def _base_reader(view: Any, name: str, where: str) -> Callable[[int, int], bytes]:
+    def read(start: int, end: int) -> bytes:
+        buffer = bytearray(end - start)
+        got = view.read_into(name, start, memoryview(buffer))
+        if got != end - start:
+            raise codec.CodecError(f"{where}: its base file {name} ends at {start + got}, before {end}")
+        return bytes(buffer)
+
+    return read
 
 
 class CodedFile:
     """One ``.dcz`` file of a mirror: header and chunk table read once, ranges decoded on demand."""
 
-    def __init__(self, fetch: Fetch, stored: str, size: int, stored_size: int, where: str) -> None:
-        self.fetch, self.stored, self.where = fetch, stored, where
+    def __init__(self, fetch: Fetch, stored: str, size: int, stored_size: int, where: str,
+                 base: Callable[[int, int], bytes] | None = None) -> None:
+        self.fetch, self.stored, self.where, self.base = fetch, stored, where, base
         head = fetch(stored, 0, codec.HEADER_SIZE)
         _, count, decoded, table_crc = codec.parse_header(head, where)
         if decoded != size:
@@ -83,8 +124,8 @@ class CodedFile:
         table = fetch(stored, codec.HEADER_SIZE, codec.HEADER_SIZE + count * codec.ENTRY_SIZE)
         self.entries = codec.parse_table(table, count, decoded, table_crc, stored_size, where)
         self.size = decoded
-        if any(e.flags & codec.DELTA for e in self.entries):
-            raise codec.CodecError(f"{where} holds delta chunks; this reader has no base for them")
+        if base is None and any(e.flags & codec.DELTA for e in self.entries):
+            raise codec.CodecError(f"{where} holds delta chunks but the manifest names no base for it")
 
     def read(self, start: int, end: int) -> bytes:
         """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk."""
@@ -98,7 +139,8 @@ class CodedFile:
         for entry in needed:
             lo = entry.stored_offset - base
             try:
-                data = codec.decode_chunk(entry, memoryview(stored)[lo: lo + entry.stored_length])
+                basis = self.base(entry.offset, entry.end) if entry.flags & codec.DELTA else None
+                data = codec.decode_chunk(entry, memoryview(stored)[lo: lo + entry.stored_length], basis)
             except codec.CodecError as exc:
                 raise codec.CodecError(f"{self.where}: {exc}") from None
             out.append(memoryview(data)[max(0, start - entry.offset): min(entry.length, end - entry.offset)])
@@ -111,9 +153,10 @@ class CodedEngine:
 
     name = "dcz"
 
-    def __init__(self, fetch: Fetch, paths: dict[str, tuple[str, int, int]], location: str,
-                 config: IOConfig) -> None:
+    def __init__(self, fetch: Fetch, paths: dict[str, tuple[str, int, int, str | None]], location: str,
+                 config: IOConfig, base: Callable[[], Any] | None = None) -> None:
         self.fetch, self.paths, self.location, self.config = fetch, paths, location, config
+        self.base = base
         self._files: dict[str, CodedFile] = {}
         self._lock = threading.Lock()
 
@@ -121,8 +164,10 @@ class CodedEngine:
         with self._lock:
             opened = self._files.get(path)
         if opened is None:
-            stored, size, stored_size = self.paths[path]
-            opened = CodedFile(self.fetch, stored, size, stored_size, f"{self.location}/{stored}")
+            stored, size, stored_size, base = self.paths[path]
+            where = f"{self.location}/{stored}"
+            reader = _base_reader(self.base(), base, where) if base and self.base else None
+            opened = CodedFile(self.fetch, stored, size, stored_size, where, reader)
             with self._lock:
                 self._files[path] = opened
         return opened
@@ -165,7 +210,7 @@ def coded_engine(store: Any, manifest: Manifest, location: str, config: IOConfig
     engine = getattr(manifest, "_coded_engine", None)
     if engine is None:
         paths = {store.path(name): info for name, info in files.items()}
-        engine = CodedEngine(store_fetch(store), paths, location, config)
+        engine = CodedEngine(store_fetch(store), paths, location, config, _lazy_base(store, manifest.doc, location))
         manifest._coded_engine = engine  # cached beside the manifest's other parsed tables
     return engine
 
@@ -182,17 +227,20 @@ def same_save(remote: bytes, local: bytes) -> bool:
     return {k: v for k, v in theirs.items() if k not in strip} == {k: v for k, v in ours.items() if k not in strip}
 
 
-def readback_coded(fetch: Fetch, doc: dict[str, Any], location: str, records: dict[str, FileRecord],
-                   window: int) -> int:
-    """Decode every chunk of a compressed mirror and check the result against the original's
-    blocks table (ChecksumMismatchError / CodecError naming the file); returns bytes checked."""
+def readback_coded(store: Any, location: str, records: dict[str, FileRecord], window: int) -> int:
+    """Decode every chunk of a compressed mirror (its delta base chain too) and check the result
+    against the original's blocks table (ChecksumMismatchError / CodecError naming the file);
+    returns the bytes checked."""
+    view = decoded_view(store)
+    if not isinstance(view, DecodedStore):
+        raise codec.CodecError(f"{location} is not a compressed mirror")
     checked = 0
-    for name, (stored, size, stored_size) in (coded_files(doc, location) or {}).items():
+    for name, (stored, size, _, _) in view.files.items():
         record = records.get(name)
-        if record is None or record.size != size:
-            raise codec.CodecError(f"{location}/{stored}: not a file of this save (or of another size)")
         where = f"{location}/{stored}"
-        coded = CodedFile(fetch, stored, size, stored_size, where)
+        if record is None or record.size != size:
+            raise codec.CodecError(f"{where}: not a file of this save (or of another size)")
+        coded = view._coded(name)
         for piece in plan_pieces(size, record.data_start, record.checksum_block, window):
             data = coded.read(piece.offset, piece.offset + piece.length)
             if len(data) != piece.length:
@@ -206,8 +254,10 @@ class DecodedStore:
     """A compressed mirror seen as the plain checkpoint it encodes: the tools (verify, list,
     export) read rank files by their original names and get decoded, chunk-checked bytes."""
 
-    def __init__(self, store: Any, files: dict[str, tuple[str, int, int]]) -> None:
+    def __init__(self, store: Any, files: dict[str, tuple[str, int, int, str | None]],
+                 doc: dict[str, Any] | None = None) -> None:
         self.inner, self.files, self.location = store, files, store.location
+        self._base = _lazy_base(store, doc or {}, store.location)
         self._fetch = store_fetch(store)
         self._open: dict[str, CodedFile] = {}
         self._lock = threading.Lock()
@@ -219,8 +269,10 @@ class DecodedStore:
         with self._lock:
             opened = self._open.get(name)
         if opened is None:
-            stored, size, stored_size = self.files[name]
-            opened = CodedFile(self._fetch, stored, size, stored_size, f"{self.location}/{stored}")
+            stored, size, stored_size, base = self.files[name]
+            where = f"{self.location}/{stored}"
+            opened = CodedFile(self._fetch, stored, size, stored_size, where,
+                               _base_reader(self._base(), base, where) if base else None)
             with self._lock:
                 self._open[name] = opened
         return opened
@@ -259,7 +311,21 @@ def decoded_view(store: Any) -> Any:
     except (OSError, ValueError):
         return store
     files = coded_files(doc, store.location) if isinstance(doc, dict) else None
-    return store if files is None else DecodedStore(store, files)
+    return store if files is None else DecodedStore(store, files, doc)
+
+
+def _lazy_base(store: Any, doc: dict[str, Any], location: str) -> Callable[[], Any]:
+    """Opens the delta base on first need (a full mirror never touches it)."""
+    opened: list[Any] = []
+    lock = threading.Lock()
+
+    def get() -> Any:
+        with lock:
+            if not opened:
+                opened.append(open_base(store, doc, location))
+            return opened[0]
+
+    return get
 
 
 def describe_compression(location: str, storage_options: dict[str, Any] | None = None) -> str | None:

@@ -33,7 +33,7 @@ from .source import DrainSource
 
 log = logging.getLogger(__name__)
 
-MODES = ("off", "auto", "bytegroup")
+MODES = ("off", "auto", "bytegroup", "delta")
 SUFFIX = ".dcz"
 SECTION = "compression"
 WINDOW = 32 << 20
@@ -119,13 +119,17 @@ class Encoder:
         self.cpu = 0.0
         self._lock = threading.Lock()
 
-    def code(self, data: bytes, chunks: list[codec.Chunk], origin: int) -> list[tuple[bytes, int]]:
+    def code(self, data: bytes, chunks: list[codec.Chunk], origin: int,
+             base: bytes | None = None) -> list[tuple[bytes, int]]:
         view = memoryview(data)
+        basis = memoryview(base) if base is not None else None
 
         def one(chunk: codec.Chunk) -> tuple[bytes, int]:
             started = time.thread_time()
-            piece = view[chunk.offset - origin: chunk.offset - origin + chunk.length]
-            out = codec.encode_chunk(piece, chunk.planes, self.level), crc32c.crc32c(piece)
+            lo, hi = chunk.offset - origin, chunk.offset - origin + chunk.length
+            piece = view[lo:hi]
+            out = (codec.encode_chunk(piece, chunk.planes, self.level, basis[lo:hi] if basis is not None else None),
+                   crc32c.crc32c(piece))
             with self._lock:
                 self.cpu += time.thread_time() - started
             return out
@@ -148,6 +152,66 @@ def measure(source: DrainSource, encoder: Encoder, sample: int = SAMPLE) -> Meas
     return Measure(len(data) / seconds, len(data) / stored)
 
 
+@dataclass
+class Base:
+    """An earlier checkpoint of the same run a delta is coded against: its local copy (read,
+    checked) and the mirror it is committed on (where a reader finds it)."""
+
+    source: DrainSource
+    target: str
+    depth: int
+    """Deltas between the base and its nearest full checkpoint (0: the base is full)."""
+
+    def match(self, record: FileRecord, manifest: Manifest) -> FileRecord | None:
+        """The base's file of the same rank when its layout is the same (else code it full)."""
+        for name, candidate in self.source.files.items():
+            if (candidate.rank == record.rank and candidate.size == record.size
+                    and candidate.data_start == record.data_start
+                    and candidate.checksum_block == record.checksum_block
+                    and _layout(self.source.manifest, name) == _layout(manifest, record.name)):
+                return candidate
+        return None
+
+
+def _layout(manifest: Manifest, name: str) -> list[tuple[str, int, int, str]]:
+    return sorted((c.fqn, c.byte_offset, c.length, c.dtype) for c in manifest.chunks if c.file == name)
+
+
+def pick_base(location: str, target: str, every: int, mirror_manifest: Any) -> tuple[Base | None, str]:
+    """The newest older checkpoint of the run directory that is mirrored (and still local), or
+    None (code full) with the reason. A chain reaching ``every`` - 1 deltas starts over full.
+    ``mirror_manifest(url)`` returns the parsed manifest committed at a mirror URL, or None."""
+    from ..rundir import checkpoints
+    from .state import MIRRORED, drain_state
+
+    here = os.path.realpath(location)
+    older = []
+    for entry in checkpoints(os.path.dirname(here), kinds=("nvme",)):
+        if os.path.realpath(entry.path) == here:
+            break
+        older.append(entry)
+    for entry in reversed(older):
+        state = drain_state(entry.path)
+        if state.state != MIRRORED or not state.target or state.target == target:
+            continue
+        doc = mirror_manifest(state.target)
+        if not isinstance(doc, dict):
+            return None, f"the mirror of {entry.path} ({state.target}) is unreadable: coding full"
+        section = mirror_codec(doc) or {}
+        delta = section.get("delta") if isinstance(section.get("delta"), dict) else None
+        depth = int(delta.get("depth", 0)) if delta else 0
+        if depth + 1 >= every:
+            return None, f"{every - 1} deltas since the last full checkpoint: coding full"
+        try:
+            source = DrainSource(str(entry.path))
+        except Exception as exc:  # noqa: BLE001
+            return None, f"base {entry.path} unreadable ({exc}): coding full"
+        if source.manifest.save_key != doc.get("save_key"):
+            return None, f"{entry.path} no longer holds the save mirrored at {state.target}: coding full"
+        return Base(source, state.target, depth), f"delta against {entry.path} ({state.target})"
+    return None, "no earlier mirrored checkpoint in the run directory: coding full"
+
+
 class CompressedSource:
     """A DrainSource seen through the codec: what the drain sends are the coded files.
 
@@ -157,8 +221,9 @@ class CompressedSource:
     """
 
     def __init__(self, inner: DrainSource, encoder: Encoder, *, level: int,
-                 chunk_size: int = codec.DEFAULT_CHUNK, window: int = WINDOW) -> None:
+                 chunk_size: int = codec.DEFAULT_CHUNK, window: int = WINDOW, base: Base | None = None) -> None:
         self.inner = inner
+        self.base = base
         self.location = inner.location
         self.save_key = inner.save_key
         self.tables = inner.tables
@@ -170,10 +235,13 @@ class CompressedSource:
         names = []
         for name in inner.manifest.file_names:
             record = inner.files[name]
-            coded = self._encode(record, encoder, chunk_size, window)
+            base_record = base.match(record, inner.manifest) if base is not None else None
+            coded = self._encode(record, encoder, chunk_size, window, base_record)
             self.files[coded.name] = coded
             names.append(coded.name)
             self.stats.files[name] = {"stored": coded.name, "size": record.size, "stored_size": coded.size}
+            if base_record is not None:
+                self.stats.files[name]["base"] = base_record.name
             self.stats.bytes_in += record.size
             self.stats.bytes_out += coded.size
         self.stats.seconds = time.perf_counter() - started
@@ -185,9 +253,13 @@ class CompressedSource:
             "chunk_size": chunk_size, "bytes": self.stats.bytes_in, "stored_bytes": self.stats.bytes_out,
             "ratio": round(self.stats.ratio, 4), "files": self.stats.files,
         }
+        if base is not None:
+            doc[SECTION]["delta"] = {"base": base.target, "base_save_key": base.source.save_key,
+                                     "depth": base.depth + 1}
         self.manifest_bytes = seal(doc)
 
-    def _encode(self, record: FileRecord, encoder: Encoder, chunk_size: int, window: int) -> FileRecord:
+    def _encode(self, record: FileRecord, encoder: Encoder, chunk_size: int, window: int,
+                base_record: FileRecord | None) -> FileRecord:
         plan = plan_file(record, self.inner.manifest, window, chunk_size)
         chunks = [c for _, cs in plan for c in cs]
         final = os.path.join(self.scratch, stored_name(record.name))
@@ -198,10 +270,11 @@ class CompressedSource:
                 out.seek(codec.HEADER_SIZE + codec.ENTRY_SIZE * len(chunks))
                 for piece, cs in plan:
                     data = self.inner.piece(record, piece)  # checked against the blocks table
-                    for stored, crc in encoder.code(data, cs, piece.offset):
+                    basis = self.base.source.piece(base_record, piece) if base_record is not None else None
+                    for stored, crc in encoder.code(data, cs, piece.offset, basis):
                         out.write(stored)
                         lengths.append((len(stored), crc))
-                entries = codec.table_entries(chunks, lengths)
+                entries = codec.table_entries(chunks, lengths, delta=base_record is not None)
                 out.seek(0)
                 out.write(codec.pack_header(entries, record.size))
                 out.flush()
@@ -265,7 +338,7 @@ def mirror_codec(doc: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def through_codec(source: DrainSource, mode: str, *, link: float | None, threads: int,
-                  level: int) -> tuple[DrainSource | CompressedSource, dict[str, Any]]:
+                  level: int, base: Base | None = None) -> tuple[DrainSource | CompressedSource, dict[str, Any]]:
     """The source the drain sends for ``mode``, and what was decided (for DrainResult)."""
     if mode == "off":
         return source, {"mode": "off"}
@@ -280,7 +353,7 @@ def through_codec(source: DrainSource, mode: str, *, link: float | None, threads
             if not go:
                 info["cpu_seconds"] = encoder.cpu
                 return source, info
-        coded = CompressedSource(source, encoder, level=level)
+        coded = CompressedSource(source, encoder, level=level, base=base)
         info.update(codec=codec.CODEC, ratio=coded.stats.ratio, bytes=coded.stats.bytes_in,
                     stored_bytes=coded.stats.bytes_out, encode_seconds=coded.stats.seconds,
                     cpu_seconds=encoder.cpu)

@@ -33,7 +33,7 @@ from ..manifest import MANIFEST, FileRecord, save_key_of
 from .coded import readback_coded, same_save
 from .compress import MODES as COMPRESS_MODES
 from .compress import SUFFIX as CODED_SUFFIX
-from .compress import CompressedSource, default_threads, remove_scratch, through_codec
+from .compress import CompressedSource, default_threads, pick_base, remove_scratch, through_codec
 from .plan import (
     S3_MIN_PART,
     DrainError,
@@ -109,10 +109,14 @@ class DrainOptions:
     """Threads coding for the drain (None: half the cores, at most 2)."""
     link_rate: float | None = None
     """The link's bytes/s for ``auto`` when no ``bandwidth`` cap says it."""
+    delta_every: int = 8
+    """``compress="delta"``: a full checkpoint at least every this many (the chain a load reads)."""
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESS_MODES:
             raise ValueError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
+        if self.delta_every < 1:
+            raise ValueError(f"delta_every must be >= 1, got {self.delta_every}")
         if self.codec_threads is not None and self.codec_threads < 1:
             raise ValueError(f"codec_threads must be >= 1, got {self.codec_threads}")
         if self.verify not in VERIFY_MODES:
@@ -205,9 +209,15 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             sending = source
             if options.compress != "off":  # coded once per save, kept across retries
                 if coded is None or coded.save_key != source.save_key:
+                    base, why = None, ""
+                    if options.compress == "delta":
+                        base, why = pick_base(location, target, options.delta_every,
+                                              lambda url: _mirror_manifest(url, storage_options, filesystem))
                     view, result.compression = through_codec(
                         source, options.compress, link=options.bandwidth or options.link_rate,
-                        threads=options.codec_threads or default_threads(), level=options.level)
+                        threads=options.codec_threads or default_threads(), level=options.level, base=base)
+                    if why:
+                        result.compression["base"] = why
                     coded = view if isinstance(view, CompressedSource) else None
                 sending = coded or source
             _attempt(sending, sink, journal, options, result, progress)
@@ -242,6 +252,15 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
                         location, target, attempt, cause, delay)
             time.sleep(delay)
+
+
+def _mirror_manifest(url: str, storage_options: dict[str, Any] | None, filesystem: Any) -> Any:
+    """The manifest committed at a mirror URL, parsed, or None when there is none readable."""
+    try:
+        sink = open_sink(url, storage_options, filesystem)
+        return json.loads(sink.read_small(MANIFEST)) if sink.has(MANIFEST) else None
+    except Exception:  # noqa: BLE001  no usable base: the drain codes full
+        return None
 
 
 def _refuse_overlap(location: str, target: str, sink: Sink) -> None:
@@ -473,8 +492,8 @@ def _verify_locked(location: str, target: str, storage_options: dict[str, Any] |
             raise IncompleteOnTarget(f"{sink.location(MANIFEST)} is not the manifest of save "
                                      f"{source.save_key} (the target holds another save)")
         if remote != source.manifest_bytes:  # a compressed mirror: decode every chunk and check it
-            result.bytes_verified_remote += readback_coded(sink.read_range, json.loads(remote), sink.target,
-                                                           source.files, options.part_size)
+            result.bytes_verified_remote += readback_coded(sink.store, sink.target, source.files,
+                                                           options.part_size)
         else:
             for name in source.manifest.file_names:
                 _readback(sink, source.files[name], options.part_size, options, result)
