@@ -239,6 +239,8 @@ def test_writer_mirror_compress_and_cli(tmp_path, capsys):
                      "--part-size", "5MiB", "--codec-threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "compressed (bytegroup)" in out and "CPU s on 1 thread" in out
+    assert cli_main(["status", local]) == 0
+    assert "[compressed bytegroup, " in capsys.readouterr().out
     assert_same(load(NVMeReader(str(tmp_path / "mc")), sd), sd)
 
 

@@ -55,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--gap", type=int, default=20, help="steps between the two checkpoints (delta)")
     group.add_argument("--model-dim", type=int, default=256)
     group.add_argument("--layers", type=int, default=4)
+    group.add_argument("--seq", type=int, default=128, help="training sequence length (bytes)")
+    group.add_argument("--batch", type=int, default=16, help="training batch size")
     group.add_argument("--level", type=int, default=3, help="zstd level (codec and plain zstd)")
     group.add_argument("--codec-threads", type=int, default=2)
     group.add_argument("--drain-to", default=None,
@@ -93,6 +95,7 @@ def _compress(args: argparse.Namespace) -> int:
 
     options = CompressOptions(
         steps=args.train_steps, gap=args.gap, dim=args.model_dim, layers=args.layers, level=args.level,
+        seq=args.seq, batch=args.batch,
         codec_threads=args.codec_threads, drain_to=args.drain_to, bandwidth=args.bandwidth,
         storage_options=json.loads(args.drain_storage_options) if args.drain_storage_options else None,
         directory=None if args.dir == "." else args.dir,

@@ -111,7 +111,8 @@ def _status(args: argparse.Namespace) -> int:
     rows = []
     for p in paths:
         state = drain_state(p)
-        rows.append({"path": p, **state.to_dict()})
+        coded = (load_journal(p) or {}).get("compression") if state.state == "mirrored" else None
+        rows.append({"path": p, **state.to_dict(), "compression": coded if isinstance(coded, dict) else None})
     if args.json:
         json.dump(rows, sys.stdout)
         print()
@@ -121,5 +122,8 @@ def _status(args: argparse.Namespace) -> int:
         progress = f" ({row['bytes_sent']}/{row['bytes_total']} bytes)" if row["state"] == "draining" else ""
         note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
         why = f" ({row['cause']})" if row["cause"] and row["state"] != "failed" else ""
-        print(f"{row['path']}: {row['text']}{why}{extra}{progress}{note}")
+        coded = row["compression"] or {}
+        ratio = coded.get("ratio")
+        zipped = f" [compressed {coded.get('codec')}, {ratio:.3f}x]" if isinstance(ratio, (int, float)) else ""
+        print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}")
     return 0

@@ -223,7 +223,8 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             _attempt(sending, sink, journal, options, result, progress)
             remove_scratch(location)
             result.seconds = time.perf_counter() - started
-            journal.update(state=MIRRORED, cause="", finished_unix=time.time())
+            journal.update(state=MIRRORED, cause="", finished_unix=time.time(),
+                           compression=_summary(result.compression))
             log.info("dcp_nvme: drained %s to %s: %.3f GB sent (%.3f GB confirmed already there) in %.2f s",
                      location, target, result.bytes_sent / 1e9, result.bytes_skipped / 1e9, result.seconds)
             return result
@@ -252,6 +253,13 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
                         location, target, attempt, cause, delay)
             time.sleep(delay)
+
+
+def _summary(compression: dict[str, Any]) -> dict[str, Any]:
+    """What the journal keeps of the compression (status prints it): codec and ratio, or off."""
+    if not compression.get("codec"):
+        return {"mode": compression.get("mode", "off")}
+    return {"mode": compression["mode"], "codec": compression["codec"], "ratio": round(compression["ratio"], 4)}
 
 
 def _mirror_manifest(url: str, storage_options: dict[str, Any] | None, filesystem: Any) -> Any:
