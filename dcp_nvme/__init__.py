@@ -9,6 +9,7 @@
 from .config import IOConfig
 from .errors import (
     CheckpointExistsError,
+    CheckpointLockedError,
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -40,6 +41,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CheckpointDir",
     "CheckpointExistsError",
+    "CheckpointLockedError",
     "CheckpointNotCommittedError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",

@@ -42,3 +42,7 @@ class ChecksumMismatchError(DCPNVMeError):
 
 class EngineUnavailableError(DCPNVMeError, RuntimeError):
     """The requested I/O engine cannot run on this machine."""
+
+
+class CheckpointLockedError(DCPNVMeError, RuntimeError):
+    """Another save holds the checkpoint directory's save lock (see dcp_nvme.savelock)."""

@@ -14,6 +14,7 @@ replaces until its own manifest is committed. Nothing here is pickled.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 from collections.abc import Iterable, Sequence
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError
+from .store import fsync_dir
 
 FORMAT = "dcp_nvme"
 FORMAT_VERSION = 1
@@ -57,6 +59,61 @@ def save_key_of(name: str) -> str | None:
     """The save key in one of our file names, or None for anything else."""
     match = _DATA_RE.match(name) or _TABLE_RE.match(name)
     return match.group(2) if match else None
+
+
+_TEMP_RE = re.compile(r"^\.(manifest\.json|(?:index|blocks)\.[0-9a-f]+\.parquet)\.tmp-([0-9A-Za-z]+)$")
+
+
+def temp_name(name: str, save_key: str) -> str:
+    """Where ``name`` is written before it is renamed into place; it names the save."""
+    return f".{name}.tmp-{save_key}"
+
+
+def temp_of(name: str) -> tuple[str, str] | None:
+    """(final name, save key or legacy pid) of one of our commit temp files, else None.
+
+    Other hidden temp files of the directory (the drain journal's) are not ours."""
+    match = _TEMP_RE.match(name)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def write_commit_file(directory: str | os.PathLike, name: str, data: bytes, save_key: str) -> None:
+    """Write ``directory/name`` all or nothing: temp file, write, fsync, rename, fsync of the dir.
+
+    A failure removes the temp file and raises OSError naming the file and the step (the
+    errno is kept: ENOSPC stays ENOSPC). Until the rename nothing under ``name`` changed."""
+    directory = os.fspath(directory)
+    temp = os.path.join(directory, temp_name(name, save_key))
+    final = os.path.join(directory, name)
+    step, subject = "create", temp
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            step = "write"
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            step = "fsync"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        step, subject = "rename into place", final
+        os.replace(temp, final)
+    except OSError as exc:
+        _unlink_quietly(temp)
+        raise OSError(exc.errno, f"cannot {step} {subject} while saving: {exc.strerror or exc}") from exc
+    try:
+        fsync_dir(directory)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{final} was renamed into place but the fsync of {directory} "
+                                 f"failed: {exc.strerror or exc}; it may not survive a power loss") from exc
 
 
 # --------------------------------------------------------------------------- dtypes

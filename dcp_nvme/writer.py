@@ -26,9 +26,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from . import savelock
 from .config import IOConfig, check_option, resolve_config
 from .engines import Engine, select_engine
-from .errors import CheckpointExistsError
+from .errors import CheckpointExistsError, CheckpointLockedError
 from .layout import ItemSpec, plan_container
 from .manifest import (
     FORMAT,
@@ -47,6 +48,8 @@ from .manifest import (
     save_key_of,
     seal,
     table_entry,
+    temp_of,
+    write_commit_file,
 )
 from .memory import tensor_bytes
 from .stats import PhaseTimer
@@ -181,6 +184,8 @@ class NVMeWriter(StorageWriter):
         """This rank's figures for its last save: bytes, seconds by phase, GB/s, requests."""
         self.last_manifest: dict[str, Any] | None = None
         """On the coordinator, the committed manifest document of the last save."""
+        self._lock: savelock.SaveLock | None = None
+        """On the coordinator, the directory's save lock from prepare_global_plan to the commit."""
 
     # ------------------------------------------------------------------ DCP protocol
 
@@ -193,6 +198,9 @@ class NVMeWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.use_collectives = kwargs.get("use_collectives", True)
+        # a new save on this writer: its previous one has ended. If that save failed on another
+        # rank, DCP never called finish here, so its lock is still ours: release it now.
+        self._release_lock()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.use_collectives and _world_size() > 1:
@@ -208,18 +216,33 @@ class NVMeWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        store = LocalStore(self.path)
-        if store.has(MANIFEST) and not self.overwrite:
-            raise CheckpointExistsError(
-                f"{self.path} already holds a committed checkpoint; pass overwrite=True to "
-                "replace it (it stays loadable until the new one commits) or save elsewhere"
-            )
-        for plan in plans:  # fail before any byte is written, not after
-            encode_json(plan.planner_data)
+        # The coordinator takes the directory's save lock before any rank writes; a refusal here
+        # reaches every rank through DCP's scatter of the plan, so none hangs.
         key = new_save_key()
+        self._release_lock()
+        self._lock = savelock.acquire(self.path, key)
+        try:
+            store = LocalStore(self.path)
+            if store.has(MANIFEST) and not self.overwrite:
+                raise CheckpointExistsError(
+                    f"{self.path} already holds a committed checkpoint; pass overwrite=True to "
+                    "replace it (it stays loadable until the new one commits) or save elsewhere"
+                )
+            for plan in plans:  # fail before any byte is written, not after
+                encode_json(plan.planner_data)
+        except BaseException:
+            self._release_lock()
+            raise
         return [replace(plan, storage_data=RankPlan(rank, key)) for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_rank(plan, planner)
+        except BaseException:
+            self._release_lock()  # the coordinator's own failure ends the save: finish never comes
+            raise
+
+    def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target: RankPlan = plan.storage_data
         self.save_key = target.save_key
         future: Future[list[WriteResult]] = Future()
@@ -276,25 +299,24 @@ class NVMeWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         started = time.perf_counter()
         store = LocalStore(self.path)
-        key = self.save_key or _key_from_results(results)
-        chunks, files, rank_stats = _collect(metadata, results)
-        index_bytes = chunks_table(chunks)
-        blocks_bytes = files_table(files)
-        index_name, blocks_name = f"index.{key}.parquet", f"blocks.{key}.parquet"
-        store.write_atomic(index_name, index_bytes)
-        store.write_atomic(blocks_name, blocks_bytes)
-        doc = build_manifest_doc(
-            save_key=key, files=files,
-            index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
-            world_size=len(results), planner_data=metadata.planner_data,
-            dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
-            storage_meta=_storage_meta_doc(self.storage_meta()),
-            extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
-        )
-        sealed = seal(doc)  # everything that can fail happens before the commit
-        _write_pointer(store)
-        store.write_atomic(MANIFEST, sealed)  # the commit
-        _remove_stale(store, key)
+        key = self.save_key or (self._lock.save_key if self._lock else None) or _key_from_results(results)
+        committed = False
+        try:
+            doc = self._commit(metadata, results, key)
+            committed = True
+            try:
+                self._remove_other_saves(store, key)
+            except OSError as exc:  # committed and loadable: leftovers are garbage, not a failure
+                log.warning("dcp_nvme: %s committed, but removing files of other saves failed: %s",
+                            self.path, exc)
+        except BaseException:
+            if not committed:  # nothing of this save may stay behind looking like a checkpoint
+                _remove_save(store, key)
+                if not store.has(MANIFEST):  # no checkpoint here for the pointer to explain
+                    store.remove(POINTER)
+            raise
+        finally:
+            self._release_lock()
         doc["commit_seconds"] = time.perf_counter() - started
         self.last_manifest = doc
         if self.last_stats is not None:
@@ -305,8 +327,52 @@ class NVMeWriter(StorageWriter):
             self.drain_future = submit_mirror(self.path, self.mirror, self.mirror_options,
                                               compress=getattr(self, "compress", None))
 
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
+        """The tables, then manifest.json renamed into place: the commit. Returns the manifest."""
+        chunks, files, rank_stats = _collect(metadata, results)
+        index_bytes = chunks_table(chunks)
+        blocks_bytes = files_table(files)
+        index_name, blocks_name = f"index.{key}.parquet", f"blocks.{key}.parquet"
+        write_commit_file(self.path, index_name, index_bytes, key)
+        write_commit_file(self.path, blocks_name, blocks_bytes, key)
+        doc = build_manifest_doc(
+            save_key=key, files=files,
+            index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
+            world_size=len(results), planner_data=metadata.planner_data,
+            dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
+            storage_meta=_storage_meta_doc(self.storage_meta()),
+            extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
+        )
+        sealed = seal(doc)  # everything that can fail happens before the commit
+        _write_pointer(LocalStore(self.path))
+        if self._lock is not None and not self._lock.held():
+            raise CheckpointLockedError(
+                f"{self.path}: this save ({key}) lost its save lock before its commit (it was "
+                "broken as stale); nothing was committed")
+        write_commit_file(self.path, MANIFEST, sealed, key)  # the commit
+        return doc
+
+    def _remove_other_saves(self, store: LocalStore, key: str) -> None:
+        """After our commit: the files of other saves are garbage, provided we still hold the
+        lock (no other save can be live then) and our manifest is the committed one."""
+        if self._lock is not None and not self._lock.held():
+            log.warning("dcp_nvme: %s: the save lock was broken during the commit of %s; files of "
+                        "other saves are left in place", self.path, key)
+            return
+        for name in store.names():
+            owner = save_key_of(name)
+            temp = temp_of(name)
+            if (owner and owner != key) or (temp and temp[1] != key):
+                store.remove(name)
+
+    def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "drain_future": None}  # a Future does not pickle (PROCESS mode)
+        # a Future does not pickle (PROCESS mode); a lock belongs to the process that took it
+        return {**self.__dict__, "drain_future": None, "_lock": None}
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -392,9 +458,10 @@ def _collect(metadata: Metadata, results: list[list[WriteResult]]):
     return records, files, stats
 
 
-def _remove_stale(store: LocalStore, key: str) -> None:
-    """After a commit: files of replaced or crashed saves, and temp files, are garbage."""
+def _remove_save(store: LocalStore, key: str) -> None:
+    """A failed save removes what it wrote: its rank files, tables and temp files (their names
+    carry its own random key, so they are provably nobody else's)."""
     for name in store.names():
-        stale_key = save_key_of(name)
-        if (stale_key and stale_key != key) or (name.startswith(".") and ".tmp-" in name):
+        temp = temp_of(name)
+        if save_key_of(name) == key or (temp and temp[1] == key):
             store.remove(name)

@@ -135,3 +135,55 @@ def test_unwritable_directory_is_a_clear_error(tmp_path):
         target = "/proc/ckpt"
     with pytest.raises(CheckpointException, match="cannot create checkpoint directory"):
         _save(target, 1)
+
+
+def _fail_on(monkeypatch, call: str, name_part: str, errno_: int = 28) -> list[str]:
+    """Make ``os.<call>`` fail with ``errno_`` for files whose name contains ``name_part``."""
+    real = getattr(os, call)
+    hits: list[str] = []
+
+    def path_of(args):
+        if call == "replace":
+            return os.fspath(args[1])
+        return os.readlink(f"/proc/self/fd/{args[0]}")
+
+    def faulty(*args, **kwargs):
+        path = path_of(args)
+        if name_part in os.path.basename(path):
+            hits.append(path)
+            raise OSError(errno_, os.strerror(errno_))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, call, faulty)
+    return hits
+
+
+@pytest.mark.parametrize("call,name_part,says", [
+    ("write", ".index.", "cannot write"),
+    ("fsync", ".blocks.", "cannot fsync"),
+    ("write", ".manifest.json.tmp-", "cannot write"),
+    ("replace", "manifest.json", "cannot rename into place"),
+])
+@pytest.mark.parametrize("earlier", [True, False], ids=["over-earlier", "fresh-dir"])
+def test_enospc_in_tables_or_manifest_names_the_file_and_leaves_nothing(
+        tmp_path, monkeypatch, call, name_part, says, earlier):
+    path = tmp_path / "c"
+    if earlier:
+        _save(path, 1)
+    before = set(os.listdir(path)) if earlier else set()
+    hits = _fail_on(monkeypatch, call, name_part)
+    with pytest.raises(CheckpointException) as info:
+        _save(path, 2, overwrite=True)
+    monkeypatch.undo()
+    assert hits, "the fault was never reached"
+    message = str(info.value)
+    assert "No space left on device" in message and says in message
+    assert os.path.basename(hits[0]) in message  # the file it was writing
+    assert set(os.listdir(path)) == before  # no .tmp, no rank file or table of the failed save
+    if earlier:
+        assert _load(path) == 1  # the earlier checkpoint is untouched and loadable
+    else:
+        with pytest.raises(CheckpointNotFoundError):  # nothing looks committed
+            NVMeReader(path).read_metadata()
+    _save(path, 3, overwrite=True)  # and the lock was released
+    assert _load(path) == 3

@@ -1,8 +1,19 @@
 """Retention of the fast tier: keep the newest K committed checkpoints of a run directory.
 
-Only checkpoints whose drain state is ``mirrored`` are ever removed: one that is local,
-draining, failed or uncommitted stays whatever its age. A removal deletes ``manifest.json``
-first, so a crash half-way leaves an uncommitted directory, never a damaged committed one.
+A checkpoint is removed only when all of these hold (docs/tiers.md, "Retention"):
+
+- it is a real directory directly inside the run directory holding a committed
+  ``manifest.json`` (``dcp_nvme.rundir.checkpoints``: symlinks, such as a ``latest`` link,
+  are never followed, counted or removed, and nothing outside the run directory is touched);
+- it is not among the newest ``keep_last`` whose manifest reads back valid (never the newest
+  loadable one: ``keep_last >= 1``; a broken directory with a higher step does not count);
+- its drain state is ``mirrored`` (the drainer confirmed every file on the target) to a
+  target that is not the checkpoint itself or inside it;
+- no save holds its save lock (an overwrite in progress).
+
+A checkpoint whose manifest or drain state cannot be read is kept and reported; it never stops
+retention of the others. A removal deletes ``manifest.json`` first, so a crash half-way
+leaves an uncommitted directory, never a damaged committed one.
 """
 
 from __future__ import annotations
@@ -10,9 +21,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 
-from ..manifest import MANIFEST
+from ..manifest import MANIFEST, read_manifest
+from ..rundir import NVME, checkpoints
+from ..savelock import read_holder, stale_reason
+from ..store import LocalStore, is_local_path, local_path
 from .state import MIRRORED, drain_state
 
 log = logging.getLogger(__name__)
@@ -25,44 +40,83 @@ class RetentionDecision:
     reason: str
 
 
-def committed_checkpoints(run_dir: str | os.PathLike) -> list[str]:
-    """Committed checkpoint directories directly under ``run_dir``, oldest commit first."""
-    found = []
-    for entry in os.scandir(run_dir):
-        manifest = os.path.join(entry.path, MANIFEST)
-        if entry.is_dir() and os.path.isfile(manifest):
-            found.append((os.stat(manifest).st_mtime_ns, entry.name, entry.path))
-    return [path for _, _, path in sorted(found)]
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _judge_old(path: str) -> RetentionDecision:
+    """An old checkpoint: removable only when mirrored elsewhere and no save is writing it."""
+    try:
+        state = drain_state(path)
+    except Exception as exc:  # a broken sibling is kept, never fatal to the others
+        return RetentionDecision(path, True, f"its drain state is unreadable ({exc.__class__.__name__}: {exc})")
+    if state.state != MIRRORED:
+        return RetentionDecision(path, True, f"not drained yet ({state})")
+    target = state.target or ""
+    if is_local_path(target) and _inside(os.path.realpath(local_path(target)), os.path.realpath(path)):
+        return RetentionDecision(path, True, f"its mirror {target} is the checkpoint itself")
+    try:
+        holder = read_holder(path)
+    except ValueError:
+        return RetentionDecision(path, True, "its save lock is unreadable (a save may be in progress)")
+    if holder is not None and stale_reason(holder) is None:
+        return RetentionDecision(path, True, f"a save is writing it ({holder.describe()})")
+    return RetentionDecision(path, False, f"mirrored to {target}")
+
+
+def _unreadable(path: str) -> str | None:
+    """Why ``path``'s manifest does not read back as a valid checkpoint, or None."""
+    try:
+        read_manifest(LocalStore(path), path)
+    except Exception as exc:  # whatever is wrong with it, it is kept and does not count as newest
+        return f"{exc.__class__.__name__}: {exc}"
+    return None
 
 
 def plan_retention(run_dir: str | os.PathLike, keep_last: int) -> list[RetentionDecision]:
+    """What :func:`apply_retention` would do, oldest checkpoint first."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    checkpoints = committed_checkpoints(run_dir)
-    newest = set(checkpoints[-keep_last:])
+    found = [os.fspath(c.path) for c in checkpoints(run_dir, kinds=(NVME,))]
+    broken = {path: why for path in found if (why := _unreadable(path)) is not None}
+    newest = set([path for path in found if path not in broken][-keep_last:])
     decisions = []
-    for path in checkpoints:
-        if path in newest:
+    for path in found:
+        if path in broken:
+            decisions.append(RetentionDecision(path, True, f"its manifest is unreadable ({broken[path]})"))
+        elif path in newest:
             decisions.append(RetentionDecision(path, True, f"among the newest {keep_last}"))
-            continue
-        state = drain_state(path)
-        if state.state != MIRRORED:
-            decisions.append(RetentionDecision(path, True, f"not drained yet ({state})"))
         else:
-            decisions.append(RetentionDecision(path, False, f"mirrored to {state.target}"))
+            decisions.append(_judge_old(path))
     return decisions
+
+
+def _still_removable(run_dir: str, path: str) -> bool:
+    """Just before deleting: still a real directory directly inside the run directory."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    return parent == os.path.realpath(run_dir)
 
 
 def apply_retention(run_dir: str | os.PathLike, keep_last: int) -> list[str]:
     """Remove mirrored checkpoints older than the newest ``keep_last``; returns those removed."""
+    run_dir = os.fspath(run_dir)
     removed = []
     for decision in plan_retention(run_dir, keep_last):
         if decision.keep:
-            if "not drained" in decision.reason:
+            if not decision.reason.startswith("among the newest"):
                 log.info("dcp_nvme: retention keeps %s: %s", decision.path, decision.reason)
             continue
+        if not _still_removable(run_dir, decision.path):
+            log.warning("dcp_nvme: retention skips %s: no longer a directory of %s",
+                        decision.path, run_dir)
+            continue
         os.unlink(os.path.join(decision.path, MANIFEST))  # uncommit first
-        shutil.rmtree(decision.path)
+        shutil.rmtree(decision.path)  # never follows links inside (fd-based on Linux)
         log.info("dcp_nvme: retention removed %s (%s)", decision.path, decision.reason)
         removed.append(decision.path)
     return removed
