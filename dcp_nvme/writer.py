@@ -141,7 +141,7 @@ class NVMeWriter(StorageWriter):
         mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each
             local commit the checkpoint is drained there in the background (``dcp_nvme.tiers``);
             ``writer.drain_future`` resolves when it is mirrored.
-        compress: how the drain sends to ``mirror``: ``"off"``, ``"bytegroup"`` or ``"auto"``
+        compress: how the drain sends to ``mirror``: ``"off"``, ``"bytegroup"``, ``"auto"`` or ``"delta"``
             (None: the drainer's option). The local checkpoint is always plain safetensors.
     """
 
