@@ -257,6 +257,16 @@ def test_tools_read_a_compressed_mirror(tmp_path, capsys):
     assert describe(target).state == "committed"
     assert cli_main(["inspect", target]) == 0
     assert "compressed:  bytegroup v1" in capsys.readouterr().out
+    from safetensors.torch import load_file
+
+    from dcp_nvme.tools import export_hf
+
+    export_hf(target, tmp_path / "hf", keys=["w_bf16", "adam_fp32"])
+    exported = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(shard))
+    assert torch.equal(exported["w_bf16"].view(torch.int16), sd["w_bf16"].view(torch.int16))
+    assert torch.equal(exported["adam_fp32"], sd["adam_fp32"])
     path = _dcz(target)
     blob = bytearray(open(path, "rb").read())
     blob[-5] ^= 0xFF  # inside the last chunk

@@ -11,6 +11,7 @@ reshards and verifies (blocks table of the original) exactly as for a plain chec
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -164,7 +165,7 @@ class CodedEngine:
         with self._lock:
             opened = self._files.get(path)
         if opened is None:
-            stored, size, stored_size, base = self.paths[path]
+            stored, size, stored_size, base = self.paths[os.path.normpath(path)]
             where = f"{self.location}/{stored}"
             reader = _base_reader(self.base(), base, where) if base and self.base else None
             opened = CodedFile(self.fetch, stored, size, stored_size, where, reader)
@@ -209,7 +210,7 @@ def coded_engine(store: Any, manifest: Manifest, location: str, config: IOConfig
         return None
     engine = getattr(manifest, "_coded_engine", None)
     if engine is None:
-        paths = {store.path(name): info for name, info in files.items()}
+        paths = {os.path.normpath(store.path(name)): info for name, info in files.items()}
         engine = CodedEngine(store_fetch(store), paths, location, config, _lazy_base(store, manifest.doc, location))
         manifest._coded_engine = engine  # cached beside the manifest's other parsed tables
     return engine
