@@ -18,6 +18,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from .display import format_size
+
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
@@ -80,13 +82,6 @@ buffers of a rank, so the largest block times the deepest queue is already 64 Gi
 MEMORY_BUDGET_RANGE = (1 << 20, 1 << 40)
 
 
-def _fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} bytes"
-
-
 def _invalid(name: str, value: Any, source: str, problem: str) -> ValueError:
     return ValueError(f"{name}={value!r} from {source} is not valid: {problem}")
 
@@ -124,9 +119,9 @@ def check_size(name: str, value: Any, bounds: tuple[int, int], source: str = "th
     except ValueError as exc:
         raise _invalid(name, value, source, str(exc)) from None
     if not lo <= number <= hi:
-        raise _invalid(name, value, source, f"must be from {_fmt_size(lo)} to {_fmt_size(hi)}")
+        raise _invalid(name, value, source, f"must be from {format_size(lo)} to {format_size(hi)}")
     if number % multiple:
-        raise _invalid(name, value, source, f"must be a multiple of {_fmt_size(multiple)}")
+        raise _invalid(name, value, source, f"must be a multiple of {format_size(multiple)}")
     return number
 
 

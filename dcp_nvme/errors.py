@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 
 class DCPNVMeError(Exception):
     """Base class of every error raised by dcp_nvme."""
@@ -44,5 +46,39 @@ class EngineUnavailableError(DCPNVMeError, RuntimeError):
     """The requested I/O engine cannot run on this machine."""
 
 
+class TableError(ManifestError):
+    """A table named by manifest.json is missing, or its bytes differ from the size and crc32c
+    recorded there; ``name`` is the table's file name."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.name = name
+        super().__init__(message)
+
+
+class StagingBusyError(DCPNVMeError, RuntimeError):
+    """Every staging arena is still being written by an earlier save (``on_busy="error"``)."""
+
+
+class DrainError(DCPNVMeError, RuntimeError):
+    """A drain gave up; ``cause`` is the one-line reason also recorded in the drain state."""
+
+    def __init__(self, location: str, target: str, cause: str) -> None:
+        self.location, self.target, self.cause = location, target, cause
+        super().__init__(f"drain of {location} to {target} failed: {cause}. The local checkpoint is "
+                         "intact; fix the cause and run `dcp-nvme drain` on it to resume.")
+
+
+class BucketMissingError(DCPNVMeError, FileNotFoundError):
+    """The object-store bucket a drain targets does not exist."""
+
+
 class CheckpointLockedError(DCPNVMeError, RuntimeError):
     """Another save holds the checkpoint directory's save lock (see dcp_nvme.savelock)."""
+
+
+class UnsafeItemError(DCPNVMeError, pickle.UnpicklingError):
+    """A non-tensor item would run code (or is not a weights-only pickle) and pickle is not allowed."""
+
+
+class ItemKindError(DCPNVMeError, TypeError):
+    """The checkpoint holds an item of another kind (tensor vs object) than the destination."""

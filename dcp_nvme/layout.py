@@ -28,6 +28,25 @@ def align_down(value: int, alignment: int = ALIGN) -> int:
 # --------------------------------------------------------------------------- container
 
 
+def place_back_to_back(sizes: Sequence[int], alignments: Sequence[int] | None = None) -> tuple[list[int], int]:
+    """Offsets of items laid one after the other, each rounded up to its alignment, and the end.
+
+    The one layout of both a container's data region and a staging arena, so that zero-copy
+    writes cannot silently drift: the container passes no alignments (safetensors has no gaps
+    between items), the arena each dtype's itemsize (a typed view cannot start mid-element).
+    While no padding is needed the two agree byte for byte, and every write window is one span
+    of the arena (``contiguous_span``); after a padding, windows fall back to a bounce copy.
+    """
+    offsets, cursor = [], 0
+    for index, size in enumerate(sizes):
+        if alignments is not None:
+            cursor = align_up(cursor, alignments[index])
+        offsets.append(cursor)
+        cursor += size
+    return offsets, cursor
+
+
+
 @dataclass(frozen=True)
 class ItemSpec:
     """One item as the safetensors header describes it."""
@@ -59,19 +78,16 @@ def plan_container(
     items: Sequence[ItemSpec], metadata: dict[str, str], alignment: int = ALIGN
 ) -> ContainerLayout:
     """Place items back to back and build the safetensors header that describes them."""
-    offsets: list[int] = []
+    offsets, cursor = place_back_to_back([item.nbytes for item in items])
     header: dict[str, object] = {"__metadata__": dict(metadata)}
-    cursor = 0
-    for item in items:
+    for item, offset in zip(items, offsets):
         if item.key in header:
             raise ValueError(f"duplicate item key {item.key!r} in one container")
-        offsets.append(cursor)
         header[item.key] = {
             "dtype": item.st_dtype,
             "shape": list(item.st_shape),
-            "data_offsets": [cursor, cursor + item.nbytes],
+            "data_offsets": [offset, offset + item.nbytes],
         }
-        cursor += item.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     data_start = align_up(8 + len(text), alignment)
     padded = text + b" " * (data_start - 8 - len(text))
@@ -82,7 +98,7 @@ def plan_container(
 
 
 @dataclass(frozen=True)
-class Piece:
+class SourceSpan:
     """``length`` bytes of source ``source`` from ``src_offset`` land at ``dst_offset``."""
 
     source: int
@@ -97,7 +113,7 @@ class Window:
 
     offset: int
     length: int
-    pieces: tuple[Piece, ...]
+    pieces: tuple[SourceSpan, ...]
 
 
 def plan_windows(sizes: Sequence[int], block_size: int) -> Iterator[Window]:
@@ -106,16 +122,34 @@ def plan_windows(sizes: Sequence[int], block_size: int) -> Iterator[Window]:
     source, consumed = 0, 0  # current source and bytes of it already placed
     for start in range(0, total, block_size):
         length = min(block_size, total - start)
-        pieces: list[Piece] = []
+        pieces: list[SourceSpan] = []
         filled = 0
         while filled < length:
             while sizes[source] - consumed == 0:
                 source, consumed = source + 1, 0
             take = min(sizes[source] - consumed, length - filled)
-            pieces.append(Piece(source, consumed, take, filled))
+            pieces.append(SourceSpan(source, consumed, take, filled))
             consumed += take
             filled += take
         yield Window(start, length, tuple(pieces))
+
+
+def contiguous_span(window: Window, addresses: Sequence[int | None]) -> int | None:
+    """The address of the window's bytes when they are one span of host memory (sources laid
+    out as ``place_back_to_back`` lays the container), else None; ``addresses`` are the
+    sources' host addresses (None: not in host memory)."""
+    first = window.pieces[0]
+    start = addresses[first.source]
+    if start is None:
+        return None
+    start += first.src_offset
+    expected = start
+    for piece in window.pieces:
+        base = addresses[piece.source]
+        if base is None or base + piece.src_offset != expected:
+            return None
+        expected += piece.length
+    return start
 
 
 # --------------------------------------------------------------------------- tensor slices

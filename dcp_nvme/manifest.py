@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError
+from .checksums import check_table
+from .errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError, TableError
 from .store import fsync_dir
 
 FORMAT = "dcp_nvme"
@@ -397,18 +398,21 @@ def build_manifest_doc(
     }
 
 
-def describe_missing(store, location: str) -> str:
-    """Why a directory without a committed manifest cannot be loaded, in one sentence."""
+def missing_manifest_error(store, location: str) -> CheckpointNotFoundError:
+    """Why a directory without a committed manifest cannot be loaded: not committed (our files
+    without a manifest), or not ours at all."""
     names = store.names()
     if DCP_METADATA in names:
-        return (f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
-                "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
-                f"or convert it: dcp-nvme convert {location} OUT --to nvme")
+        return CheckpointNotFoundError(
+            f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
+            "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
+            f"or convert it: dcp-nvme convert {location} OUT --to nvme")
     ours = [n for n in names if save_key_of(n)]
     if ours:
-        return (f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "
-                "the save did not finish (it crashed or is still running), so it cannot be loaded")
-    return f"{location} is not a dcp_nvme checkpoint (no {MANIFEST})"
+        return CheckpointNotCommittedError(
+            f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "
+            "the save did not finish (it crashed or is still running), so it cannot be loaded")
+    return CheckpointNotFoundError(f"{location} is not a dcp_nvme checkpoint (no {MANIFEST})")
 
 
 def _load_table(store, entry: dict[str, Any], location: str) -> bytes:
@@ -416,12 +420,8 @@ def _load_table(store, entry: dict[str, Any], location: str) -> bytes:
     try:
         data = store.read(name)
     except FileNotFoundError:
-        raise ManifestError(f"{location}: {name} named by {MANIFEST} is missing") from None
-    if len(data) != entry["size"] or crc32c.crc32c(data) != entry["crc32c"]:
-        raise ManifestError(
-            f"{location}: {name} does not match {MANIFEST} (size {len(data)} vs {entry['size']}, "
-            "or its checksum): the index is corrupt"
-        )
+        raise TableError(name, f"{location}: {name} named by {MANIFEST} is missing") from None
+    check_table(location, entry, data)
     return data
 
 
@@ -443,9 +443,7 @@ def read_manifest(store, location: str) -> Manifest:
     if not store.exists():
         raise CheckpointNotFoundError(f"checkpoint directory {location} does not exist")
     if not store.has(MANIFEST):
-        message = describe_missing(store, location)
-        error = CheckpointNotCommittedError if "did not finish" in message else CheckpointNotFoundError
-        raise error(message)
+        raise missing_manifest_error(store, location)
     try:
         doc = json.loads(store.read(MANIFEST))
     except (ValueError, UnicodeDecodeError) as exc:

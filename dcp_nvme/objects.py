@@ -14,23 +14,14 @@ opt-in: ``NVMeReader(path, allow_pickle=True)``.
 from __future__ import annotations
 
 import io
-import pickle
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .errors import DCPNVMeError
+from .errors import ItemKindError, UnsafeItemError
 
 OPT_IN = "NVMeReader(path, allow_pickle=True)"
-
-
-class UnsafeItemError(DCPNVMeError, pickle.UnpicklingError):
-    """A non-tensor item would run code (or is not a weights-only pickle) and pickle is not allowed."""
-
-
-class ItemKindError(DCPNVMeError, TypeError):
-    """The checkpoint holds an item of another kind (tensor vs object) than the destination."""
 
 
 def unsafe_globals(data: bytes) -> list[str]:

@@ -23,16 +23,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .checksums import items_in
 from .config import IOConfig, check_option, resolve_config
+from .engines import shared_engine
+from .engines.fsspec import FsspecEngine
 from .errors import ChecksumMismatchError
 from .layout import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from .manifest import ChunkRecord, Manifest, parse_dtype, read_files, read_manifest
 from .memory import tensor_bytes
 from .objects import bytes_for_planner, check_destination_kind
-from .remote import FsspecEngine, open_store
+from .remote import open_store
 from .stats import IOStats, PhaseTimer
 from .store import LocalStore, is_local_path, is_remote_url, local_path
-from .writer import shared_engine
 
 log = logging.getLogger(__name__)
 
@@ -290,5 +292,5 @@ class NVMeReader(StorageReader):
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:
     name = os.path.basename(exc.path)
-    hits = sorted({key for start, end, key in batch.owners.get(name, []) if start < exc.end and exc.start < end})
+    hits = items_in(batch.owners.get(name, []), exc.start, exc.end)
     return ", ".join(hits) if hits else "none of the requested items (a neighbouring block)"

@@ -4,11 +4,11 @@
 training thread for one copy of the state into the arena; the write runs in the background.
 
 Layout: tensors are packed back to back in the order DCP's default planner will hand them to
-NVMeWriter (the flattened state-dict traversal order), from a page-aligned base. The writer's
-container packs items the same way, so each write window is one aligned span of the arena and
-the POSIX engine writes it straight from there (no bounce copy). Within each mapping, keys that
-hold tensors are placed before non-tensor leaves: a pickled object between two tensors would
-shift every later tensor off the 4 KiB grid.
+NVMeWriter (the flattened state-dict traversal order), from a page-aligned base, by the same
+function that lays out the writer's container (``layout.place_back_to_back``), so each write
+window is one aligned span of the arena and the POSIX engine writes it straight from there (no
+bounce copy). Within each mapping, keys that hold tensors are placed before non-tensor leaves:
+a pickled object between two tensors would shift every later tensor off the 4 KiB grid.
 
 Reuse: the arena is allocated and first-touched once and reused while the state's structure
 (paths, dtypes, shapes, devices, order) is unchanged; it is rebuilt when the structure changes.
@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from .config import ALIGN
-from .errors import DCPNVMeError
+from .errors import StagingBusyError
+from .layout import place_back_to_back
 from .memory import aligned_buffer, cuda_available
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,6 @@ log = logging.getLogger(__name__)
 __all__ = ["NVMeStager", "StagingBusyError", "plan_arena"]
 
 _HELPER_PREFIX = "dcp-nvme-stage"
-
-
-class StagingBusyError(DCPNVMeError, RuntimeError):
-    """Every staging arena is still being written by an earlier save (``on_busy="error"``)."""
 
 
 # --------------------------------------------------------------------------- pure: structure
@@ -73,19 +70,9 @@ class TensorSpec:
 
 
 def plan_arena(specs: list[TensorSpec]) -> tuple[list[int], int]:
-    """Offsets of the tensors packed back to back, and the arena size.
-
-    A tensor starts right after the previous one unless its dtype needs a larger alignment
-    (a typed view cannot start mid-element); such padding breaks the zero-copy write from
-    there on, which the writer detects and handles by copying.
-    """
-    offsets, cursor = [], 0
-    for spec in specs:
-        itemsize = spec.dtype.itemsize
-        cursor = -(-cursor // itemsize) * itemsize
-        offsets.append(cursor)
-        cursor += spec.nbytes
-    return offsets, cursor
+    """Offsets of the tensors in the arena, and its size: the container's layout
+    (``layout.place_back_to_back``), each tensor aligned to its dtype's itemsize."""
+    return place_back_to_back([s.nbytes for s in specs], [s.dtype.itemsize for s in specs])
 
 
 def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -122,7 +109,7 @@ def _is_terminal_list(value: list) -> bool:
     return True
 
 
-def describe(state_dict: Mapping, tensors: list[torch.Tensor], objects: list[Any]) -> tuple:
+def structure_of(state_dict: Mapping, tensors: list[torch.Tensor], objects: list[Any]) -> tuple:
     """A hashable template of the state's structure, in DCP's traversal order (tensors first
     within each mapping); fills ``tensors`` (the leaves to copy) and ``objects`` (the rest)."""
 
@@ -393,7 +380,7 @@ class NVMeStager(AsyncStager):
             waited = time.perf_counter() - started
             tensors: list[torch.Tensor] = []
             objects: list[Any] = []
-            template = describe(state_dict, tensors, objects)
+            template = structure_of(state_dict, tensors, objects)
             if arena.template != template:
                 self._rebuild(arena, template)
             future = _StagedFuture(threading.get_ident())

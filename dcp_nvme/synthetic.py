@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .display import format_size
+
 _MULTIPLE = 64
 _MAX_VOCAB = 32000
 _EMBED_SHARE = 0.1
@@ -61,7 +63,7 @@ class ModelSpec:
         what = "bf16 weights + fp32 Adam moments and master weights" if self.optim else "bf16 weights"
         return (f"Llama-shaped: {self.layers} layers, hidden {self.hidden}, MLP {self.intermediate}, "
                 f"vocab {self.vocab}; {self.params / 1e6:.1f} M params, {what}; "
-                f"{len(self.tensors)} tensors, {self.nbytes / 2**20:.1f} MiB")
+                f"{len(self.tensors)} tensors, {format_size(self.nbytes)}")
 
 
 def _round(value: float, multiple: int = _MULTIPLE) -> int:

@@ -17,9 +17,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,117 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from .config import ALIGN, IOConfig, default_tune_file, parse_size
+from .display import format_size, progress_bar
 from .engines.posix import PosixEngine
+from .host import evict_from_page_cache, files_under, machine_info
 from .layout import Need, plan_reads
 from .memory import aligned_buffer
 
 TIE_TOLERANCE = 0.03
-
-
-# --------------------------------------------------------------------------- page cache
-
-
-def evict_from_page_cache(paths: list[str]) -> str:
-    """Drop the files' pages from the page cache; return the method used, for the report.
-
-    Each file is fsynced (the kernel drops clean pages only) and given
-    ``posix_fadvise(POSIX_FADV_DONTNEED)``: unprivileged, and limited to the files under test,
-    where ``/proc/sys/vm/drop_caches`` needs root and empties the cache of the whole machine.
-    ``cached_fraction`` checks that it worked.
-    """
-    if not hasattr(os, "posix_fadvise"):
-        return "none (this platform has no posix_fadvise; loads may be served from the page cache)"
-    for path in paths:
-        if not os.path.isfile(path):
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "fsync + posix_fadvise(POSIX_FADV_DONTNEED) per file"
-
-
-def cached_fraction(paths: list[str], samples: int = 64) -> float | None:
-    """Share of sampled pages still in the page cache (a non-blocking read tells), or None."""
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or not hasattr(os, "preadv"):
-        return None
-    hits = tried = 0
-    buffer = bytearray(ALIGN)
-    for path in paths:
-        size = os.path.getsize(path) if os.path.isfile(path) else 0
-        if size < ALIGN:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            step = max(ALIGN, (size // samples) // ALIGN * ALIGN)
-            for offset in range(0, size - ALIGN + 1, step):
-                tried += 1
-                try:
-                    if os.preadv(fd, [buffer], offset, flag) > 0:
-                        hits += 1
-                except BlockingIOError:
-                    pass
-                except OSError:
-                    return None  # the filesystem does not support RWF_NOWAIT
-        finally:
-            os.close(fd)
-    return hits / tried if tried else None
-
-
-def files_under(directory: str) -> list[str]:
-    return [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
-
-
-# --------------------------------------------------------------------------- machine
-
-
-def machine_info(directory: str) -> dict[str, Any]:
-    """What a reader of the figures needs to know about where they were taken."""
-    import torch
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "cpu_count": os.cpu_count(), "directory": os.path.abspath(directory),
-    }
-    try:
-        info["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        pass
-    info.update(_filesystem_of(directory))
-    return info
-
-
-def _filesystem_of(directory: str) -> dict[str, Any]:
-    """Mount point, filesystem type and block device model of the directory, where /proc tells."""
-    found: dict[str, Any] = {}
-    path = os.path.realpath(directory)
-    try:
-        best = ""
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                device, mount, fstype = line.split()[:3]
-                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
-                    best = mount
-                    found.update(mount=mount, fstype=fstype, device=device)
-    except OSError:
-        return found
-    try:
-        dev = os.stat(path).st_dev
-        sys_block = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
-        for rel in ("device/model", "../device/model"):
-            model = os.path.join(sys_block, rel)
-            if os.path.isfile(model):
-                found["device_model"] = Path(model).read_text().strip()
-                break
-        rotational = os.path.join(sys_block, "queue/rotational")
-        if os.path.isfile(rotational):
-            found["rotational"] = Path(rotational).read_text().strip() == "1"
-    except OSError:
-        pass
-    return found
 
 
 # --------------------------------------------------------------------------- probe
@@ -246,36 +140,23 @@ def sweep(directory: str, nbytes: int, queue_depths: list[int], block_sizes: lis
     grid = [(d, q, b) for d in directs for b in block_sizes for q in queue_depths]
     buffer = aligned_buffer(max(ALIGN, nbytes // ALIGN * ALIGN), pin=False)
     points = []
-    bar = _progress(len(grid) * repeat, progress)
+    bar = progress_bar(len(grid) * repeat, progress, unit="pt")
     try:
         for direct, depth, block in grid:
             config = IOConfig(queue_depth=depth, block_size=block, direct_io=direct, engine="posix")
             runs = []
             for _ in range(repeat):
-                if bar is not None:
-                    bar.set_description(f"tune qd={depth} bs={block >> 20}MiB direct={int(direct)}")
+                bar.set_description(f"tune qd={depth} bs={format_size(block)} direct={int(direct)}")
                 runs.append(engine_probe(directory, nbytes, config, buffer=buffer))
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             points.append(_median_point(runs))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return {
         "format": "dcp_nvme.tune", "format_version": 1, "created_unix": time.time(),
         "best": pick_best(points), "size": nbytes, "repeat": repeat, "points": points,
         "machine": machine_info(directory),
     }
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, file=sys.stderr, leave=False, unit="pt")
 
 
 def format_curve(doc: dict[str, Any]) -> str:
@@ -286,14 +167,10 @@ def format_curve(doc: dict[str, Any]) -> str:
     for p in doc["points"]:
         chosen = all(p[k] == best[k] for k in ("queue_depth", "block_size", "direct_io"))
         lines.append(
-            f"{('yes' if p['direct_io'] else 'no'):>6} {p['queue_depth']:>11} {_size(p['block_size']):>10} "
+            f"{('yes' if p['direct_io'] else 'no'):>6} {p['queue_depth']:>11} {format_size(p['block_size']):>10} "
             f"{p['write_gbps']:>10.2f} {p['read_gbps']:>9.2f} {p['write_io']['latency_p99_ms']:>8.1f} "
             f"{p['write_io']['max_inflight']:>5}" + ("   <- best" if chosen else ""))
     return "\n".join(lines)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20}MiB" if nbytes % (1 << 20) == 0 else f"{nbytes >> 10}KiB"
 
 
 # --------------------------------------------------------------------------- CLI
@@ -381,7 +258,7 @@ def run_tune(args: argparse.Namespace) -> int:
     print(f"dcp-nvme tune: {args.size / 2**20:.0f} MiB per point on {doc['machine']['directory']} "
           f"({doc['machine'].get('fstype', '?')})")
     print(format_curve(doc))
-    print(f"best: queue_depth={best['queue_depth']} block_size={_size(best['block_size'])} "
+    print(f"best: queue_depth={best['queue_depth']} block_size={format_size(best['block_size'])} "
           f"direct_io={best['direct_io']} (write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s)")
     if output.resolve() == default_tune_file().resolve():
         print(f"written to {output}; NVMeWriter/NVMeReader use it unless an argument or DCP_NVME_* "

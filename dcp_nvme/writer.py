@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from . import savelock
 from .config import IOConfig, check_option, resolve_config
-from .engines import Engine, select_engine
+from .engines import shared_engine
 from .errors import CheckpointExistsError, CheckpointLockedError
 from .layout import ItemSpec, plan_container
 from .manifest import (
@@ -65,22 +65,6 @@ SAFETENSORS_DTYPES = {
     torch.complex64: "C64",
 }
 """dtypes safetensors readers understand; any other dtype is stored as raw U8 bytes."""
-
-_ENGINE_CACHE: dict[tuple[str, IOConfig], Engine] = {}
-
-
-def shared_engine(
-    config: IOConfig, has_device_tensors: bool, directory: str | None = None
-) -> tuple[Engine, str]:
-    """One engine per configuration per process, so its buffers are reused across saves.
-
-    ``directory`` is where the files are: kvikio's probe runs there (once per directory)."""
-    engine, reason = select_engine(config, has_device_tensors, directory)
-    key = (engine.name, config)
-    if key not in _ENGINE_CACHE:
-        _ENGINE_CACHE[key] = engine
-    return _ENGINE_CACHE[key], reason
-
 
 @dataclass(frozen=True)
 class RankPlan:

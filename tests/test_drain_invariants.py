@@ -33,7 +33,7 @@ from dcp_nvme.tiers import (
     drain_state,
 )
 from dcp_nvme.tiers.drainer import set_drain_hook
-from dcp_nvme.tiers.plan import (
+from dcp_nvme.tiers.transfer import (
     STEP,
     IncompleteOnTarget,
     Piece,

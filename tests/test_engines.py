@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import dcp_nvme.checksums as checksums
 import dcp_nvme.engines as engines
 import dcp_nvme.engines.kvikio as kv
 import dcp_nvme.engines.posix as posix
 import dcp_nvme.memory
-import dcp_nvme.writer as writer_mod
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import IOConfig
 from dcp_nvme.errors import ChecksumMismatchError, DCPNVMeError, EngineUnavailableError
@@ -152,7 +152,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dcp_nvme.memory, "cuda_available", lambda: False)  # no pinned allocator here
     monkeypatch.setattr(kv, "_probe_tensor", lambda n: (torch.arange(n) % 251).to(torch.uint8))
-    monkeypatch.setattr(writer_mod, "_ENGINE_CACHE", {})
+    monkeypatch.setattr(engines, "_ENGINE_CACHE", {})
     engines.reset_probe_cache()
     yield
     engines.reset_probe_cache()
@@ -238,6 +238,36 @@ def test_probe_that_hangs_times_out(monkeypatch, fake_cuda, tmp_path):
     assert time.perf_counter() - started < 3
 
 
+def test_a_verify_off_reader_reuses_the_writers_engine_and_buffers(monkeypatch, tmp_path):
+    """Engines read only queue_depth, block_size and direct_io: verify must not split the cache."""
+    monkeypatch.setattr(engines, "_ENGINE_CACHE", {})
+    state = {"w": torch.randn(300, 257), "step": torch.tensor(7)}
+    options = {"engine": "posix", "queue_depth": 2, "block_size": "1MiB"}
+    dcp.save(state, storage_writer=NVMeWriter(tmp_path, **options), no_dist=True)
+    (engine,) = engines._ENGINE_CACHE.values()
+    pool = engine._pool  # the save allocated it (the header goes through a bounce buffer)
+    assert pool is not None
+    for verify in (True, False):
+        out = {"w": torch.zeros(300, 257), "step": torch.tensor(0)}
+        dcp.load(out, storage_reader=NVMeReader(tmp_path, verify=verify, **options), no_dist=True)
+        assert torch.equal(out["w"], state["w"]) and int(out["step"]) == 7
+    assert list(engines._ENGINE_CACHE.values()) == [engine] and engine._pool is pool
+    other, _ = engines.shared_engine(IOConfig(engine="posix", queue_depth=3, block_size=1 << 20), False)
+    assert other is not engine  # a knob the engine does read gets its own
+
+
+@pytest.mark.parametrize("make", [posix.PosixEngine, kv.KvikioEngine])
+def test_engines_pickle_as_their_config_only(make, tmp_path):
+    import pickle
+
+    config = IOConfig(queue_depth=3, block_size=1 << 20, direct_io=False)
+    engine = make(config)
+    engine.write_file(str(tmp_path / "f"), bytes(4096), [torch.arange(10, dtype=torch.uint8)], 4096)
+    copy = pickle.loads(pickle.dumps(engine))
+    assert type(copy) is make and copy.config == config
+    assert pickle.dumps(copy) == pickle.dumps(make(config))  # no buffers travel
+
+
 def test_no_selection_at_import_time():
     """With a kvikio that explodes on any use, importing every dcp_nvme module still works."""
     code = """
@@ -271,14 +301,14 @@ def test_device_crc32c_matches_the_library(size, block):
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
     raw = data.numpy().tobytes()
     expected = [crc32c.crc32c(raw[i : i + block]) for i in range(0, size, block)]
-    assert kv.device_crc32c(data, block) == expected
+    assert checksums.device_crc32c(data, block) == expected
 
 
 def test_device_crc32c_rejects_bad_input():
     with pytest.raises(ValueError, match="flat uint8"):
-        kv.device_crc32c(torch.zeros(4, dtype=torch.int32), 256)
+        checksums.device_crc32c(torch.zeros(4, dtype=torch.int32), 256)
     with pytest.raises(ValueError, match="multiple of 256"):
-        kv.device_crc32c(torch.zeros(4, dtype=torch.uint8), 100)
+        checksums.device_crc32c(torch.zeros(4, dtype=torch.uint8), 100)
 
 
 # --------------------------------------------------------------------------- kvikio engine on a fake cuFile
@@ -515,7 +545,7 @@ def test_posix_device_bounce_overlaps_copy_and_write(monkeypatch, tmp_path):
                 overlapped.append(nxt.wait(timeout=5))
         real_pwrite(fd, view, offset)
 
-    monkeypatch.setattr(posix, "_contiguous_address", lambda window, addresses: None)
+    monkeypatch.setattr(posix, "contiguous_span", lambda window, addresses: None)
     monkeypatch.setattr(posix, "copy_bytes", fake_device_copy)
     monkeypatch.setattr(posix, "pwrite_all", slow_pwrite)
     result = posix.PosixEngine(config).write_file(str(tmp_path / "dev.bin"), header, sources, 65_536)

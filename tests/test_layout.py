@@ -13,8 +13,10 @@ from dcp_nvme.layout import (
     FileBlocks,
     ItemSpec,
     Need,
+    contiguous_span,
     count_runs,
     covering_rows,
+    place_back_to_back,
     plan_container,
     plan_reads,
     plan_windows,
@@ -35,6 +37,25 @@ def test_container_header_is_valid_safetensors_and_aligned():
     assert header["c"]["data_offsets"] == [12, 17]
     assert layout.offsets == (0, 12, 12)
     assert layout.file_size == layout.data_start + 17
+
+
+def test_sources_laid_out_like_the_container_make_every_window_one_span():
+    sizes = [12, 0, 5, 4096, 3, 8000]
+    offsets, end = place_back_to_back(sizes)
+    assert offsets == list(plan_container([ItemSpec(str(i), n, "U8", (n,)) for i, n in enumerate(sizes)],
+                                          {}).offsets) and end == sum(sizes)
+    base = 1 << 20
+    windows = list(plan_windows(sizes, 1000))
+    assert [contiguous_span(w, [base + o for o in offsets]) for w in windows] == [
+        base + w.offset for w in windows]
+    # aligned for dtypes (a staging arena): the padding breaks the span where it falls
+    padded, padded_end = place_back_to_back(sizes, [4, 1, 1, 8, 1, 8])
+    assert padded == [0, 12, 12, 24, 4120, 4128] and padded_end == 12128
+    spans = [contiguous_span(w, [base + o for o in padded]) for w in windows]
+    assert spans[0] is None  # the 7 bytes of padding after item 2 fall in the first window
+    assert spans[1] == base + 1000 + 7  # one span again inside item 3, shifted by the padding
+    assert spans[4] is None  # and broken again by the padding before item 5
+    assert contiguous_span(windows[0], [None, *[base + o for o in offsets[1:]]]) is None  # not host memory
 
 
 def test_container_rejects_duplicate_keys():

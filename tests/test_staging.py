@@ -132,6 +132,33 @@ def test_plan_arena_packs_back_to_back_and_pads_only_for_dtype_alignment():
     assert total == 40
 
 
+def test_the_arena_is_laid_out_as_the_writer_lays_out_its_container(tmp_path):
+    """Zero-copy rests on one layout function: every staged tensor sits at the same offset from
+    the first in the arena as in the container's data region, and the writer copies nothing but
+    the window that holds the pickled leaf. Fails if the stager's or the writer's layout drifts."""
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "step": 3,  # a non-tensor leaf: the stager puts it after the tensors
+        "model": {"w": torch.randn(300, 257, generator=g), "h": torch.randn(128, generator=g).bfloat16(),
+                  "mask": torch.rand(64, generator=g) > 0.5, "ids": torch.arange(77)},
+        "opt": {"m": torch.randn(5000, dtype=torch.float64, generator=g)},
+    }
+    stager = NVMeStager()
+    staged = stager.stage(state).result()
+    window = 64 << 10
+    writer = NVMeWriter(tmp_path / "c", block_size=window, queue_depth=2, engine="posix")
+    dcp.save(staged, storage_writer=writer, no_dist=True)
+    tensors = {f"{top}.{k}": v for top in ("model", "opt") for k, v in staged[top].items()}
+    manifest = NVMeReader(tmp_path / "c").manifest()
+    placed = {c.fqn: c.byte_offset for c in manifest.chunks if c.kind == "tensor"}
+    first = min(placed.values())
+    base = min(t.data_ptr() for t in tensors.values())
+    assert {fqn: t.data_ptr() - base for fqn, t in tensors.items()} == {
+        fqn: offset - first for fqn, offset in placed.items()}
+    assert 0 < writer.last_stats["io"]["copied_bytes"] <= window  # only the tail window
+    stager.close()
+
+
 # --------------------------------------------------------------------------- THREAD mode
 
 

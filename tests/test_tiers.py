@@ -33,7 +33,7 @@ from dcp_nvme.tiers import (
     set_default_drainer,
     verify_mirror,
 )
-from dcp_nvme.tiers.plan import plan_pieces
+from dcp_nvme.tiers.transfer import plan_pieces
 
 MiB = 1 << 20
 FAST = dict(part_size=5 * MiB, retries=0, backoff=0.01, max_transfers=3)

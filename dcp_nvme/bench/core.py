@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from ..config import resolve_config
+from ..host import cached_fraction, evict_from_page_cache, files_under
 from ..memory import tensor_bytes
 from ..synthetic import ModelSpec, build_state, llama_spec
-from ..tune import cached_fraction, evict_from_page_cache, files_under
 from .group import Group
 from .records import BenchOptions, Row, Skip
 

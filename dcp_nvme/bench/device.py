@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from ..config import IOConfig
-from ..tune import evict_from_page_cache, files_under
+from ..host import evict_from_page_cache, files_under
 
 
 def fio_version() -> str | None:

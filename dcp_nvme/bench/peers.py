@@ -72,10 +72,7 @@ class PeerRows(BenchCore):
 
     def safetensors_save(self) -> None:
         row = self.add(Row("safetensors.save", "safetensors save_file (+ fsync)", "write", "peer"))
-        try:
-            from safetensors.torch import save_file
-        except ImportError as exc:
-            raise Skip(f"safetensors is not installed ({exc})") from None
+        from safetensors.torch import save_file
 
         def save(path: str) -> None:
             target = self._per_rank_file(path, "safetensors")

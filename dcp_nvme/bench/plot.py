@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report import fmt_size
+from ..display import format_size
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
@@ -36,9 +36,9 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ax.tick_params(axis="y", labelsize=8)
         ax.set_xlim(0, max(values + [limit["gbps"] if limit else 0.0]) * 1.2 or 1)
     cfg = doc["config"]
-    fig.suptitle(f"dcp-nvme bench: {fmt_size(cfg['state_bytes'])}, {cfg['ranks']} rank(s), "
+    fig.suptitle(f"dcp-nvme bench: {format_size(cfg['state_bytes'])}, {cfg['ranks']} rank(s), "
                  f"{doc['machine'].get('fstype', '?')}, qd {cfg['io']['queue_depth']}, "
-                 f"{fmt_size(cfg['io']['block_size'])} requests")
+                 f"{format_size(cfg['io']['block_size'])} requests")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

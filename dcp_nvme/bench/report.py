@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def fmt_size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{int(nbytes)} B"
+from ..display import format_size
 
 
 def _x(value: float | None) -> str:
@@ -24,10 +18,10 @@ def format_report(doc: dict[str, Any]) -> str:
     by_key = {r["key"]: r for r in rows}
     io = cfg["io"]
     lines = [
-        f"dcp-nvme bench: {fmt_size(cfg['state_bytes'])} state over {cfg['ranks']} rank(s) in "
+        f"dcp-nvme bench: {format_size(cfg['state_bytes'])} state over {cfg['ranks']} rank(s) in "
         f"{cfg['directory']} ({machine.get('fstype', '?')} on {machine.get('device', '?')})",
         f"  state: {cfg['model']['description']}",
-        f"  dcp_nvme I/O: queue_depth {io['queue_depth']}, block_size {fmt_size(io['block_size'])}, "
+        f"  dcp_nvme I/O: queue_depth {io['queue_depth']}, block_size {format_size(io['block_size'])}, "
         f"O_DIRECT {'on' if io['direct_io'] else 'off'} (from {io['source']})",
         f"  machine: {machine.get('cpu_count')} CPUs, torch {machine.get('torch')}, "
         f"fio {cfg['fio']['version'] if cfg['fio'] else 'not installed'}; every save is fsynced into a "
@@ -60,8 +54,8 @@ def format_report(doc: dict[str, Any]) -> str:
                 continue
             extra = row["extra"]
             read = extra.get("bytes_read")
-            lines.append(f"  {row['label']:<58} read {fmt_size(read) if read else '?':>9} for "
-                         f"{fmt_size(extra['bytes_needed'])} needed, {row['median_seconds']:.3f} s")
+            lines.append(f"  {row['label']:<58} read {format_size(read) if read else '?':>9} for "
+                         f"{format_size(extra['bytes_needed'])} needed, {row['median_seconds']:.3f} s")
         lines.append("")
     for name, key in (("save", "dcp_nvme.save"), ("load", "dcp_nvme.load")):
         row = by_key.get(key)

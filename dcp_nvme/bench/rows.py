@@ -3,7 +3,6 @@ sync save, async save, cold load and the resharded load."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -13,14 +12,15 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
+from ..display import format_size
+from ..host import evict_from_page_cache, files_under
 from ..memory import aligned_buffer, tensor_bytes
 from ..synthetic import build_state, llama_spec
-from ..tune import engine_probe, evict_from_page_cache, files_under
+from ..tune import engine_probe
 from .core import BenchCore, same_state
 from .device import fio_sequential, fio_version
 from .peers import safetensors_load_eager, save_torch
 from .records import Row, Skip
-from .report import fmt_size
 from .reshard import RESHARD_SPLIT, rchar, reshard_rows, row_block_planner
 
 
@@ -55,11 +55,10 @@ class OursRows(BenchCore):
             "torch.save/load": lambda: torch.load(save_torch(local, self._per_rank_file(path, "pt")),
                                                   weights_only=True),
         }
-        if importlib.util.find_spec("safetensors") is not None:
-            from safetensors.torch import save_file
+        from safetensors.torch import save_file
 
-            target = self._per_rank_file(path, "safetensors")
-            steps["safetensors"] = lambda: (save_file(local, target), safetensors_load_eager(target))
+        target = self._per_rank_file(path, "safetensors")
+        steps["safetensors"] = lambda: (save_file(local, target), safetensors_load_eager(target))
         if self.group.rank == 0:
             steps["resharded load planner"] = lambda: dcp.load(
                 wanted, storage_reader=NVMeReader(ours, **self.io_kwargs), planner=row_block_planner(),
@@ -121,7 +120,7 @@ class OursRows(BenchCore):
                     row.bytes = measured[op]["bytes"]
                     row.extra = {k: v for k, v in measured[op].items() if k not in ("bytes", "seconds")}
                 how = (f"fio libaio, O_DIRECT={'on' if self.config.direct_io else 'off'}, "
-                       f"qd {self.config.queue_depth}, {fmt_size(self.config.block_size)} requests")
+                       f"qd {self.config.queue_depth}, {format_size(self.config.block_size)} requests")
                 if self.group.world > 1:
                     how += f", {self.group.world} jobs"
             else:
@@ -134,7 +133,7 @@ class OursRows(BenchCore):
                 write.extra, read.extra = {"io": probe.write_io}, {"io": probe.read_io}
                 reason = measured["error"] if measured else "fio is not installed"
                 how = (f"dcp_nvme PosixEngine on one aligned buffer ({reason}), "
-                       f"qd {self.config.queue_depth}, {fmt_size(self.config.block_size)}")
+                       f"qd {self.config.queue_depth}, {format_size(self.config.block_size)}")
             write.note = read.note = how
             self._drop(path)
 
@@ -156,8 +155,6 @@ class OursRows(BenchCore):
     def ours_async(self) -> None:
         blocking = self.add(Row("dcp_nvme.async.blocking", "dcp_nvme async save: blocking", "write", "ours"))
         total = self.add(Row("dcp_nvme.async.total", "dcp_nvme async save: total", "write", "ours"))
-        if importlib.util.find_spec("dcp_nvme.staging") is None:
-            raise Skip("dcp_nvme.staging (NVMeStager) is not part of this build")
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
         from ..staging import NVMeStager

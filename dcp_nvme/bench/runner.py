@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from ..config import default_tune_file
+from ..display import format_size, progress_bar
+from ..host import machine_info
 from ..synthetic import ModelSpec, llama_spec
-from ..tune import machine_info
 from .device import fio_version
 from .group import Group, free_port
 from .peers import PeerRows
 from .records import BenchOptions, Row, Skip
-from .report import fmt_size
 from .rows import OursRows
 from .targets import check_targets, compute_ratios
 
@@ -51,18 +51,10 @@ class Bench(OursRows, PeerRows):
     def run(self) -> dict[str, Any]:
         # single-process DCP calls warn that no process group exists; that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        bar = None
-        if self.options.progress and self.group.rank == 0:
-            try:
-                from tqdm import tqdm
-
-                bar = tqdm(total=len(self.steps()), file=sys.stderr, leave=False, unit="step")
-            except ImportError:
-                bar = None
+        bar = progress_bar(len(self.steps()), self.options.progress and self.group.rank == 0, unit="step")
         try:
             for name, step in self.steps():
-                if bar is not None:
-                    bar.set_description(f"bench: {name}")
+                bar.set_description(f"bench: {name}")
                 count = len(self.rows)
                 try:
                     step()
@@ -76,11 +68,9 @@ class Bench(OursRows, PeerRows):
                     for row in self.rows[count:] or [self.add(Row(f"error.{name}", name, "error", "peer"))]:
                         row.error = f"{type(exc).__name__}: {exc}"
                 gc.collect()
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         return self.document()
 
     def document(self) -> dict[str, Any]:
@@ -156,8 +146,8 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     needed = 6 * spec.nbytes
     free = shutil.disk_usage(options.directory).free
     if free < needed:
-        raise OSError(f"{options.directory} has {fmt_size(free)} free; a {fmt_size(spec.nbytes)} bench "
-                      f"needs about {fmt_size(needed)} (6 copies); use a smaller --size or another --dir")
+        raise OSError(f"{options.directory} has {format_size(free)} free; a {format_size(spec.nbytes)} bench "
+                      f"needs about {format_size(needed)} (6 copies); use a smaller --size or another --dir")
     root = os.path.join(options.directory, f"dcp-nvme-bench-{uuid.uuid4().hex[:8]}")
     os.makedirs(root)
     try:

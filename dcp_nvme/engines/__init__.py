@@ -1,9 +1,15 @@
-"""Engine choice, made at run time: POSIX everywhere, kvikio (cuFile) for device memory.
+"""Engine choice and reuse, made at run time: POSIX everywhere, kvikio (cuFile) for device memory.
 
 ``auto`` picks kvikio only when CUDA is available, kvikio imports, a probe write and read of
 device memory through kvikio succeeds in the target directory (cached per directory), and there
 are device tensors to move; otherwise POSIX. ``engine="kvikio"`` where that chain breaks raises
 ``EngineUnavailableError`` naming the broken link. Nothing here imports kvikio at import time.
+
+The third engine, ``fsspec.FsspecEngine`` (ranged GETs from any fsspec URL), serves readers of
+remote checkpoints; it has no buffers to share, so it is made per read.
+
+``shared_engine`` keeps one engine per process for each set of knobs engines read, so writers
+and readers reuse its bounce buffers across saves and loads.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ __all__ = [
     "PosixEngine",
     "kvikio_unavailable_reason",
     "select_engine",
+    "shared_engine",
 ]
 
 log = logging.getLogger(__name__)
@@ -107,3 +114,23 @@ def reset_probe_cache() -> None:
     """Forget the probe results (tests; or after installing a driver in a running process)."""
     with _probe_lock:
         _probes.clear()
+
+
+ENGINE_KNOBS = ("queue_depth", "block_size", "direct_io")
+"""The IOConfig fields an engine reads; anything else (verify, engine) must not split the cache."""
+
+_ENGINE_CACHE: dict[tuple, Engine] = {}
+_cache_lock = threading.Lock()
+
+
+def shared_engine(
+    config: IOConfig, has_device_tensors: bool, directory: str | None = None
+) -> tuple[Engine, str]:
+    """The engine ``select_engine`` picks, one per kind and knobs per process, so its buffers
+    are reused across saves and loads (a ``verify=False`` reader shares the writer's).
+
+    ``directory`` is where the files are: kvikio's probe runs there (once per directory)."""
+    engine, reason = select_engine(config, has_device_tensors, directory)
+    key = (engine.name, *(getattr(config, knob) for knob in ENGINE_KNOBS))
+    with _cache_lock:
+        return _ENGINE_CACHE.setdefault(key, engine), reason

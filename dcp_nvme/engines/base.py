@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from ..config import IOConfig
 from ..layout import ReadRequest
 from ..stats import IOStats
 
@@ -43,3 +44,16 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free buffers and threads; the engine may be used again afterwards."""
         ...
+
+
+class PicklesAsConfig:
+    """Engines travel (DCP's PROCESS executor pickles the writer) as their config only: buffers,
+    threads and device state belong to one process and are made again on the other side."""
+
+    config: IOConfig
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["config"])

@@ -9,8 +9,8 @@ dict is one file written by both: the header and host windows through POSIX, dev
 through cuFile, then one ``ftruncate`` + ``fsync`` as in the POSIX engine.
 
 Integrity without a host copy: the crc32c of every checksum block is computed on the device
-with torch ops (``device_crc32c``, two table lookups and XOR trees), bit-identical to the
-``crc32c`` library. The on-disk format therefore does not depend on the engine: a checkpoint
+with torch ops (``checksums.device_crc32c``, two table lookups and XOR trees), bit-identical to
+the ``crc32c`` library. The on-disk format therefore does not depend on the engine: a checkpoint
 written by one engine loads and verifies through the other.
 
 Nothing here imports kvikio or touches CUDA at import time; ``probe`` is the run-time check.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import importlib
 import logging
 import os
@@ -32,174 +31,17 @@ from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-import crc32c
-import numpy as np
 import torch
 
+from ..checksums import check_device, device_crc32c_async, finish_crc32c
+from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
-from ..errors import ChecksumMismatchError
-from ..layout import SCRATCH, ReadRequest, Window, plan_windows
+from ..layout import SCRATCH, ReadRequest, Window
 from ..stats import IOStats
-from .base import FileWriteResult
-from .posix import PosixEngine, _with_path, check_length, finish_file, open_file, write_header
+from .base import FileWriteResult, PicklesAsConfig
+from .posix import PosixEngine, check_length
 
 log = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------- device crc32c
-#
-# CRC32C is affine over GF(2). With R(M) the CRC register after feeding M from state 0 (no
-# final xor), crc32c(M) = R(M) ^ crc32c(zeros(len(M))), and R(M) is the XOR over bytes of a
-# value that depends only on the byte and on how many bytes follow it. So: split a block into
-# chunks of _CHUNK bytes, look every byte up in P[distance-in-chunk][byte] and XOR-reduce each
-# chunk; then shift each chunk value by the chunks that follow it (Q[chunks-after][byte k of
-# value][byte]) and XOR-reduce again. Leading zero bytes do not change R, so short blocks are
-# zero-padded in front. All of it is gathers and XORs: the same torch code runs on CPU (tested
-# against the crc32c library) and on the GPU.
-
-_POLY = 0x82F63B78
-_CHUNK = 256
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_table() -> np.ndarray:
-    table = np.arange(256, dtype=np.uint64)
-    for _ in range(8):
-        table = np.where(table & 1, (table >> 1) ^ _POLY, table >> 1)
-    return table.astype(np.uint64)
-
-
-def _shift_zero_bytes(values: np.ndarray, count: int) -> np.ndarray:
-    """The register after feeding ``count`` zero bytes from each of ``values``."""
-    table = _byte_table()
-    for _ in range(count):
-        values = (values >> 8) ^ table[values & 0xFF]
-    return values
-
-
-def _as_int32(values: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(values.astype(np.uint32).view(np.int32).copy())
-
-
-@functools.lru_cache(maxsize=1)
-def _chunk_table() -> np.ndarray:
-    """P[d][b]: contribution of byte b followed by d bytes of its chunk, shape (_CHUNK, 256)."""
-    rows = [_byte_table()]
-    for _ in range(_CHUNK - 1):
-        rows.append(_shift_zero_bytes(rows[-1], 1))
-    return np.stack(rows)
-
-
-@functools.lru_cache(maxsize=8)
-def _shift_table(chunks: int) -> np.ndarray:
-    """Q[e][k][x]: (x << 8k) shifted by e chunks of zeros, for e < ``chunks``; (chunks, 4, 256)."""
-    x = np.arange(256, dtype=np.uint64)
-    q = np.empty((1, 4, 256), dtype=np.uint64)
-    for k in range(4):
-        q[0, k] = x << (8 * k)
-    one = _shift_zero_bytes(q[0].reshape(-1), _CHUNK).reshape(1, 4, 256)
-    q = np.concatenate([q, one])
-    while len(q) < chunks:  # doubling: Q[m + e] = shift_m(Q[e]), with shift_m's table Q[m]
-        m = len(q)
-        step = q[m - 1].reshape(-1)
-        shift_m = np.zeros_like(step)  # Q[m] = one more chunk of zeros after Q[m-1]
-        for k in range(4):
-            shift_m ^= q[1, k][(step >> (8 * k)) & 0xFF]
-        table_m = shift_m.reshape(4, 256)
-        flat = q.reshape(-1)
-        shifted = np.zeros_like(flat)
-        for k in range(4):
-            shifted ^= table_m[k][(flat >> (8 * k)) & 0xFF]
-        q = np.concatenate([q, shifted.reshape(q.shape)])
-    return q[:chunks]
-
-
-class _Tables:
-    """The lookup tables as int32 tensors on one device (16 MiB for 1 MiB blocks)."""
-
-    _lock = threading.Lock()
-    _cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    @classmethod
-    def get(cls, device: torch.device, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        chunks = 1 << max(0, chunks - 1).bit_length()  # grow in powers of two
-        key = (str(device), chunks)
-        with cls._lock:
-            if key not in cls._cache:
-                p = _as_int32(_chunk_table()).reshape(-1).to(device)
-                q = _as_int32(_shift_table(chunks)).reshape(-1).to(device)
-                offsets = torch.arange(_CHUNK - 1, -1, -1, dtype=torch.int32, device=device) * 256
-                cls._cache[key] = (p, q, offsets)
-            return cls._cache[key]
-
-
-@functools.lru_cache(maxsize=64)
-def _zeros_crc(length: int) -> int:
-    return crc32c.crc32c(bytes(length))
-
-
-def _xor_reduce(values: torch.Tensor) -> torch.Tensor:
-    """XOR over the last dimension."""
-    width = values.shape[-1]
-    if width & (width - 1):  # pad to a power of two with zeros, the XOR identity
-        pad = (1 << width.bit_length()) - width
-        values = torch.cat([values, values.new_zeros(*values.shape[:-1], pad)], dim=-1)
-    while values.shape[-1] > 1:
-        half = values.shape[-1] // 2
-        values = values[..., :half] ^ values[..., half:]
-    return values[..., 0]
-
-
-def _register(blocks: torch.Tensor) -> torch.Tensor:
-    """R(block) for each row of ``blocks`` (uint8, shape (n, L), L a multiple of _CHUNK)."""
-    rows, length = blocks.shape
-    chunks = length // _CHUNK
-    p, q, offsets = _Tables.get(blocks.device, chunks)
-    index = blocks.reshape(rows, chunks, _CHUNK).to(torch.int32) + offsets
-    per_chunk = _xor_reduce(p[index])  # (rows, chunks)
-    distance = torch.arange(chunks - 1, -1, -1, dtype=torch.int32, device=blocks.device) * 1024
-    parts = [q[distance + k * 256 + ((per_chunk >> (8 * k)) & 0xFF)] for k in range(4)]
-    return _xor_reduce(torch.stack(parts, dim=-1).reshape(rows, chunks * 4))
-
-
-def _padded(data: torch.Tensor) -> torch.Tensor:
-    """``data`` with leading zeros up to a multiple of _CHUNK, as one row."""
-    pad = -data.numel() % _CHUNK
-    if pad or data.numel() == 0:
-        data = torch.cat([data.new_zeros(pad or _CHUNK), data])
-    return data.reshape(1, -1)
-
-
-def device_crc32c_async(data: torch.Tensor, block: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Start the crc32c of each ``block`` bytes of flat uint8 ``data`` (the last may be shorter)
-    without waiting: returns the registers of the full blocks and of the tail, on data's device.
-    ``finish_crc32c`` turns them into the crc values."""
-    if data.dim() != 1 or data.dtype != torch.uint8:
-        raise ValueError("device_crc32c needs a flat uint8 tensor")
-    if block <= 0 or block % _CHUNK:
-        raise ValueError(f"checksum block {block} is not a positive multiple of {_CHUNK}")
-    full = data.numel() // block
-    head = _register(data[: full * block].reshape(full, block)) if full else None
-    tail = _register(_padded(data[full * block :])) if data.numel() % block else None
-    return head, tail
-
-
-def finish_crc32c(started: tuple[torch.Tensor | None, torch.Tensor | None], length: int,
-                  block: int) -> list[int]:
-    """The crc values of ``device_crc32c_async``'s result (waits for the device)."""
-    head, tail = started
-    crcs: list[int] = []
-    if head is not None:
-        zero = _zeros_crc(block)
-        crcs += [(value & 0xFFFFFFFF) ^ zero for value in head.tolist()]
-    if tail is not None:
-        crcs.append((tail.item() & 0xFFFFFFFF) ^ _zeros_crc(length % block))
-    return crcs
-
-
-def device_crc32c(data: torch.Tensor, block: int) -> list[int]:
-    """crc32c of each ``block`` bytes of ``data``, computed where ``data`` lives."""
-    return finish_crc32c(device_crc32c_async(data, block), data.numel(), block)
-
 
 # --------------------------------------------------------------------------- kvikio access
 
@@ -303,7 +145,7 @@ class _DevicePool:
             self.free.put(index)
 
 
-class KvikioEngine:
+class KvikioEngine(PicklesAsConfig):
     """cuFile through kvikio for device memory; a PosixEngine for host memory."""
 
     name = "kvikio"
@@ -377,12 +219,6 @@ class KvikioEngine:
             self._pools = {}
         self._posix.close()
 
-    def __getstate__(self) -> dict:
-        return {"config": self.config}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["config"])
-
     # ------------------------------------------------------------------ write
 
     def write_file(
@@ -391,49 +227,29 @@ class KvikioEngine:
         on_device = [self._on_device(s) for s in sources]
         if not any(on_device):
             return self._posix.write_file(path, header, sources, checksum_block)
-        if len(header) % ALIGN:
-            raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
-        if self.config.block_size % checksum_block:
-            raise ValueError("checksum_block must divide block_size")
         kvikio = self.kvikio
         for device in {s.device for s, dev in zip(sources, on_device) if dev}:
             self._sync(device)  # the bytes the producers queued must be there before cuFile reads
-        sizes = [int(s.numel()) for s in sources]
-        data_size = sum(sizes)
-        data_start = len(header)
-        crcs = [0] * (-(-data_size // checksum_block))
-        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.config.direct_io)
-        stats = IOStats("write")
-        started = time.perf_counter()
-        try:
-            fd, direct = _write_header(path, fd, direct, header)
-            stats.direct_io = direct
+        # the POSIX engine creates the file, writes the header and host windows, cuts and fsyncs
+        # it (fsync is per file: it covers cuFile's writes too); device windows go through cuFile
+        with self._posix.open_container(path, header, sources, checksum_block) as container:
+            container.addresses = [None if dev else a for a, dev in zip(container.addresses, on_device)]
             handle = _open_cufile(kvikio, path, "r+")  # "r+": no truncation, the header stays
-            addresses = [None if dev else s.data_ptr() for s, dev in zip(sources, on_device)]
 
             def write_window(window: Window) -> None:
                 if any(on_device[p.source] for p in window.pieces):
-                    self._write_device_window(handle, path, data_start, window, sources, on_device,
-                                              checksum_block, crcs, stats)
+                    self._write_device_window(handle, container, window, on_device)
                 else:
-                    self._posix._write_window(fd, direct, data_start, window, sources, addresses,
-                                              checksum_block, crcs, stats)
+                    container.write_host_window(window)
 
             try:
-                self._posix._run_bounded(plan_windows(sizes, self.config.block_size), write_window)
+                run_bounded(self.config.queue_depth, container.windows(), write_window)
             finally:
                 handle.close()
-            finish_file(fd, data_start + data_size, stats)  # fsync is per file: covers cuFile's fds
-        except OSError as exc:
-            raise _with_path(exc, path) from exc
-        finally:
-            os.close(fd)
-        stats.seconds = time.perf_counter() - started
-        return FileWriteResult(path, data_start + data_size, data_start, checksum_block, crcs,
-                               crc32c.crc32c(header), stats)
+        return container.result
 
-    def _write_device_window(self, handle, path, data_start, window, sources, on_device,
-                             checksum_block, crcs, stats) -> None:
+    def _write_device_window(self, handle, container, window, on_device) -> None:
+        sources, stats, checksum_block = container.sources, container.stats, container.checksum_block
         first = window.pieces[0]
         device = next(sources[p.source].device for p in window.pieces if on_device[p.source])
         with contextlib.ExitStack() as stack:
@@ -451,17 +267,15 @@ class KvikioEngine:
                 pending = device_crc32c_async(view, checksum_block)  # overlaps the write
                 if copied:
                     self._sync(device)  # the gather must land before cuFile reads it
-                offset = data_start + window.offset
+                offset = container.data_start + window.offset
                 begun = stats.begin()
                 written = _kvikio_call(handle.pwrite, view, window.length, offset,
-                                       self.config.block_size, path, "write")
+                                       self.config.block_size, container.path, "write")
                 stats.end(begun, window.length, copied)
                 if written != window.length:
                     raise OSError(errno.EIO, f"kvikio wrote {written} of {window.length} bytes at "
-                                  f"offset {offset}", path)
-                values = finish_crc32c(pending, window.length, checksum_block)
-        first_block = window.offset // checksum_block
-        crcs[first_block : first_block + len(values)] = values
+                                  f"offset {offset}", container.path)
+                container.record_crcs(window, finish_crc32c(pending, window.length, checksum_block))
         with self._lock:
             self.device_bytes["write"] += window.length
 
@@ -497,7 +311,7 @@ class KvikioEngine:
         for device in {d.device for d, dev in zip(dests, on_device) if dev}:
             self._sync(device)  # nothing queued may still write the destinations
         try:
-            self._posix._run_bounded(device_requests, run)
+            run_bounded(self.config.queue_depth, device_requests, run)
         finally:
             for opened, _ in handles.values():
                 opened.close()
@@ -523,7 +337,7 @@ class KvikioEngine:
                                    self.config.block_size, request.file, "read")
                 stats.end(begun, request.length, 0 if single else request.length)
                 check_length(request, request.file_offset + got)
-                _verify_device(request, view)
+                check_device(request.file, request.file_offset, request.checks, view)
                 if not single:
                     position = 0
                     for dest, dest_offset, length in request.pieces:
@@ -558,33 +372,3 @@ def _kvikio_call(method, view: torch.Tensor, length: int, offset: int, task_size
     except Exception as exc:
         raise OSError(errno.EIO, f"kvikio {op} of {length} bytes at offset {offset} failed ({exc})",
                       path) from exc
-
-
-def _write_header(path: str, fd: int, direct: bool, header: bytes) -> tuple[int, bool]:
-    """Write the header from an aligned host buffer; like the POSIX engine, it is the probe that
-    O_DIRECT writes work, reopening buffered where the filesystem refuses them."""
-    from ..memory import aligned_buffer
-
-    buffer = aligned_buffer(len(header), pin=False)
-    buffer.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    return write_header(path, fd, direct, buffer.numpy().data)
-
-
-def _verify_device(request: ReadRequest, view: torch.Tensor) -> None:
-    """Check the request's blocks against their crc32c, computing on the device."""
-    checks = request.checks
-    if not checks:
-        return
-    block = checks[0][1]
-    regular = all(rel == checks[0][0] + i * block and (n == block or i == len(checks) - 1)
-                  for i, (rel, n, _) in enumerate(checks))
-    if regular and block % _CHUNK == 0:
-        start, end = checks[0][0], checks[-1][0] + checks[-1][1]
-        actual = device_crc32c(view[start:end], block)
-    else:
-        actual = [device_crc32c(view[rel : rel + n], _CHUNK * (-(-n // _CHUNK)))[0]
-                  for rel, n, _ in checks]
-    for (rel, length, expected), crc in zip(checks, actual):
-        if crc != expected:
-            start = request.file_offset + rel
-            raise ChecksumMismatchError(request.file, start, start + length, expected, crc)

@@ -10,6 +10,7 @@ threads overlap copying, checksumming and the device.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -17,18 +18,19 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 
 import crc32c
 import torch
 
+from ..checksums import check_host
 from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
-from ..errors import ChecksumMismatchError, DCPNVMeError
-from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_windows
+from ..errors import DCPNVMeError
+from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, contiguous_span, plan_windows
 from ..memory import aligned_buffer
 from ..stats import IOStats
-from .base import FileWriteResult
+from .base import FileWriteResult, PicklesAsConfig
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class _BouncePool:
             self.free.put(index)
 
 
-class PosixEngine:
+class PosixEngine(PicklesAsConfig):
     """Threads + pwrite/preadv, with O_DIRECT where the filesystem takes it."""
 
     name = "posix"
@@ -157,51 +159,42 @@ class PosixEngine:
     def close(self) -> None:
         self._pool = None
 
-    def __getstate__(self) -> dict:
-        return {"config": self.config}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["config"])
-
-    def _run_bounded(self, tasks: Iterable, work) -> None:
-        """Run ``work(task)`` with queue_depth in flight; the first error stops and is raised."""
-        run_bounded(self.config.queue_depth, tasks, work)
-
     # ------------------------------------------------------------------ write
 
     def write_file(
         self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int
     ) -> FileWriteResult:
+        with self.open_container(path, header, sources, checksum_block) as container:
+            run_bounded(self.config.queue_depth, container.windows(), container.write_host_window)
+        return container.result
+
+    @contextlib.contextmanager
+    def open_container(
+        self, path: str, header: bytes, sources: Sequence[torch.Tensor], checksum_block: int
+    ) -> Iterator[ContainerWrite]:
+        """Create ``path`` and write ``header`` (the O_DIRECT probe); the caller writes the
+        windows; on a clean exit the file is cut to size and fsynced and ``.result`` is set.
+        An engine that builds on this one (kvikio) writes its own windows in between."""
         if len(header) % ALIGN:
             raise ValueError(f"header of {len(header)} bytes is not a multiple of {ALIGN}")
         if self.config.block_size % checksum_block:
             raise ValueError("checksum_block must divide block_size")
-        sizes = [int(s.numel()) for s in sources]
-        data_size = sum(sizes)
-        data_start = len(header)
-        crcs = [0] * (-(-data_size // checksum_block))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        fd, direct = open_file(path, flags, self.config.direct_io)
+        fd, direct = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.config.direct_io)
         stats = IOStats("write")
         started = time.perf_counter()
         try:
             fd, direct = self._write_header(path, fd, direct, header)
             stats.direct_io = direct
-            addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in sources]
-
-            def write_window(window: Window) -> None:
-                self._write_window(fd, direct, data_start, window, sources, addresses,
-                                   checksum_block, crcs, stats)
-
-            self._run_bounded(plan_windows(sizes, self.config.block_size), write_window)
-            finish_file(fd, data_start + data_size, stats)
+            container = ContainerWrite(self, path, fd, direct, len(header), sources, checksum_block, stats)
+            yield container
+            finish_file(fd, container.size, stats)
         except OSError as exc:
-            raise _with_path(exc, path) from exc
+            raise with_path(exc, path) from exc
         finally:
             os.close(fd)
         stats.seconds = time.perf_counter() - started
-        return FileWriteResult(path, data_start + data_size, data_start, checksum_block, crcs,
-                               crc32c.crc32c(header), stats)
+        container.result = FileWriteResult(path, container.size, container.data_start, checksum_block,
+                                           container.crcs, crc32c.crc32c(header), stats)
 
     def _write_header(self, path: str, fd: int, direct: bool, header: bytes) -> tuple[int, bool]:
         """Write the header; it is also the probe that O_DIRECT writes really work here."""
@@ -220,39 +213,6 @@ class PosixEngine:
         finally:
             pool.free.put(index)
 
-    def _write_window(self, fd, direct, data_start, window, sources, addresses, checksum_block,
-                      crcs, stats) -> None:
-        span = _contiguous_address(window, addresses)
-        aligned = span is not None and (
-            not direct or (span % ALIGN == 0 and window.length % ALIGN == 0)
-        )
-        pool = None
-        if aligned:
-            view, copied = _memory_at(span, window.length), 0
-        else:
-            pool = self._bounce()
-            index = pool.free.get()
-            buffer = pool.buffers[index]
-            for piece in window.pieces:
-                src = sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
-                copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
-            length = align_up(window.length) if direct else window.length
-            if length > window.length:
-                buffer[window.length : length].zero_()
-            view, copied = buffer.numpy()[:length].data, window.length
-        try:
-            begun = stats.begin()
-            pwrite_all(fd, view, data_start + window.offset)
-            stats.end(begun, window.length, copied)
-            first = window.offset // checksum_block
-            for rel in range(0, window.length, checksum_block):
-                crcs[first + rel // checksum_block] = crc32c.crc32c(
-                    view[rel : min(rel + checksum_block, window.length)]
-                )
-        finally:
-            if pool is not None:
-                pool.free.put(index)
-
     # ------------------------------------------------------------------ read
 
     def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
@@ -268,7 +228,7 @@ class PosixEngine:
                     try:
                         handles[path] = open_file(path, os.O_RDONLY, self.config.direct_io)
                     except OSError as exc:
-                        raise _with_path(exc, path) from exc
+                        raise with_path(exc, path) from exc
                 return handles[path]
 
         def run(request: ReadRequest) -> None:
@@ -280,10 +240,10 @@ class PosixEngine:
                 else:
                     self._read_scattered(fd, request, dest_arrays, stats)
             except OSError as exc:
-                raise _with_path(exc, request.file) from exc
+                raise with_path(exc, request.file) from exc
 
         try:
-            self._run_bounded(requests, run)
+            run_bounded(self.config.queue_depth, requests, run)
         finally:
             for fd, direct in handles.values():
                 stats.direct_io = stats.direct_io or direct
@@ -306,7 +266,7 @@ class PosixEngine:
             stats.end(begun, request.length, request.length)
             check_length(request, lo + got)
             base = request.file_offset - lo
-            verify_checks(request, [view[base : base + request.length]])
+            check_host(request.file, request.file_offset, request.checks, [view[base : base + request.length]])
             position = base
             for dest, dest_offset, length in request.pieces:
                 if dest != SCRATCH:
@@ -330,24 +290,64 @@ class PosixEngine:
         got = _pread_into(fd, views, request.file_offset)
         stats.end(begun, request.length)
         check_length(request, request.file_offset + got)
-        verify_checks(request, views)
+        check_host(request.file, request.file_offset, request.checks, views)
 
 
-def _contiguous_address(window: Window, addresses: Sequence[int | None]) -> int | None:
-    """The address of the window's bytes if they are one span of host memory, else None."""
-    first = window.pieces[0]
-    start = addresses[first.source]
-    if start is None:
-        return None
-    start += first.src_offset
-    expected = start
-    for piece in window.pieces:
-        base = addresses[piece.source]
-        if base is None or base + piece.src_offset != expected:
-            return None
-        expected += piece.length
-    return start
+class ContainerWrite:
+    """A container being written by ``PosixEngine.open_container``: where its data goes, the
+    crc32c of every checksum block as windows land, and the write's figures."""
 
+    def __init__(self, engine: PosixEngine, path: str, fd: int, direct: bool, data_start: int,
+                 sources: Sequence[torch.Tensor], checksum_block: int, stats: IOStats) -> None:
+        self.engine, self.path, self.fd, self.direct = engine, path, fd, direct
+        self.data_start, self.sources, self.stats = data_start, sources, stats
+        self.checksum_block = checksum_block
+        self.sizes = [int(s.numel()) for s in sources]
+        self.size = data_start + sum(self.sizes)
+        self.crcs = [0] * (-(-sum(self.sizes) // checksum_block))
+        self.addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in sources]
+        self.result: FileWriteResult | None = None
+
+    def windows(self) -> Iterator[Window]:
+        """The data region cut into requests of ``block_size`` bytes."""
+        return plan_windows(self.sizes, self.engine.config.block_size)
+
+    def record_crcs(self, window: Window, values: Sequence[int]) -> None:
+        """The crc32c of the window's checksum blocks, in order."""
+        first = window.offset // self.checksum_block
+        self.crcs[first : first + len(values)] = values
+
+    def write_host_window(self, window: Window) -> None:
+        """Write one window from host memory: straight from one aligned span when the sources
+        lie back to back there (a staging arena), else through a bounce buffer."""
+        direct, block, stats = self.direct, self.checksum_block, self.stats
+        span = contiguous_span(window, self.addresses)
+        aligned = span is not None and (
+            not direct or (span % ALIGN == 0 and window.length % ALIGN == 0)
+        )
+        pool = None
+        if aligned:
+            view, copied = _memory_at(span, window.length), 0
+        else:
+            pool = self.engine._bounce()
+            index = pool.free.get()
+            buffer = pool.buffers[index]
+            for piece in window.pieces:
+                src = self.sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
+                copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
+            length = align_up(window.length) if direct else window.length
+            if length > window.length:
+                buffer[window.length : length].zero_()
+            view, copied = buffer.numpy()[:length].data, window.length
+        try:
+            begun = stats.begin()
+            pwrite_all(self.fd, view, self.data_start + window.offset)
+            stats.end(begun, window.length, copied)
+            self.record_crcs(window, [crc32c.crc32c(view[rel : min(rel + block, window.length)])
+                                      for rel in range(0, window.length, block)])
+        finally:
+            if pool is not None:
+                pool.free.put(index)
 
 def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:
     """preadv until every view is full or the file ends; returns the bytes read."""
@@ -376,29 +376,8 @@ def check_length(request: ReadRequest, end_read: int) -> None:
         )
 
 
-def verify_checks(request: ReadRequest, views: list[memoryview]) -> None:
-    """Check each block of the request against its expected crc32c (views in file order)."""
-    if not request.checks:
-        return
-    position, index = 0, 0  # start offset of views[index] within the request
-    for rel, length, expected in request.checks:
-        while position + len(views[index]) <= rel:
-            position += len(views[index])
-            index += 1
-        crc, cursor, i, pos = 0, rel, index, position
-        while cursor < rel + length:
-            view = views[i]
-            take = view[cursor - pos : min(len(view), rel + length - pos)]
-            crc = crc32c.crc32c(take, crc)
-            cursor += len(take)
-            pos += len(view)
-            i += 1
-        if crc != expected:
-            start = request.file_offset + rel
-            raise ChecksumMismatchError(request.file, start, start + length, expected, crc)
-
-
-def _with_path(exc: OSError, path: str) -> OSError:
+def with_path(exc: OSError, path: str) -> OSError:
+    """``exc`` naming ``path`` when it names no file yet."""
     if exc.filename:
         return exc
     return type(exc)(exc.errno, f"{exc.strerror} (while doing I/O on {path})", path)

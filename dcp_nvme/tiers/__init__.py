@@ -6,6 +6,7 @@
 See docs/tiers.md. ``register`` adds ``dcp-nvme drain`` and ``dcp-nvme status``.
 """
 
+from ..errors import DrainError
 from .drainer import (
     Drainer,
     DrainOptions,
@@ -15,7 +16,6 @@ from .drainer import (
     set_default_drainer,
     verify_mirror,
 )
-from .plan import DrainError
 from .retention import apply_retention, plan_retention
 from .state import DRAINING, FAILED, LOCAL, MIRRORED, UNCOMMITTED, DrainState, drain_state
 

@@ -21,13 +21,14 @@ import numpy as np
 import torch
 
 from .. import codec
+from ..checksums import check_host
 from ..concurrency import run_bounded
 from ..config import IOConfig
-from ..engines.posix import check_length, verify_checks
+from ..engines.posix import check_length
 from ..layout import SCRATCH, ReadRequest
 from ..manifest import FileRecord, Manifest
 from ..stats import IOStats
-from .plan import plan_pieces, verify_piece
+from .transfer import plan_pieces, verify_piece
 
 Fetch = Callable[[str, int, int], bytes]
 """(name, start, end) -> the stored bytes [start, end) of a file of the mirror."""
@@ -174,7 +175,7 @@ class CodedEngine:
         return opened
 
     def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
-        from ..remote import _copy_into
+        from ..engines.fsspec import _copy_into
 
         stats = IOStats("read")
         started = time.perf_counter()
@@ -184,7 +185,7 @@ class CodedEngine:
             data = self.file(request.file).read(request.file_offset, request.file_offset + request.length)
             stats.end(begun, len(data), len(data))
             check_length(request, request.file_offset + len(data))
-            verify_checks(request, [memoryview(data)])
+            check_host(request.file, request.file_offset, request.checks, [memoryview(data)])
             source = np.frombuffer(data, dtype=np.uint8)
             position = 0
             for dest, dest_offset, length in request.pieces:

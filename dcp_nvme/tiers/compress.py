@@ -28,8 +28,8 @@ import crc32c
 
 from .. import codec
 from ..manifest import SELF_CRC, FileRecord, Manifest, seal
-from .plan import DrainFault, Piece, plan_pieces, step, verify_piece
 from .source import DrainSource
+from .transfer import DrainFault, Piece, plan_pieces, step, verify_piece
 
 log = logging.getLogger(__name__)
 

@@ -28,15 +28,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..concurrency import run_bounded
-from ..errors import CheckpointNotFoundError, ManifestError
+from ..errors import CheckpointNotFoundError, DrainError, ManifestError
 from ..manifest import MANIFEST, FileRecord, save_key_of
 from .coded import readback_coded, same_save
 from .compress import MODES as COMPRESS_MODES
 from .compress import SUFFIX as CODED_SUFFIX
 from .compress import CompressedSource, default_threads, pick_base, remove_scratch, through_codec
-from .plan import (
+from .sinks import S3Sink, Sink, open_sink
+from .source import DrainSource, overwritten
+from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
+from .transfer import (
     S3_MIN_PART,
-    DrainError,
     IncompleteOnTarget,
     MiB,
     Piece,
@@ -53,9 +55,6 @@ from .plan import (
     step,
     verify_piece,
 )
-from .sinks import S3Sink, Sink, open_sink
-from .source import DrainSource, overwritten
-from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
 
 log = logging.getLogger(__name__)
 

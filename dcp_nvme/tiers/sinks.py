@@ -25,11 +25,11 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from ..errors import ChecksumMismatchError
+from ..errors import BucketMissingError, ChecksumMismatchError
 from ..manifest import FileRecord
 from ..remote import FsspecStore, filesystem, is_local_fs
 from ..store import LocalStore, fsync_dir, is_remote_url, local_path
-from .plan import Piece, verify_piece
+from .transfer import Piece, verify_piece
 
 LocalPiece = Callable[[FileRecord, Piece], bytes]
 """Reads one piece of a local data file, checked against the blocks table."""
@@ -207,7 +207,11 @@ class S3Sink(Sink):
         # Fail early and clearly when the bucket is missing (exists() would just say False).
         bucket, _ = self._key("x")
         self.fs.invalidate_cache(bucket)
-        self.fs.ls(bucket)
+        try:
+            self.fs.ls(bucket)
+        except FileNotFoundError as exc:
+            raise BucketMissingError(f"bucket {bucket!r} does not exist ({exc}); create it or fix "
+                                     "the target URL") from exc
 
     def confirm_file(self, name: str, record: FileRecord, pieces: list[Piece], local: LocalPiece) -> bool:
         """Fast path: the object's multipart ETag is the md5 of the local pieces' md5s (no GET).

@@ -12,12 +12,11 @@ import json
 import os
 from typing import Any
 
-import crc32c
-
+from ..checksums import check_table
 from ..errors import ManifestError
 from ..manifest import MANIFEST, FileRecord, Manifest, read_files, read_manifest
 from ..store import LocalStore
-from .plan import DrainFault, Piece, SourceChanged, step, verify_piece
+from .transfer import DrainFault, Piece, SourceChanged, step, verify_piece
 
 
 class DrainSource:
@@ -40,9 +39,7 @@ class DrainSource:
 
     def _table(self, entry: dict[str, Any]) -> bytes:
         data = self.store.read(entry["name"])
-        if len(data) != entry["size"] or crc32c.crc32c(data) != entry["crc32c"]:
-            raise ManifestError(f"{self.location}: {entry['name']} does not match {MANIFEST}; not "
-                                "draining a corrupt checkpoint")
+        check_table(self.location, entry, data)  # never drain a corrupt checkpoint
         return data
 
     def piece(self, record: FileRecord, piece: Piece) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError
 from ..manifest import MANIFEST
 from ..store import LocalStore
-from .plan import Piece, piece_entry
+from .transfer import Piece, piece_entry
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,7 @@ import sys
 import time
 from typing import Any
 
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+from ..display import format_size as human_bytes
 
 
 def _table(rows: list[list[str]], out=sys.stdout) -> None:
@@ -42,7 +34,7 @@ def _when(unix: float | None) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from .listing import list_checkpoints, tiers_available
+    from .listing import list_checkpoints
 
     entries = list_checkpoints(args.dir)
     if args.json:
@@ -51,13 +43,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not entries:
         print(f"no checkpoints under {args.dir}")
         return 0
-    tiers = tiers_available()
-    rows = [["STEP", "STATE", "SIZE", "RANKS", "CREATED", *(["TIER"] if tiers else []), "PATH"]]
+    rows = [["STEP", "STATE", "SIZE", "RANKS", "CREATED", "TIER", "PATH"]]
     for e in entries:
         rows.append([
             "-" if e.step is None else str(e.step), e.state, human_bytes(e.bytes),
             "-" if e.ranks is None else str(e.ranks), _when(e.created_unix),
-            *([str(e.tier) if e.tier is not None else "-"] if tiers else []), e.path,
+            str(e.tier) if e.tier is not None else "-", e.path,
         ])
     _table(rows)
     for e in entries:

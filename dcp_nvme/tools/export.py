@@ -14,14 +14,16 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..config import IOConfig, parse_size
+from ..display import progress_bar
 from ..engines.posix import PosixEngine
 from ..layout import FileBlocks, plan_reads
 from ..manifest import FileRecord, read_files, read_manifest
@@ -30,7 +32,6 @@ from ..store import LocalStore, is_remote_url
 from ..tiers.coded import coded_engine, decoded_view
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
 from .st_format import build_header
-from .verify import progress_bar
 
 INDEX_NAME = "model.safetensors.index.json"
 CAST_BUFFER = 16 << 20
@@ -114,7 +115,7 @@ def export_hf(
         raise
     finally:
         engine.close()
-        bar(None)
+        bar.close()
     result.seconds = time.perf_counter() - started
     return result
 
@@ -125,7 +126,7 @@ def _match(name: str, pattern: str) -> bool:
 
 def _refuse_overlap(checkpoint: str, out: Path) -> None:
     """An export onto the checkpoint it reads (or into it, or around it) would replace it."""
-    from ..tiers.plan import overlap
+    from ..tiers.transfer import overlap
 
     why = overlap(os.path.realpath(checkpoint), os.path.realpath(out))
     if why is not None:
@@ -155,7 +156,7 @@ def _publish(temp: Path, out: Path) -> None:
 
 
 def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict[str, FileRecord],
-                 engine: PosixEngine, bar: Callable[[int | None], None]) -> None:
+                 engine: PosixEngine, bar: tqdm) -> None:
     header = build_header([t.entry for t in shard], {"format": "pt"})
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -164,7 +165,7 @@ def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict
             full = assemble(tensor, location, files, engine)
             _write_tensor(fd, full, tensor.out)
             del full
-            bar(tensor.nbytes)
+            bar.update(tensor.nbytes)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -14,7 +14,7 @@ from ..remote import open_store
 from ..store import Store
 from ..tiers.coded import decoded_view
 from .st_format import parse_header
-from .status import FOREIGN, MISSING, NOT_A_CHECKPOINT, Probe, probe
+from .status import FOREIGN, MISSING, NOT_A_CHECKPOINT, CheckpointState, checkpoint_state
 
 
 @dataclass
@@ -78,7 +78,7 @@ def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -
     another tool's files). ``filter`` is a glob on names; matching nothing is a ValueError.
     """
     source = decoded_view(open_store(location))  # a compressed mirror reads as its plain files
-    found = probe(source)
+    found = checkpoint_state(source)
     if found.state in (MISSING, NOT_A_CHECKPOINT, FOREIGN):
         raise CheckpointNotFoundError(found.reason)
     result = Inspection(source.location, found.state, found.reason)
@@ -94,7 +94,7 @@ def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -
     return result
 
 
-def _summarise(result: Inspection, found: Probe, pattern: str | None) -> None:
+def _summarise(result: Inspection, found: CheckpointState, pattern: str | None) -> None:
     chunks = found.manifest.chunks
     if pattern is not None:
         chunks = [c for c in chunks if fnmatch.fnmatchcase(c.fqn, pattern)]
@@ -128,7 +128,7 @@ def _add(files: tuple[str, ...], name: str) -> tuple[str, ...]:
     return files if name in files else (*files, name)
 
 
-def _partial(source: Store, found: Probe) -> dict[str, Any]:
+def _partial(source: Store, found: CheckpointState) -> dict[str, Any]:
     """What the data files of an unfinished or unreadable save say about themselves."""
     out: dict[str, Any] = {}
     for name in found.data_files:

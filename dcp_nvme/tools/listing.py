@@ -9,8 +9,9 @@ from typing import Any
 
 from ..manifest import DCP_METADATA, MANIFEST, save_key_of
 from ..store import LocalStore
+from ..tiers import drain_state
 from ..tiers.coded import decoded_view
-from .status import parse_step, probe
+from .status import checkpoint_state, parse_step
 
 
 @dataclass
@@ -25,7 +26,7 @@ class CheckpointEntry:
     ranks: int | None
     created_unix: float
     tier: Any = None
-    """The tier drain state where ``dcp_nvme.tiers`` provides one, else None."""
+    """The checkpoint's drain state (``dcp_nvme.tiers``)."""
 
     @property
     def ok(self) -> bool:
@@ -45,32 +46,17 @@ def _looks_like_checkpoint(path: Path) -> bool:
 
 def _tier_state(path: str) -> Any:
     try:
-        from .. import tiers  # optional module, built separately
-    except ImportError:
-        return None
-    drain_state = getattr(tiers, "drain_state", None)
-    if drain_state is None:
-        return None
-    try:
         state = drain_state(path)
     except Exception as exc:  # a tier problem must not hide the checkpoint list
         return f"unknown ({exc})"
     return getattr(state, "value", state)
 
 
-def tiers_available() -> bool:
-    try:
-        from .. import tiers
-    except ImportError:
-        return False
-    return hasattr(tiers, "drain_state")
-
-
 def describe(path: str | os.PathLike) -> CheckpointEntry:
     """One checkpoint directory as a list row."""
     root = Path(path)
     source = decoded_view(LocalStore(root))  # a compressed mirror reads as its plain files
-    found = probe(source)
+    found = checkpoint_state(source)
     total = 0
     newest = 0.0
     for entry in os.scandir(root):

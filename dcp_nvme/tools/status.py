@@ -27,7 +27,7 @@ def parse_step(name: str) -> int | None:
 
 
 @dataclass
-class Probe:
+class CheckpointState:
     location: str
     state: str
     reason: str = ""
@@ -40,26 +40,26 @@ class Probe:
         return self.state == COMMITTED
 
 
-def probe(source: Store) -> Probe:
+def checkpoint_state(source: Store) -> CheckpointState:
     """Read the manifest and index if there are any; never raises for a bad checkpoint."""
     location = source.location
     if not source.exists():
-        return Probe(location, MISSING, f"{location} does not exist")
+        return CheckpointState(location, MISSING, f"{location} does not exist")
     names = source.names()
     data_files = [n for n in names if n.endswith(".safetensors") and save_key_of(n)]
     try:
         manifest = read_manifest(source, location)
     except CheckpointNotCommittedError as exc:
-        return Probe(location, INCOMPLETE, str(exc), data_files=data_files)
+        return CheckpointState(location, INCOMPLETE, str(exc), data_files=data_files)
     except CheckpointNotFoundError as exc:
         state = FOREIGN if DCP_METADATA in names else NOT_A_CHECKPOINT
-        return Probe(location, state, str(exc), data_files=data_files)
+        return CheckpointState(location, state, str(exc), data_files=data_files)
     except Exception as exc:  # any damage to the manifest or index: report it, never crash
-        return Probe(location, CORRUPT, _one_line(exc), data_files=data_files)
+        return CheckpointState(location, CORRUPT, _one_line(exc), data_files=data_files)
     problems = quick_check(source, manifest)
     if problems:
-        return Probe(location, DAMAGED, "; ".join(problems), manifest, data_files)
-    return Probe(location, COMMITTED, "", manifest, data_files)
+        return CheckpointState(location, DAMAGED, "; ".join(problems), manifest, data_files)
+    return CheckpointState(location, COMMITTED, "", manifest, data_files)
 
 
 def quick_check(source: Store, manifest: Manifest) -> list[str]:

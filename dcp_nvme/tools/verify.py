@@ -13,14 +13,16 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import crc32c
 
+from ..checksums import checks_within, host_crcs, items_in, mismatches
 from ..concurrency import run_bounded
-from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError
+from ..display import progress_bar
+from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, ManifestError, TableError
 from ..manifest import (
     MANIFEST,
     ChunkRecord,
@@ -115,10 +117,6 @@ def verify_checkpoint(
 # --------------------------------------------------------------------------- manifest and tables
 
 
-def _table_names(source: Store) -> list[str]:
-    return [n for n in source.names() if n.endswith(".parquet")]
-
-
 def _manifest(source: Store, report: VerifyReport) -> Manifest | None:
     try:
         return read_manifest(source, source.location)
@@ -126,11 +124,11 @@ def _manifest(source: Store, report: VerifyReport) -> Manifest | None:
         report.problems.append(Problem(MANIFEST, "incomplete", str(exc)))
     except CheckpointNotFoundError:
         raise
-    except Exception as exc:  # corrupt JSON or a table that does not match it
-        text = str(exc)
-        culprit = next((n for n in _table_names(source) if n in text), MANIFEST)
-        kind = "index" if culprit.startswith("index.") else "blocks" if culprit != MANIFEST else "manifest"
-        report.problems.append(Problem(culprit, kind, text))
+    except TableError as exc:  # a table missing or not matching manifest.json
+        report.problems.append(Problem(exc.name, "index" if exc.name.startswith("index.") else "blocks", str(exc)))
+    except (ManifestError, ValueError, KeyError, TypeError) as exc:  # a corrupt manifest or index
+        report.problems.append(Problem(MANIFEST, "manifest", str(exc)))
+    # anything else (credentials, an unreachable store) is not a finding about the checkpoint: raised
     return None
 
 
@@ -218,11 +216,6 @@ def _rows_by_file(manifest: Manifest) -> dict[str, list[ChunkRecord]]:
     return rows
 
 
-def items_in(rows: list[ChunkRecord], start: int, end: int) -> tuple[str, ...]:
-    """The index keys of the items whose bytes overlap ``[start, end)``."""
-    return tuple(r.key for r in rows if r.byte_offset < end and start < r.byte_offset + r.length)
-
-
 def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], report: VerifyReport) -> bool:
     """Header crc, safetensors parse, and agreement with the index; False when unreadable."""
     prefix = bytearray(record.data_start)
@@ -307,15 +300,12 @@ def _check_span(source: Store, task: _Task, buffer: bytearray) -> tuple[int, lis
     record, length = task.record, task.length
     view = memoryview(buffer)[:length]
     got = source.read_into(record.name, task.start, view)
-    bad = []
-    for index in range(task.blocks):
-        rel = index * record.checksum_block
-        lo, hi = rel, min(rel + record.checksum_block, length)
-        start = task.start + lo
-        if got < hi:
-            bad.append((start, task.start + hi, "unreadable: the file ends before this block"))
-        elif crc32c.crc32c(view[lo:hi]) != record.crcs[task.first_block + index]:
-            bad.append((start, task.start + hi, "data does not match its crc32c"))
+    checks = checks_within(record, task.start, task.start + length)
+    bad = [(task.start + rel, task.start + rel + n, "unreadable: the file ends before this block")
+           for rel, n, _ in checks if rel + n > got]
+    readable = checks[: len(checks) - len(bad)]
+    bad += [(task.start + rel, task.start + rel + n, "data does not match its crc32c")
+            for (rel, n, _), _ in mismatches(readable, host_crcs([view], readable))]
     return got, bad
 
 
@@ -359,7 +349,7 @@ def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRe
     lock = threading.Lock()
     buffer_size = max((min(max(1, span // r.checksum_block), len(r.crcs)) * r.checksum_block
                        for r in readable), default=0)
-    bar = progress_bar(total, progress)
+    bar = progress_bar(total, progress, "verify")
 
     def run(task: _Task) -> None:
         if getattr(local, "buffer", None) is None:
@@ -368,31 +358,13 @@ def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRe
         with lock:
             report.bytes_read += got
             bad.setdefault(task.record.name, []).extend(found)
-            bar(task.length)
+            bar.update(task.length)
 
     try:
         run_bounded(jobs, _tasks(readable, span), run, "dcp-nvme-verify")
     finally:
-        bar(None)
+        bar.close()
     for name in sorted(bad):
         for start, end, why in _merge(bad[name]):
-            report.problems.append(Problem(name, "data", why, start, end, items_in(rows.get(name, []), start, end)))
-
-
-def progress_bar(total: int, enabled: bool, desc: str = "verify") -> Callable[[int | None], None]:
-    """``update(n)``; ``update(None)`` closes. A no-op when disabled or tqdm is absent."""
-    if not enabled:
-        return lambda n: None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return lambda n: None
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, leave=False)
-
-    def update(n: int | None) -> None:
-        if n is None:
-            bar.close()
-        else:
-            bar.update(n)
-
-    return update
+            spans = [(r.byte_offset, r.byte_offset + r.length, r.key) for r in rows.get(name, [])]
+            report.problems.append(Problem(name, "data", why, start, end, items_in(spans, start, end)))

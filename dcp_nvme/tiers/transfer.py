@@ -1,6 +1,7 @@
-"""Pure parts of the drain: how a file is cut into pieces, which journaled pieces still match
-a plan, whether a target overlaps its source, how a piece is verified, how an error is named,
-and the token bucket that caps bandwidth. No I/O here except sleeping."""
+"""The rules of a transfer, without its I/O: how a file is cut into pieces, which journaled
+pieces still match them, whether a target overlaps its source, how a piece is verified, how a
+failure is named and whether a retry can fix it, and the token bucket that caps bandwidth. No
+I/O here except sleeping."""
 
 from __future__ import annotations
 
@@ -12,23 +13,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import crc32c
-
-from ..errors import ChecksumMismatchError, DCPNVMeError
+from ..checksums import check_host, checks_within
+from ..errors import BucketMissingError, ChecksumMismatchError
 from ..manifest import FileRecord
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB
 """S3 refuses multipart parts below 5 MiB (except the last)."""
-
-
-class DrainError(DCPNVMeError, RuntimeError):
-    """A drain gave up; ``cause`` is the one-line reason also recorded in the drain state."""
-
-    def __init__(self, location: str, target: str, cause: str) -> None:
-        self.location, self.target, self.cause = location, target, cause
-        super().__init__(f"drain of {location} to {target} failed: {cause}. The local checkpoint is "
-                         "intact; fix the cause and run `dcp-nvme drain` on it to resume.")
 
 
 class DrainFault(Exception):
@@ -129,21 +120,7 @@ def verify_piece(record: FileRecord, offset: int, data: bytes | memoryview, wher
     Raises ChecksumMismatchError naming ``where`` (the file, local or remote) and the range.
     """
     view = memoryview(data)
-    end = offset + len(view)
-    if offset == 0 and end >= record.data_start:
-        actual = crc32c.crc32c(view[: record.data_start])
-        if actual != record.header_crc:
-            raise ChecksumMismatchError(where, 0, record.data_start, record.header_crc, actual)
-    block = record.checksum_block
-    first = max(0, -(-(offset - record.data_start) // block))
-    for index in range(first, len(record.crcs)):
-        lo = record.data_start + index * block
-        hi = min(lo + block, record.size)
-        if hi > end:
-            break
-        actual = crc32c.crc32c(view[lo - offset : hi - offset])
-        if actual != record.crcs[index]:
-            raise ChecksumMismatchError(where, lo, hi, record.crcs[index], actual)
+    check_host(where, offset, checks_within(record, offset, offset + len(view)), [view])
 
 
 STEP = "dcp_nvme_drain_step"
@@ -179,7 +156,7 @@ def classify(exc: BaseException) -> str:
         return f"{where}{text}"
     if isinstance(exc, PermissionError):
         return f"access denied (credentials refused?): {where}{text}"
-    if isinstance(exc, FileNotFoundError) and "bucket" in text.lower():
+    if isinstance(exc, BucketMissingError):
         return f"bucket missing: {where}{text}"
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:
         return f"server busy (503 SlowDown): {where}{text}"
