@@ -80,6 +80,8 @@ BLOCK_SIZE_RANGE = (ALIGN, 256 << 20)
 """Requests of 4 KiB to 256 MiB, a multiple of 4 KiB: queue_depth of them are the bounce
 buffers of a rank, so the largest block times the deepest queue is already 64 GiB."""
 MEMORY_BUDGET_RANGE = (1 << 20, 1 << 40)
+NODE_QUEUE_DEPTH_RANGE = (1, 65536)
+"""A node's shared budget: an NVMe queue holds at most 64 Ki entries, more is a typo."""
 
 
 def _invalid(name: str, value: Any, source: str, problem: str) -> ValueError:
@@ -156,6 +158,7 @@ _CHECKS: dict[str, Any] = {
     "allow_pickle": check_bool,
     "memory_budget": lambda n, v, s: check_size(n, v, MEMORY_BUDGET_RANGE, s),
     "mirror": check_url,
+    "node_queue_depth": lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s),
 }
 """The one place each option's form and range is checked: name -> check(name, value, source)."""
 
@@ -170,7 +173,8 @@ class IOConfig:
     """How a rank talks to its storage.
 
     ``queue_depth`` requests of ``block_size`` bytes are in flight per rank: that product is the
-    write window. With N ranks on one node the device sees N x queue_depth requests.
+    write window. With N ranks on one node the device sees N x queue_depth requests, unless
+    ``node_queue_depth`` is set: then the node's ranks share that many (``dcp_nvme.node``).
     """
 
     queue_depth: int = 8
@@ -178,6 +182,7 @@ class IOConfig:
     direct_io: bool = True
     engine: str = "auto"
     verify: bool = True
+    node_queue_depth: int | None = None
 
     def __post_init__(self) -> None:
         for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
@@ -194,7 +199,7 @@ class IOConfig:
         return asdict(self)
 
 
-_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify")
+_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify", "node_queue_depth")
 
 
 def _from_env() -> dict[str, Any]:
@@ -215,7 +220,8 @@ def _from_tune_file() -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
         best = doc["best"]
-        values = {k: best[k] for k in ("queue_depth", "block_size", "direct_io") if k in best}
+        values = {k: best[k] for k in ("queue_depth", "block_size", "direct_io", "node_queue_depth")
+                  if k in best}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring tune file %s: %s (rerun `dcp-nvme tune`)", path, exc)
         return {}

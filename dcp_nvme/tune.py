@@ -67,13 +67,15 @@ class ProbeResult:
         }
 
 
-def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, keep: bool = False) -> ProbeResult:
+def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, keep: bool = False,
+                 sync=None) -> ProbeResult:
     """Write ``nbytes`` to a new file with the plugin's engine, evict it, read it back, delete it.
 
     The data comes from (and returns to) one page-aligned buffer, so the engine takes its
     zero-copy path: this is the best the engine can do on this directory, the device limit as
     the plugin sees it. The engine is warmed on a small file first so that allocating its
-    bounce buffers is not timed.
+    bounce buffers is not timed. ``sync``, when given, is called before the timed write and
+    before the timed read: processes measured together (``tune --ranks``) start each at once.
     """
     nbytes = max(ALIGN, nbytes // ALIGN * ALIGN)
     os.makedirs(directory, exist_ok=True)
@@ -87,12 +89,16 @@ def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, kee
     try:
         engine.write_file(warm, header, [source[:ALIGN]], config.checksum_block)
         os.unlink(warm)
+        if sync is not None:
+            sync()
         started = time.perf_counter()
         written = engine.write_file(path, header, [source], config.checksum_block)
         write_seconds = time.perf_counter() - started
         eviction = evict_from_page_cache([path])
         dest = aligned_buffer(nbytes, pin=False) if buffer is None else source
         requests = plan_reads(path, [Need(ALIGN, nbytes, 0, 0)], max_request=config.block_size)
+        if sync is not None:
+            sync()
         started = time.perf_counter()
         read_stats = engine.read(requests, [dest])
         read_seconds = time.perf_counter() - started
@@ -162,15 +168,32 @@ def sweep(directory: str, nbytes: int, queue_depths: list[int], block_sizes: lis
 def format_curve(doc: dict[str, Any]) -> str:
     """The sweep as a table a person can scan, the chosen point marked."""
     best = doc["best"]
-    lines = [f"{'direct':>6} {'queue_depth':>11} {'block_size':>10} {'write GB/s':>10} {'read GB/s':>9} "
-             f"{'w p99 ms':>8} {'depth':>5}"]
+    node = "node_queue_depth" in best  # tune --ranks: node depth, then each rank's share
+    lines = [(f"{'node qd':>7} " if node else "") + f"{'direct':>6} {'queue_depth':>11} {'block_size':>10} "
+             f"{'write GB/s':>10} {'read GB/s':>9} {'w p99 ms':>8} {'depth':>5}"]
     for p in doc["points"]:
         chosen = all(p[k] == best[k] for k in ("queue_depth", "block_size", "direct_io"))
         lines.append(
+            (f"{p['node_queue_depth']:>7} " if node else "") +
             f"{('yes' if p['direct_io'] else 'no'):>6} {p['queue_depth']:>11} {format_size(p['block_size']):>10} "
             f"{p['write_gbps']:>10.2f} {p['read_gbps']:>9.2f} {p['write_io']['latency_p99_ms']:>8.1f} "
             f"{p['write_io']['max_inflight']:>5}" + ("   <- best" if chosen else ""))
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def _layer_report(doc: dict[str, Any], device, ranks: int) -> list[str]:
+    """Block layer and drive health under the tuned directory; also stored in ``doc``."""
+    from .blockdev import check_queues, format_device
+    from .health import format_drive
+
+    best = doc["best"]
+    advice = check_queues(device, best["queue_depth"], ranks, best["block_size"]) if device else []
+    doc["block_layer"] = {"device": device.to_dict() if device else None, "advice": [str(a) for a in advice]}
+    lines = format_device(device) + [f"  warning: {a}" for a in advice]
+    return lines + format_drive(doc["drive"])
 
 
 # --------------------------------------------------------------------------- CLI
@@ -230,6 +253,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--output", default=None,
                         help=f"where to write the result (default: {default_tune_file()}, "
                              "or $DCP_NVME_TUNE_FILE)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="processes writing at once, as the ranks of one node do: --queue-depths are "
+                             "then node depths, split evenly, and the best is saved as node_queue_depth")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_tune)
 
@@ -239,16 +265,28 @@ def run_tune(args: argparse.Namespace) -> int:
         raise ValueError("--repeat must be at least 1")
     if args.size < ALIGN:
         raise ValueError(f"--size must be at least {ALIGN} bytes")
+    if args.ranks < 1:
+        raise ValueError("--ranks must be at least 1")
+    from .health import DriveWatch
+    from .tune_ranks import sweep_ranks
+
     work = os.path.join(args.dir, f".dcp-nvme-tune-{uuid.uuid4().hex[:8]}")
     os.makedirs(work)
+    drive = DriveWatch(work)
     try:
-        doc = sweep(work, args.size, args.queue_depths, args.block_sizes, args.direct,
-                    repeat=args.repeat, progress=not args.no_progress)
+        if args.ranks > 1:
+            doc = sweep_ranks(work, args.size, args.ranks, args.queue_depths, args.block_sizes, args.direct,
+                              repeat=args.repeat, progress=not args.no_progress)
+        else:
+            doc = sweep(work, args.size, args.queue_depths, args.block_sizes, args.direct,
+                        repeat=args.repeat, progress=not args.no_progress)
     finally:
         for leftover in files_under(work):
             os.unlink(leftover)
         os.rmdir(work)
     doc["machine"]["directory"] = os.path.abspath(args.dir)
+    doc["drive"] = drive.finish()
+    layer_lines = _layer_report(doc, drive.device, args.ranks)
     output = Path(args.output) if args.output else default_tune_file()
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
@@ -258,8 +296,11 @@ def run_tune(args: argparse.Namespace) -> int:
     print(f"dcp-nvme tune: {args.size / 2**20:.0f} MiB per point on {doc['machine']['directory']} "
           f"({doc['machine'].get('fstype', '?')})")
     print(format_curve(doc))
-    print(f"best: queue_depth={best['queue_depth']} block_size={format_size(best['block_size'])} "
+    node = (f"node_queue_depth={best['node_queue_depth']} over {args.ranks} ranks, "
+            if best.get("node_queue_depth") else "")
+    print(f"best: {node}queue_depth={best['queue_depth']} block_size={format_size(best['block_size'])} "
           f"direct_io={best['direct_io']} (write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s)")
+    print("\n".join(layer_lines))
     if output.resolve() == default_tune_file().resolve():
         print(f"written to {output}; NVMeWriter/NVMeReader use it unless an argument or DCP_NVME_* "
               "says otherwise")

@@ -27,9 +27,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import savelock
+from .blockdev import warn_once
 from .config import IOConfig, check_option, resolve_config
 from .engines import shared_engine
 from .errors import CheckpointExistsError, CheckpointLockedError
+from .health import DriveWatch
 from .layout import ItemSpec, plan_container
 from .manifest import (
     FORMAT,
@@ -52,8 +54,10 @@ from .manifest import (
     write_commit_file,
 )
 from .memory import tensor_bytes
+from .node import HostTag, budgeted, local_ranks, ranks_per_host, this_host
 from .stats import PhaseTimer
 from .store import LocalStore, is_local_path, local_path
+from .telemetry import format_summary, layer_summary
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,8 @@ class RankPlan:
 
     rank: int
     save_key: str
+    local_ranks: int = 1
+    """Ranks on this rank's host, counted from the host names in the local plans."""
 
 
 def _item_key(item: WriteItem) -> str:
@@ -120,6 +126,8 @@ class NVMeWriter(StorageWriter):
         block_size: bytes per request, e.g. ``"8MiB"`` (env ``DCP_NVME_BLOCK_SIZE``).
         direct_io: O_DIRECT where the filesystem allows it (env ``DCP_NVME_DIRECT_IO``).
         engine: ``"auto"``, ``"posix"`` or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
+        node_queue_depth: requests in flight shared by the ranks of a node: each keeps
+            ``node_queue_depth // local ranks`` (env ``DCP_NVME_NODE_QUEUE_DEPTH``; ``dcp_nvme.node``).
         overwrite: replace a committed checkpoint at ``path``; the old one stays loadable until
             the new one commits.
         mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each
@@ -137,6 +145,7 @@ class NVMeWriter(StorageWriter):
         block_size: int | str | None = None,
         direct_io: bool | None = None,
         engine: str | None = None,
+        node_queue_depth: int | None = None,
         overwrite: bool = False,
         mirror: str | None = None,
         mirror_options: dict[str, Any] | None = None,
@@ -145,7 +154,8 @@ class NVMeWriter(StorageWriter):
         super().__init__()
         self.path = local_path(path)
         self.config: IOConfig = resolve_config(
-            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine
+            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine,
+            node_queue_depth=node_queue_depth,
         )
         self.overwrite = check_option("overwrite", overwrite)
         self.mirror = None if mirror is None else check_option("mirror", mirror)
@@ -197,7 +207,7 @@ class NVMeWriter(StorageWriter):
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot create checkpoint directory {self.path}: {exc.strerror}") from exc
-        return plan
+        return replace(plan, storage_data=HostTag(this_host()))  # the coordinator counts ranks per host
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator takes the directory's save lock before any rank writes; a refusal here
@@ -214,10 +224,11 @@ class NVMeWriter(StorageWriter):
                 )
             for plan in plans:  # fail before any byte is written, not after
                 encode_json(plan.planner_data)
+            counts = ranks_per_host([getattr(plan.storage_data, "host", None) for plan in plans])
         except BaseException:
             self._release_lock()
             raise
-        return [replace(plan, storage_data=RankPlan(rank, key)) for rank, plan in enumerate(plans)]
+        return [replace(plan, storage_data=RankPlan(rank, key, counts[rank])) for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
@@ -246,11 +257,15 @@ class NVMeWriter(StorageWriter):
                 "rank": str(target.rank), "save_key": target.save_key,
             })
         has_device = any(s.device.type != "cpu" for s in sources)
-        engine, reason = shared_engine(self.config, has_device, self.path)
+        on_node = local_ranks(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
+        config = budgeted(self.config, on_node)
+        engine, reason = shared_engine(config, has_device, self.path)
         path = os.path.join(self.path, name)
+        drive = DriveWatch(self.path)
+        advice = warn_once(drive.device, config.queue_depth, on_node, config.block_size, log)
         try:
             with timer.span("write"):
-                written = engine.write_file(path, layout.header, sources, self.config.checksum_block)
+                written = engine.write_file(path, layout.header, sources, config.checksum_block)
         except BaseException:
             try:  # a failed save leaves no partial data behind (it would never load anyway)
                 os.unlink(path)
@@ -261,9 +276,15 @@ class NVMeWriter(StorageWriter):
         timer.add("fsync", written.stats.fsync_seconds)  # a part of "write", shown on its own
         stats = {
             "rank": target.rank, "file": name, "items": len(plan.items), "bytes": written.size,
-            "engine": engine.name, "engine_reason": reason, "config": self.config.to_dict(),
+            "engine": engine.name, "engine_reason": reason, "config": config.to_dict(),
             "phases": {k: round(v, 6) for k, v in timer.phases.items()}, "io": io_stats,
+            "host": this_host(), "local_ranks": on_node, "drive": drive.finish(),
+            "block_layer": [str(a) for a in advice],
         }
+        if stats["drive"]["throttled"]:
+            log.warning("dcp_nvme: rank %d: the drive throttled during the save (%s); see "
+                        "docs/tuning.md, drive health", target.rank,
+                        {d: v["throttle"] for d, v in stats["drive"]["disks"].items() if v["throttle"]})
         self.last_stats = stats
         log.info("dcp_nvme: rank %d wrote %s: %.3f GB in %.3f s (%.2f GB/s), %d requests, depth %d, "
                  "p50 %.2f ms, p99 %.2f ms", target.rank, name, written.size / 1e9,
@@ -314,6 +335,8 @@ class NVMeWriter(StorageWriter):
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
         """The tables, then manifest.json renamed into place: the commit. Returns the manifest."""
         chunks, files, rank_stats = _collect(metadata, results)
+        layers = layer_summary(rank_stats)
+        log.info("dcp_nvme: save %s: %s", key, format_summary(layers))
         index_bytes = chunks_table(chunks)
         blocks_bytes = files_table(files)
         index_name, blocks_name = f"index.{key}.parquet", f"blocks.{key}.parquet"
@@ -325,7 +348,8 @@ class NVMeWriter(StorageWriter):
             world_size=len(results), planner_data=metadata.planner_data,
             dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
             storage_meta=_storage_meta_doc(self.storage_meta()),
-            extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats},
+            extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats,
+                   "layers": layers},
         )
         sealed = seal(doc)  # everything that can fail happens before the commit
         _write_pointer(LocalStore(self.path))

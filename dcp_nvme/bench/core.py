@@ -14,6 +14,7 @@ import torch
 from ..config import resolve_config
 from ..host import cached_fraction, evict_from_page_cache, files_under
 from ..memory import tensor_bytes
+from ..node import budgeted
 from ..synthetic import ModelSpec, build_state, llama_spec
 from .group import Group
 from .records import BenchOptions, Row, Skip
@@ -25,9 +26,14 @@ class BenchCore:
     def __init__(self, options: BenchOptions, group: Group, root: str) -> None:
         self.options, self.group, self.root = options, group, root
         self.config = resolve_config(queue_depth=options.queue_depth, block_size=options.block_size,
-                                     direct_io=options.direct_io, engine="posix")
+                                     direct_io=options.direct_io, engine="posix",
+                                     node_queue_depth=options.node_queue_depth)
         self.io_kwargs = {"queue_depth": self.config.queue_depth, "block_size": self.config.block_size,
                           "direct_io": self.config.direct_io}
+        # every bench rank runs on this node: the node budget splits over all of them
+        self.writer_kwargs = {**self.io_kwargs, "node_queue_depth": self.config.node_queue_depth}
+        self.device_config = budgeted(self.config, group.world)
+        """What each rank of a save keeps in flight; fio's jobs and the engine probe use the same."""
         self.spec: ModelSpec = llama_spec(options.size, options.optim)
         self.local = build_state(self.spec, group.rank, group.world, options.seed)
         self.local_bytes = sum(t.nbytes for t in self.local.values())

@@ -20,6 +20,7 @@ class BenchOptions:
     queue_depth: int | None = None
     block_size: int | None = None
     direct_io: bool | None = None
+    node_queue_depth: int | None = None
     repeat: int = 1
     quick: bool = False
     keep: bool = False

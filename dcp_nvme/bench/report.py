@@ -61,6 +61,11 @@ def format_report(doc: dict[str, Any]) -> str:
         row = by_key.get(key)
         if row and not row["skipped"] and row["extra"].get("requests"):
             lines.append(f"dcp_nvme {name} internals: " + _internals(row["extra"], io))
+    from .layers import format_layers
+
+    layer_lines = format_layers(doc.get("layers"))
+    if layer_lines:
+        lines += layer_lines
     lines.append("")
     lines.append("TARGETS (issue 4)")
     for target in doc["targets"]:

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from ..config import IOConfig
 from ..display import format_size
 from ..host import evict_from_page_cache, files_under
 from ..memory import aligned_buffer, tensor_bytes
@@ -46,7 +45,7 @@ class OursRows(BenchCore):
         path = self._fresh("warmup")
         ours, fs = os.path.join(path, "dcp_nvme"), os.path.join(path, "fs")
         steps = {
-            "dcp_nvme save": lambda: dcp.save(state, storage_writer=NVMeWriter(ours, **self.io_kwargs),
+            "dcp_nvme save": lambda: dcp.save(state, storage_writer=NVMeWriter(ours, **self.writer_kwargs),
                                               no_dist=no_dist),
             "dcp_nvme load": lambda: dcp.load(dest, storage_reader=NVMeReader(ours, **self.io_kwargs),
                                               no_dist=no_dist),
@@ -110,7 +109,7 @@ class OursRows(BenchCore):
             if version:
                 if self.group.rank == 0:
                     try:
-                        measured = fio_sequential(path, self.local_bytes, self.group.world, self.config)
+                        measured = fio_sequential(path, self.local_bytes, self.group.world, self.device_config)
                     except (RuntimeError, ValueError, KeyError, OSError, subprocess.SubprocessError) as exc:
                         measured = {"error": str(exc)}
                 measured = self.group.gather(measured)[0]
@@ -120,12 +119,12 @@ class OursRows(BenchCore):
                     row.bytes = measured[op]["bytes"]
                     row.extra = {k: v for k, v in measured[op].items() if k not in ("bytes", "seconds")}
                 how = (f"fio libaio, O_DIRECT={'on' if self.config.direct_io else 'off'}, "
-                       f"qd {self.config.queue_depth}, {format_size(self.config.block_size)} requests")
+                       f"qd {self.device_config.queue_depth}, {format_size(self.config.block_size)} requests")
                 if self.group.world > 1:
                     how += f", {self.group.world} jobs"
             else:
                 self.group.barrier()
-                probe = engine_probe(path, self.local_bytes, IOConfig(**self.io_kwargs, engine="posix"))
+                probe = engine_probe(path, self.local_bytes, self.device_config)
                 seconds = self.group.gather((probe.write_seconds, probe.read_seconds, probe.nbytes))
                 write.seconds.append(max(s[0] for s in seconds))
                 read.seconds.append(max(s[1] for s in seconds))
@@ -133,7 +132,7 @@ class OursRows(BenchCore):
                 write.extra, read.extra = {"io": probe.write_io}, {"io": probe.read_io}
                 reason = measured["error"] if measured else "fio is not installed"
                 how = (f"dcp_nvme PosixEngine on one aligned buffer ({reason}), "
-                       f"qd {self.config.queue_depth}, {format_size(self.config.block_size)}")
+                       f"qd {self.device_config.queue_depth}, {format_size(self.config.block_size)}")
             write.note = read.note = how
             self._drop(path)
 
@@ -144,7 +143,7 @@ class OursRows(BenchCore):
         dcp = self._dcp()
 
         def save(path: str) -> dict[str, Any]:
-            writer = NVMeWriter(path, **self.io_kwargs)
+            writer = NVMeWriter(path, **self.writer_kwargs)
             dcp.save(self.state, storage_writer=writer, no_dist=not self.group.is_dist)
             return writer.last_stats or {}
 
@@ -170,7 +169,7 @@ class OursRows(BenchCore):
                 path = self._fresh("dcp_nvme_async")
                 self.group.barrier()
                 started = time.perf_counter()
-                response = dcp.async_save(self.state, storage_writer=NVMeWriter(path, **self.io_kwargs),
+                response = dcp.async_save(self.state, storage_writer=NVMeWriter(path, **self.writer_kwargs),
                                           async_stager=stager, no_dist=not self.group.is_dist)
                 if isinstance(response, AsyncSaveResponse):
                     response.staging_completion.result()

@@ -22,21 +22,25 @@ from ..host import machine_info
 from ..synthetic import ModelSpec, llama_spec
 from .device import fio_version
 from .group import Group, free_port
+from .layers import LayerRows
 from .peers import PeerRows
 from .records import BenchOptions, Row, Skip
 from .rows import OursRows
 from .targets import check_targets, compute_ratios
 
 
-class Bench(OursRows, PeerRows):
+class Bench(OursRows, PeerRows, LayerRows):
     """The rows of one run, on one rank. Rank 0 keeps the results."""
 
     def steps(self) -> list[tuple[str, Callable[[], None]]]:
+        budget = [("dcp_nvme save, per-rank depth", self.per_rank_depth_save)] if (
+            self.config.node_queue_depth is not None and self.group.world > 1) else []
         return [
             ("warm-up", self.warm_up),
             ("memory copy floor", self.memory_floor),
             ("device limit", self.device_limit),
             ("dcp_nvme save", self.ours_save),
+            *budget,
             ("dcp_nvme async save", self.ours_async),
             ("FileSystemWriter", self.fs_saves),
             ("torch.save", self.torch_save),
@@ -51,6 +55,7 @@ class Bench(OursRows, PeerRows):
     def run(self) -> dict[str, Any]:
         # single-process DCP calls warn that no process group exists; that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        self.start_layers()
         bar = progress_bar(len(self.steps()), self.options.progress and self.group.rank == 0, unit="step")
         try:
             for name, step in self.steps():
@@ -83,6 +88,8 @@ class Bench(OursRows, PeerRows):
                 "bytes_per_rank": self.group.gather(self.local_bytes), "ranks": self.group.world,
                 "optim": self.options.optim, "model": _model_doc(self.spec),
                 "io": {**self.io_kwargs, "checksum_block": self.config.checksum_block,
+                       "node_queue_depth": self.config.node_queue_depth,
+                       "per_rank_depth": self.device_config.queue_depth,
                        "source": _config_source(self.options)},
                 "repeat": self.options.repeat, "quick": self.options.quick,
                 "directory": os.path.abspath(self.options.directory),
@@ -98,6 +105,7 @@ class Bench(OursRows, PeerRows):
         }
         doc["ratios"] = compute_ratios(doc["rows"])
         doc["targets"] = check_targets(doc["ratios"])
+        doc["layers"] = self.layers_document(doc["rows"], doc["ratios"])
         return doc
 
 

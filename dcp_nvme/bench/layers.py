@@ -1,0 +1,103 @@
+"""The bench's view of the three queue-depth layers: the block layer under the directory, the node
+budget against the per-rank depth it replaces, and drive health over the run; plus the save's
+per-rank/per-node telemetry and issue 16's targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..blockdev import check_queues, format_device
+from ..health import DriveWatch, format_drive
+from ..telemetry import format_summary, layer_summary
+from .core import BenchCore
+from .records import Row, Skip
+
+LAYER_TARGETS = (
+    # (name, ratio key, threshold) -- issue 16, checked when a node budget is set over 2+ ranks
+    ("node-budget save >= 0.9 x fio numjobs=ranks at the same total depth", "save_vs_device", 0.9),
+    ("node-budget save >= the per-rank-depth save it replaces", "save_vs_per_rank_depth", 1.0),
+)
+
+
+class LayerRows(BenchCore):
+    """The row that measures what the node budget replaces, and the layers' document."""
+
+    def start_layers(self) -> None:
+        self.drive_watch = DriveWatch(self.options.directory) if self.group.rank == 0 else None
+
+    def per_rank_depth_save(self) -> None:
+        """The same sync save with every rank at its own ``queue_depth`` (no node budget): what
+        ``node_queue_depth`` replaces, in the same run."""
+        from ..writer import NVMeWriter
+
+        row = self.add(Row("dcp_nvme.save.per_rank_depth",
+                           "dcp_nvme save, per-rank depth (no node budget)", "write", "ours"))
+        if self.config.node_queue_depth is None or self.group.world < 2:
+            raise Skip("runs with --node-queue-depth over 2+ ranks")
+        per_rank = self.config.queue_depth
+        # node_queue_depth = depth x ranks gives each rank exactly `depth`, whatever env or tune file say
+        kwargs = {**self.io_kwargs, "queue_depth": per_rank, "node_queue_depth": per_rank * self.group.world}
+        dcp = self._dcp()
+
+        def save(path: str) -> dict[str, Any]:
+            writer = NVMeWriter(path, **kwargs)
+            dcp.save(self.state, storage_writer=writer, no_dist=not self.group.is_dist)
+            return writer.last_stats or {}
+
+        stats = self._repeat_saves(row, "dcp_nvme_per_rank_depth", save, keep=False)
+        row.extra = {"queue_depth": per_rank, "total_depth": per_rank * self.group.world,
+                     "max_inflight": max(s.get("io", {}).get("max_inflight", 0) for s in self.group.gather(stats[-1]))}
+        row.note = f"{self.group.world} ranks x queue_depth {per_rank}"
+
+    def layers_document(self, rows: list[dict[str, Any]], ratios: dict[str, Any]) -> dict[str, Any]:
+        """Block layer, advice, drive health over the run, the save's telemetry, the targets."""
+        device = self.drive_watch.device if self.drive_watch else None
+        advice = check_queues(device, self.device_config.queue_depth, self.group.world,
+                              self.config.block_size) if device else []
+        by_key = {r["key"]: r for r in rows}
+        ours, replaced = by_key.get("dcp_nvme.save"), by_key.get("dcp_nvme.save.per_rank_depth")
+        if ours and replaced and not ours["skipped"] and not replaced["skipped"] and replaced["gbps"]:
+            ratios["save_vs_per_rank_depth"] = round(ours["gbps"] / replaced["gbps"], 3)
+        budget = self.config.node_queue_depth is not None and self.group.world > 1
+        targets = []
+        for name, key, threshold in LAYER_TARGETS:
+            value = ratios.get(key) if budget else None
+            targets.append({"target": name, "ratio": key, "value": value, "threshold": threshold,
+                            "met": None if value is None else value >= threshold})
+        saves = self.dcp_stats.get("save")
+        return {
+            "node_queue_depth": self.config.node_queue_depth, "per_rank_depth": self.device_config.queue_depth,
+            "local_ranks": self.group.world,
+            "block_layer": {"device": device.to_dict() if device else None, "advice": [str(a) for a in advice]},
+            "drive": self.drive_watch.finish() if self.drive_watch else None,
+            "save": layer_summary([s for s in saves if s]) if saves else None,
+            "targets": targets,
+        }
+
+
+def format_layers(layers: dict[str, Any] | None) -> list[str]:
+    """The LAYERS section of the report."""
+    if not layers:
+        return []
+    depth = layers["per_rank_depth"]
+    budget = (f"node_queue_depth {layers['node_queue_depth']} over {layers['local_ranks']} rank(s) = {depth} per rank"
+              if layers["node_queue_depth"] else
+              f"no node budget: {layers['local_ranks']} rank(s) x queue_depth {depth} = {layers['local_ranks'] * depth}")
+    lines = ["LAYERS (issue 16)", f"  framework: {budget}"]
+    from ..blockdev import BlockDevice, DiskQueue
+
+    device = layers["block_layer"]["device"]
+    if device is not None:
+        device = BlockDevice(device["name"], device["chain"], None,
+                             [DiskQueue(**{**d, "schedulers": tuple(d["schedulers"])}) for d in device["disks"]])
+    lines += ["  " + line for line in format_device(device)]
+    lines += [f"  warning: {advice}" for advice in layers["block_layer"]["advice"]]
+    if layers["drive"]:
+        lines += ["  " + line for line in format_drive(layers["drive"])]
+    if layers["save"]:
+        lines.append("  save telemetry: " + format_summary(layers["save"]))
+    for target in layers["targets"]:
+        mark = {True: "met", False: "MISSED", None: "not measured (needs --node-queue-depth, --ranks 2+)"}[target["met"]]
+        value = "-" if target["value"] is None else f"{target['value']:.2f}"
+        lines.append(f"  {target['target']:<70} {value:>6}  {mark}")
+    return lines

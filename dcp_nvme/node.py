@@ -1,0 +1,65 @@
+"""The node budget: the ranks on one node share one drive, so they share its queue.
+
+With ``node_queue_depth`` set, each of a node's L ranks keeps ``max(1, node_queue_depth // L)``
+requests in flight, so the drive sees about the depth ``dcp-nvme tune --ranks L`` measured
+instead of ``queue_depth x L``. L is ``LOCAL_WORLD_SIZE`` (torchrun sets it) or else the count
+the coordinator agrees on while planning: every rank's local plan carries its host name
+(``HostTag``), and the coordinator counts ranks per host and hands each rank its count back in
+its plan. That rides on DCP's own plan gather: no extra collective, nothing to hang on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from .config import IOConfig
+
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+
+
+@dataclass(frozen=True)
+class HostTag:
+    """What a rank's local plan tells the coordinator about where the rank runs."""
+
+    host: str
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def ranks_per_host(hosts: list[str | None]) -> list[int]:
+    """For each rank, how many ranks share its host (a rank that did not say counts alone)."""
+    counts = Counter(h for h in hosts if h is not None)
+    return [counts[h] if h is not None else 1 for h in hosts]
+
+
+def local_ranks(agreed: int | None = None) -> int:
+    """Ranks on this node: ``LOCAL_WORLD_SIZE`` when set, else ``agreed``, else 1."""
+    raw = os.environ.get(LOCAL_WORLD_SIZE, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"environment variable {LOCAL_WORLD_SIZE}={raw!r}: expected a positive "
+                             "integer (ranks on this node); unset it to count ranks by host name")
+        return value
+    return max(1, agreed or 1)
+
+
+def effective_queue_depth(config: IOConfig, ranks_on_node: int) -> int:
+    """This rank's share of the node budget, or its own ``queue_depth`` when there is none."""
+    if config.node_queue_depth is None:
+        return config.queue_depth
+    return min(256, max(1, config.node_queue_depth // max(1, ranks_on_node)))
+
+
+def budgeted(config: IOConfig, ranks_on_node: int) -> IOConfig:
+    """``config`` with this rank's share of the node budget as its ``queue_depth``."""
+    depth = effective_queue_depth(config, ranks_on_node)
+    return config if depth == config.queue_depth else replace(config, queue_depth=depth)
