@@ -267,7 +267,12 @@ class NVMeReader(StorageReader):
         config = self.config if request_size <= self.config.block_size else \
             replace(self.config, block_size=request_size)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
-        if is_remote_url(self.path):
+        from .tiers.coded import coded_engine
+
+        engine = coded_engine(self.store, self.manifest(), self.path, config)  # compressed mirror
+        if engine is not None:
+            pass
+        elif is_remote_url(self.path):
             engine = FsspecEngine(self.store.fs, config)
         else:
             engine, _ = shared_engine(config, has_device, self.path)

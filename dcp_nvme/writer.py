@@ -125,6 +125,8 @@ class NVMeWriter(StorageWriter):
         mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each
             local commit the checkpoint is drained there in the background (``dcp_nvme.tiers``);
             ``writer.drain_future`` resolves when it is mirrored.
+        compress: how the drain sends to ``mirror``: ``"off"``, ``"bytegroup"``, ``"auto"`` or ``"delta"``
+            (None: the drainer's option). The local checkpoint is always plain safetensors.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class NVMeWriter(StorageWriter):
         overwrite: bool = False,
         mirror: str | None = None,
         mirror_options: dict[str, Any] | None = None,
+        compress: str | None = None,
     ) -> None:
         super().__init__()
         self.path = local_path(path)
@@ -149,6 +152,12 @@ class NVMeWriter(StorageWriter):
         self.overwrite = check_option("overwrite", overwrite)
         self.mirror = None if mirror is None else check_option("mirror", mirror)
         self.mirror_options = mirror_options
+        if compress is not None:
+            from .tiers.compress import MODES
+
+            if compress not in MODES:
+                raise ValueError(f"compress must be one of {MODES}, got {compress!r}")
+        self.compress = compress
         self.drain_future = None
         """On the coordinator with ``mirror``: a Future of the last save's drain (DrainResult)."""
         self.is_coordinator = False
@@ -319,7 +328,8 @@ class NVMeWriter(StorageWriter):
         if self.mirror:  # committed locally; the drain runs on in the background
             from .tiers import submit_mirror
 
-            self.drain_future = submit_mirror(self.path, self.mirror, self.mirror_options)
+            self.drain_future = submit_mirror(self.path, self.mirror, self.mirror_options,
+                                              compress=getattr(self, "compress", None))
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
         """The tables, then manifest.json renamed into place: the commit. Returns the manifest."""

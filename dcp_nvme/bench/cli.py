@@ -51,10 +51,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plot", default=None, help="write a bar chart (PNG) here; needs matplotlib")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group = parser.add_argument_group("--compress: the drain's codec on a state trained here")
+    group.add_argument("--compress", action="store_true",
+                       help="instead of the table above: train a small transformer on CPU on the stdlib's "
+                            "sources, then report codec ratios and MB/s beside plain zstd (and zipnn)")
+    group.add_argument("--train-steps", type=int, default=300)
+    group.add_argument("--gap", type=int, default=20, help="steps between the two checkpoints (delta)")
+    group.add_argument("--model-dim", type=int, default=256)
+    group.add_argument("--layers", type=int, default=4)
+    group.add_argument("--seq", type=int, default=128, help="training sequence length (bytes)")
+    group.add_argument("--batch", type=int, default=16, help="training batch size")
+    group.add_argument("--level", type=int, default=3, help="zstd level (codec and plain zstd)")
+    group.add_argument("--codec-threads", type=int, default=2)
+    group.add_argument("--drain-to", default=None,
+                       help="also drain the state there (URL, directory, or s3-loopback) off/bytegroup/auto")
+    group.add_argument("--drain-storage-options", default=None, help="JSON fsspec options for --drain-to")
+    group.add_argument("--bandwidth", type=parse_size, default=parse_size("200MB"),
+                       help="the drain's cap (default 200MB = 200e6 bytes/s)")
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
+    if args.compress:
+        return _compress(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise RuntimeError("--plot needs matplotlib: pip install 'dcp_nvme[bench]'")
     options = BenchOptions(
@@ -73,4 +92,22 @@ def _command(args: argparse.Namespace) -> int:
     if args.plot:
         plot(doc, args.plot)
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _compress(args: argparse.Namespace) -> int:
+    from .compression import CompressOptions, dump, format_compress_report, run_compress_bench
+
+    options = CompressOptions(
+        steps=args.train_steps, gap=args.gap, dim=args.model_dim, layers=args.layers, level=args.level,
+        seq=args.seq, batch=args.batch,
+        codec_threads=args.codec_threads, drain_to=args.drain_to, bandwidth=args.bandwidth,
+        storage_options=json.loads(args.drain_storage_options) if args.drain_storage_options else None,
+        directory=None if args.dir == "." else args.dir,
+    )
+    doc = run_compress_bench(options)
+    print(format_compress_report(doc))
+    if args.json:
+        dump(doc, args.json)
+        print(f"\nresults: {args.json}")
     return 0

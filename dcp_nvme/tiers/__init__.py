@@ -27,9 +27,11 @@ __all__ = [
 ]
 
 
-def submit_mirror(local: str, target: str, storage_options: dict | None = None):
-    """Hand a just-committed checkpoint to the process-wide Drainer; returns its Future."""
-    return default_drainer().submit(local, target, storage_options=storage_options)
+def submit_mirror(local: str, target: str, storage_options: dict | None = None, *,
+                  compress: str | None = None):
+    """Hand a just-committed checkpoint to the process-wide Drainer; returns its Future.
+    ``compress`` overrides the drainer's option for this checkpoint."""
+    return default_drainer().submit(local, target, storage_options=storage_options, compress=compress)
 
 
 def register(subparsers) -> None:

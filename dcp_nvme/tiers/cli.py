@@ -9,6 +9,7 @@ import sys
 
 from ..config import check_option, parse_size
 from ..rundir import checkpoints
+from .compress import MODES as COMPRESS_MODES
 from .drainer import DrainOptions, drain, verify_mirror
 from .retention import apply_retention
 from .state import drain_state, load_journal
@@ -31,6 +32,15 @@ def register(subparsers) -> None:
     parser.add_argument("--verify", choices=("sent", "readback"), default="sent",
                         help="sent: check each piece as it is sent (default); readback: also read the "
                              "mirror back and check every byte")
+    parser.add_argument("--compress", choices=COMPRESS_MODES, default="off",
+                        help="send byte-grouped .dcz files (bytegroup), only when it finishes sooner "
+                             "over the link (auto: needs --bandwidth or --link-rate), or plain (off)")
+    parser.add_argument("--delta-every", type=int, default=DrainOptions.delta_every,
+                        help="--compress delta: a full checkpoint at least every this many "
+                             f"(default {DrainOptions.delta_every})")
+    parser.add_argument("--link-rate", default=None, help="the link's bytes/s for --compress auto, e.g. 1GB")
+    parser.add_argument("--codec-threads", type=int, default=None,
+                        help="threads coding for the drain (default: half the cores, at most 2)")
     parser.add_argument("--verify-only", action="store_true",
                         help="do not send: read the mirror back and check every byte")
     parser.add_argument("--retries", type=int, default=DrainOptions.retries,
@@ -67,7 +77,8 @@ def _drain(args: argparse.Namespace) -> int:
     options = DrainOptions(
         max_transfers=args.max_transfers, part_size=parse_size(args.part_size),
         bandwidth=parse_size(args.bandwidth) if args.bandwidth else None, verify=args.verify,
-        retries=args.retries, backoff=args.backoff,
+        retries=args.retries, backoff=args.backoff, compress=args.compress, delta_every=args.delta_every,
+        link_rate=parse_size(args.link_rate) if args.link_rate else None, codec_threads=args.codec_threads,
     )
     if args.verify_only:
         result = verify_mirror(args.path, target, storage_options=storage_options, options=options)
@@ -80,6 +91,12 @@ def _drain(args: argparse.Namespace) -> int:
     else:
         print(f"{args.path}: mirrored to {target}: {result.bytes_sent} bytes sent, "
               f"{result.bytes_skipped} already there, {result.seconds:.2f} s")
+        if result.compression.get("codec"):
+            c = result.compression
+            print(f"compressed ({c['codec']}): {c['bytes']} -> {c['stored_bytes']} bytes ({c['ratio']:.3f}x), "
+                  f"{c['encode_seconds']:.2f} s, {c['cpu_seconds']:.2f} CPU s on {c['threads']} thread(s)")
+        elif result.compression.get("decision"):
+            print(f"compress=auto: {result.compression['decision']}")
         for path in removed:
             print(f"removed {path} (retention)")
     return 0
@@ -94,7 +111,8 @@ def _status(args: argparse.Namespace) -> int:
     rows = []
     for p in paths:
         state = drain_state(p)
-        rows.append({"path": p, **state.to_dict()})
+        coded = (load_journal(p) or {}).get("compression") if state.state == "mirrored" else None
+        rows.append({"path": p, **state.to_dict(), "compression": coded if isinstance(coded, dict) else None})
     if args.json:
         json.dump(rows, sys.stdout)
         print()
@@ -104,5 +122,8 @@ def _status(args: argparse.Namespace) -> int:
         progress = f" ({row['bytes_sent']}/{row['bytes_total']} bytes)" if row["state"] == "draining" else ""
         note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
         why = f" ({row['cause']})" if row["cause"] and row["state"] != "failed" else ""
-        print(f"{row['path']}: {row['text']}{why}{extra}{progress}{note}")
+        coded = row["compression"] or {}
+        ratio = coded.get("ratio")
+        zipped = f" [compressed {coded.get('codec')}, {ratio:.3f}x]" if isinstance(ratio, (int, float)) else ""
+        print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}")
     return 0

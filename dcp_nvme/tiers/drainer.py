@@ -24,12 +24,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..concurrency import run_bounded
 from ..errors import CheckpointNotFoundError, DrainError, ManifestError
 from ..manifest import MANIFEST, FileRecord, save_key_of
+from .coded import readback_coded, same_save
+from .compress import MODES as COMPRESS_MODES
+from .compress import SUFFIX as CODED_SUFFIX
+from .compress import CompressedSource, default_threads, pick_base, remove_scratch, through_codec
 from .sinks import S3Sink, Sink, open_sink
 from .source import DrainSource, overwritten
 from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
@@ -95,8 +99,25 @@ class DrainOptions:
     retries: int = 5
     backoff: float = 2.0
     backoff_max: float = 60.0
+    compress: str = "off"
+    """"off", "bytegroup" (send byte-grouped .dcz files), or "auto" (bytegroup when the codec,
+    measured on a sample, makes the drain finish sooner over a link of ``bandwidth`` or
+    ``link_rate`` bytes/s). See docs/tiers.md."""
+    level: int = 3
+    codec_threads: int | None = None
+    """Threads coding for the drain (None: half the cores, at most 2)."""
+    link_rate: float | None = None
+    """The link's bytes/s for ``auto`` when no ``bandwidth`` cap says it."""
+    delta_every: int = 8
+    """``compress="delta"``: a full checkpoint at least every this many (the chain a load reads)."""
 
     def __post_init__(self) -> None:
+        if self.compress not in COMPRESS_MODES:
+            raise ValueError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
+        if self.delta_every < 1:
+            raise ValueError(f"delta_every must be >= 1, got {self.delta_every}")
+        if self.codec_threads is not None and self.codec_threads < 1:
+            raise ValueError(f"codec_threads must be >= 1, got {self.codec_threads}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.max_transfers < 1:
@@ -121,6 +142,8 @@ class DrainResult:
     seconds: float = 0.0
     attempts: int = 0
     errors: list[str] = field(default_factory=list)
+    compression: dict[str, Any] = field(default_factory=dict)
+    """What compression decided and cost: mode, ratio, stored bytes, encode and CPU seconds."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -164,6 +187,7 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
     result: DrainResult | None = None
     journal: Journal | None = None
     source: DrainSource | None = None
+    coded: CompressedSource | None = None
     attempt = 0
     while True:
         attempt += 1
@@ -181,9 +205,25 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             journal.update(state=DRAINING, pid=os.getpid(), attempts=journal.doc.get("attempts", 0) + 1,
                            bytes_total=result.bytes_total, cause="")
             sink = open_sink(target, storage_options, filesystem)
-            _attempt(source, sink, journal, options, result, progress)
+            sending = source
+            if options.compress != "off":  # coded once per save, kept across retries
+                if coded is None or coded.save_key != source.save_key:
+                    base, why = None, ""
+                    if options.compress == "delta":
+                        base, why = pick_base(location, target, options.delta_every,
+                                              lambda url: _mirror_manifest(url, storage_options, filesystem))
+                    view, result.compression = through_codec(
+                        source, options.compress, link=options.bandwidth or options.link_rate,
+                        threads=options.codec_threads or default_threads(), level=options.level, base=base)
+                    if why:
+                        result.compression["base"] = why
+                    coded = view if isinstance(view, CompressedSource) else None
+                sending = coded or source
+            _attempt(sending, sink, journal, options, result, progress)
+            remove_scratch(location)
             result.seconds = time.perf_counter() - started
-            journal.update(state=MIRRORED, cause="", finished_unix=time.time())
+            journal.update(state=MIRRORED, cause="", finished_unix=time.time(),
+                           compression=_summary(result.compression))
             log.info("dcp_nvme: drained %s to %s: %.3f GB sent (%.3f GB confirmed already there) in %.2f s",
                      location, target, result.bytes_sent / 1e9, result.bytes_skipped / 1e9, result.seconds)
             return result
@@ -201,6 +241,7 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             final = is_permanent(exc) or attempt > options.retries
             if final and is_permanent(exc) and journal is not None:
                 _discard(sink, journal, lambda: open_sink(target, storage_options, filesystem))
+                remove_scratch(location)
             if journal is not None:
                 journal.update(state=FAILED if final else DRAINING, cause=cause)
             if final:
@@ -211,6 +252,22 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
                         location, target, attempt, cause, delay)
             time.sleep(delay)
+
+
+def _summary(compression: dict[str, Any]) -> dict[str, Any]:
+    """What the journal keeps of the compression (status prints it): codec and ratio, or off."""
+    if not compression.get("codec"):
+        return {"mode": compression.get("mode", "off")}
+    return {"mode": compression["mode"], "codec": compression["codec"], "ratio": round(compression["ratio"], 4)}
+
+
+def _mirror_manifest(url: str, storage_options: dict[str, Any] | None, filesystem: Any) -> Any:
+    """The manifest committed at a mirror URL, parsed, or None when there is none readable."""
+    try:
+        sink = open_sink(url, storage_options, filesystem)
+        return json.loads(sink.read_small(MANIFEST)) if sink.has(MANIFEST) else None
+    except Exception:  # noqa: BLE001  no usable base: the drain codes full
+        return None
 
 
 def _refuse_overlap(location: str, target: str, sink: Sink) -> None:
@@ -284,7 +341,7 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
     if why is not None:
         raise overwritten(source.location, why)
     _put_confirmed(sink, MANIFEST, source.manifest_bytes, commit=True)
-    _remove_stale(sink, source.save_key)
+    _remove_stale(sink, source.save_key, set(manifest.file_names) | {name for name, _ in source.tables})
 
 
 def _finish_file(sink: Sink, journal: Journal, record: FileRecord, pieces: list[Piece]) -> None:
@@ -326,17 +383,17 @@ def _put_confirmed(sink: Sink, name: str, data: bytes, commit: bool = False) -> 
                                  f"{len(data)} written; not committing")
 
 
-def _remove_stale(sink: Sink, save_key: str) -> None:
+def _remove_stale(sink: Sink, save_key: str, sent: set[str]) -> None:
     """After the commit: files of other saves (an overwritten checkpoint) leave the target, and
     so do temporary files of drains that were killed (partial files, half-written temps)."""
     try:
         for name in sink.names():
             if name.startswith(".") and (".drain-partial" in name or ".drain-tmp-" in name):
-                if save_key_of(name[1:].split(".drain-", 1)[0]) != save_key:
+                if save_key_of(name[1:].split(".drain-", 1)[0].removesuffix(CODED_SUFFIX)) != save_key:
                     sink.remove(name)
                 continue
-            stale = save_key_of(name)
-            if stale and stale != save_key:
+            stale = save_key_of(name.removesuffix(CODED_SUFFIX))
+            if stale and (stale != save_key or name not in sent):  # older saves; plain vs coded
                 sink.remove(name)
     except Exception as exc:  # noqa: BLE001  the mirror is committed; leftovers only cost space
         log.warning("dcp_nvme: %s is mirrored, but removing files of older saves there failed: %s",
@@ -359,7 +416,7 @@ def _discard(sink: Sink | None, journal: Journal, open_target: Callable[[], Sink
             committed = json.loads(sink.read_small(MANIFEST)).get("save_key")
         if committed != save_key:
             for name in sink.names():
-                if save_key_of(name) == save_key:
+                if save_key_of(name.removesuffix(CODED_SUFFIX)) == save_key:
                     sink.remove(name)
     except Exception as exc:  # noqa: BLE001  cleanup must not hide the failure being reported
         log.warning("dcp_nvme: could not clean up the unfinished drain on %s: %s", sink.target, classify(exc))
@@ -437,11 +494,16 @@ def _verify_locked(location: str, target: str, storage_options: dict[str, Any] |
         if not sink.has(MANIFEST):
             raise IncompleteOnTarget(f"{sink.location(MANIFEST)} is missing: the target holds no "
                                      "committed checkpoint")
-        if sink.read_small(MANIFEST) != source.manifest_bytes:
+        remote = sink.read_small(MANIFEST)
+        if remote != source.manifest_bytes and not same_save(remote, source.manifest_bytes):
             raise IncompleteOnTarget(f"{sink.location(MANIFEST)} is not the manifest of save "
                                      f"{source.save_key} (the target holds another save)")
-        for name in source.manifest.file_names:
-            _readback(sink, source.files[name], options.part_size, options, result)
+        if remote != source.manifest_bytes:  # a compressed mirror: decode every chunk and check it
+            result.bytes_verified_remote += readback_coded(sink.store, sink.target, source.files,
+                                                           options.part_size)
+        else:
+            for name in source.manifest.file_names:
+                _readback(sink, source.files[name], options.part_size, options, result)
     except Exception as exc:
         journal.update(state=FAILED, cause=classify(exc))
         raise
@@ -466,10 +528,12 @@ class Drainer:
         self._lock = threading.Lock()
 
     def submit(self, local: str | os.PathLike, target: str, *, storage_options: dict[str, Any] | None = None,
-               filesystem: Any = None) -> Future[DrainResult]:
+               filesystem: Any = None, compress: str | None = None) -> Future[DrainResult]:
+        options = self.options if compress is None else replace(self.options, compress=compress)
+
         def run() -> DrainResult:
             result = drain(local, target, storage_options=storage_options, filesystem=filesystem,
-                           options=self.options)
+                           options=options)
             if self.keep_last is not None:
                 from .retention import apply_retention
 

@@ -96,6 +96,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("by top key:  " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.by_top_key.items())))
         print(f"total:       {len(info.tensors)} tensor(s), {len(info.objects)} other item(s), "
               f"{human_bytes(info.total_bytes)}")
+        from ..tiers.coded import describe_compression
+
+        coded = describe_compression(info.location)
+        if coded:
+            print(f"compressed:  {coded}")
     return 0 if info.ok else 1
 
 

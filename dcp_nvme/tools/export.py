@@ -30,6 +30,7 @@ from ..layout import FileBlocks, plan_reads
 from ..manifest import FileRecord, check_container, read_files, read_manifest
 from ..memory import tensor_bytes
 from ..store import LocalStore, is_remote_url
+from ..tiers.coded import coded_engine, decoded_view
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -85,7 +86,8 @@ def export_hf(
     out_path = Path(out)
     _refuse_overlap(location, out_path)
     _check_out(out_path, overwrite)
-    store = LocalStore(location)
+    raw = LocalStore(location)
+    store = decoded_view(raw)  # a compressed mirror reads as its plain files
     manifest = read_manifest(store, location)
     tensors = select_tensors(manifest.chunks, keys=keys, strip_prefix=strip_prefix, dtype=out_dtype,
                              location=location)
@@ -100,7 +102,7 @@ def export_hf(
     temp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
-    engine = PosixEngine(READ_CONFIG)
+    engine = coded_engine(raw, manifest, location, READ_CONFIG) or PosixEngine(READ_CONFIG)  # .dcz mirror
     bar = progress_bar(result.total_size, progress, "export")
     try:
         weight_map = {}

@@ -12,6 +12,7 @@ from ..errors import CheckpointNotFoundError
 from ..manifest import read_header
 from ..remote import open_store
 from ..store import Store
+from ..tiers.coded import decoded_view
 from .status import FOREIGN, MISSING, NOT_A_CHECKPOINT, CheckpointState, checkpoint_state
 
 
@@ -75,7 +76,7 @@ def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -
     Raises CheckpointNotFoundError when there is no dcp_nvme checkpoint at all (missing path,
     another tool's files). ``filter`` is a glob on names; matching nothing is a ValueError.
     """
-    source = open_store(location)
+    source = decoded_view(open_store(location))  # a compressed mirror reads as its plain files
     found = checkpoint_state(source)
     if found.state in (MISSING, NOT_A_CHECKPOINT, FOREIGN):
         raise CheckpointNotFoundError(found.reason)

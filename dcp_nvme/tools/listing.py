@@ -11,6 +11,7 @@ from ..manifest import DCP_METADATA, MANIFEST, save_key_of
 from ..rundir import parse_step
 from ..store import LocalStore
 from ..tiers import drain_state
+from ..tiers.coded import decoded_view
 from .status import checkpoint_state
 
 
@@ -55,7 +56,7 @@ def _tier_state(path: str) -> Any:
 def describe(path: str | os.PathLike) -> CheckpointEntry:
     """One checkpoint directory as a list row."""
     root = Path(path)
-    source = LocalStore(root)
+    source = decoded_view(LocalStore(root))  # a compressed mirror reads as its plain files
     found = checkpoint_state(source)
     total = 0
     newest = 0.0

@@ -1,0 +1,268 @@
+"""``dcp-nvme bench --compress``: the drain's codec on a realistic state, beside plain zstd.
+
+The state comes from a short real training run made here: a small causal transformer trained
+on CPU on byte-level text that ships with Python (the standard library's own sources), AdamW;
+two checkpoints ``gap`` steps apart. Weights are stored bf16, the AdamW moments fp32. Reported:
+
+- per group (bf16 weights, fp32 exp_avg, fp32 exp_avg_sq): ratio and encode/decode MB/s of the
+  byte-grouped codec (``codec_threads`` threads) beside plain zstd at the same level over the
+  same bytes in one stream (what DCP's zstd extension does), and zipnn when importable;
+- delta: the later checkpoint coded as XOR against the earlier one;
+- with ``drain_to``: the same state saved with NVMeWriter, drained with ``compress="off"`` and
+  ``compress="auto"`` under a bandwidth cap, times compared, and the compressed mirror loaded
+  back and compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zstandard
+
+from .. import codec
+
+GROUPS = ("weights_bf16", "exp_avg_fp32", "exp_avg_sq_fp32")
+
+
+@dataclass(frozen=True)
+class CompressOptions:
+    steps: int = 300
+    gap: int = 20
+    dim: int = 256
+    layers: int = 4
+    seq: int = 128
+    batch: int = 16
+    level: int = codec.DEFAULT_LEVEL
+    codec_threads: int = 2
+    seed: int = 0
+    drain_to: str | None = None
+    """An fsspec URL or directory, or ``s3-loopback`` (moto from tests/s3server.py)."""
+    storage_options: dict[str, Any] | None = None
+    bandwidth: float | None = 200e6
+    directory: str | None = None
+
+
+def stdlib_text(limit: int = 4 << 20) -> bytes:
+    """Up to ``limit`` bytes of the standard library's Python sources (real text, always there)."""
+    root = sysconfig.get_paths()["stdlib"]
+    out, total = [], 0
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        with open(path, "rb") as handle:
+            data = handle.read()
+        out.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    return b"".join(out)[:limit]
+
+
+class TinyLM(torch.nn.Module):
+    """A byte-level causal transformer."""
+
+    def __init__(self, dim: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, dim)
+        self.pos = torch.nn.Parameter(torch.zeros(seq, dim))
+        layer = torch.nn.TransformerEncoderLayer(dim, max(1, dim // 64), 4 * dim, dropout=0.0,
+                                                 batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(dim, 256)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.blocks(x, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True))
+
+
+def train(options: CompressOptions) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Train; return {"early": groups, "late": groups} (``gap`` steps apart) and run facts."""
+    torch.manual_seed(options.seed)
+    text = torch.frombuffer(bytearray(stdlib_text()), dtype=torch.uint8).long()
+    model = TinyLM(options.dim, options.layers, options.seq)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    snapshots: dict[str, dict[str, torch.Tensor]] = {}
+    started, loss = time.perf_counter(), float("nan")
+    early = max(1, options.steps - options.gap)
+    for step in range(1, options.steps + 1):
+        starts = torch.randint(0, len(text) - options.seq - 1, (options.batch,))
+        window = torch.stack([text[s: s + options.seq + 1] for s in starts.tolist()])
+        logits = model(window[:, :-1])
+        loss_t = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), window[:, 1:].reshape(-1))
+        optim.zero_grad()
+        loss_t.backward()
+        optim.step()
+        loss = loss_t.item()
+        if step in (early, options.steps):
+            snapshots["early" if step == early and step != options.steps else "late"] = _groups(model, optim)
+    snapshots.setdefault("early", snapshots["late"])
+    facts = {"steps": options.steps, "gap": options.steps - early, "final_loss": round(loss, 4),
+             "params": sum(p.numel() for p in model.parameters()),
+             "train_seconds": round(time.perf_counter() - started, 2), "text_bytes": len(text)}
+    return snapshots, facts
+
+
+def _groups(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    params = list(model.parameters())
+    flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
+    states = [optim.state[p] for p in params]
+    return {
+        "weights_bf16": flat(params).to(torch.bfloat16),
+        "exp_avg_fp32": flat(s["exp_avg"] for s in states).float(),
+        "exp_avg_sq_fp32": flat(s["exp_avg_sq"] for s in states).float(),
+    }
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _timed(fn, *args, **kwargs) -> tuple[Any, float]:
+    started = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, max(time.perf_counter() - started, 1e-9)
+
+
+def measure_group(data: bytes, dtype: str, options: CompressOptions, base: bytes | None = None) -> dict[str, Any]:
+    """Ratios and MB/s of the codec, plain zstd and zipnn (when importable) on the same bytes."""
+    regions = [(0, len(data), dtype)]
+    coded, enc = _timed(codec.encode, data, regions, level=options.level, threads=options.codec_threads, base=base)
+    back, dec = _timed(codec.decode, coded, base=base)
+    if back != data:
+        raise AssertionError(f"{dtype}: the codec's round trip is not bit for bit")
+    plain_input = data if base is None else codec._xor(memoryview(data), base)
+    plain, zenc = _timed(zstandard.ZstdCompressor(level=options.level).compress, plain_input)
+    mb = len(data) / 1e6
+    row = {"bytes": len(data), "bytegroup_ratio": len(data) / len(coded), "bytegroup_encode_MBps": mb / enc,
+           "bytegroup_decode_MBps": mb / dec, "zstd_ratio": len(data) / len(plain), "zstd_encode_MBps": mb / zenc}
+    row["vs_zstd"] = row["bytegroup_ratio"] / row["zstd_ratio"]
+    zipnn = _zipnn(plain_input, dtype)
+    if zipnn is not None:
+        row.update(zipnn)
+    return row
+
+
+def _zipnn(data: bytes, dtype: str) -> dict[str, float] | None:
+    try:
+        from zipnn import ZipNN
+    except Exception:  # noqa: BLE001  optional comparison only
+        return None
+    try:
+        zpn = ZipNN(bytearray_dtype={"bfloat16": "bfloat16", "float32": "float32"}.get(dtype, "float32"))
+        out, seconds = _timed(zpn.compress, data)
+        return {"zipnn_ratio": len(data) / len(out), "zipnn_encode_MBps": len(data) / 1e6 / seconds}
+    except Exception as exc:  # noqa: BLE001
+        return {"zipnn_error": f"{type(exc).__name__}: {exc}"}
+
+
+def run_compress_bench(options: CompressOptions) -> dict[str, Any]:
+    snapshots, facts = train(options)
+    doc: dict[str, Any] = {"training": facts, "level": options.level, "codec_threads": options.codec_threads,
+                           "groups": {}, "delta": {}}
+    for group in GROUPS:
+        dtype = "bfloat16" if group.endswith("bf16") else "float32"
+        late, early = _bytes(snapshots["late"][group]), _bytes(snapshots["early"][group])
+        doc["groups"][group] = measure_group(late, dtype, options)
+        doc["delta"][group] = measure_group(late, dtype, options, base=early)
+        doc["delta"][group]["vs_full"] = doc["delta"][group]["bytegroup_ratio"] / doc["groups"][group]["bytegroup_ratio"]
+    if options.drain_to:
+        doc["drain"] = drain_rows(snapshots["late"], options)
+    return doc
+
+
+def drain_rows(state: dict[str, torch.Tensor], options: CompressOptions) -> dict[str, Any]:
+    """Save ``state``, drain it plain and with ``auto`` under the cap, load the coded mirror back."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from ..reader import NVMeReader
+    from ..tiers import DrainOptions, drain
+    from ..writer import NVMeWriter
+
+    root = tempfile.mkdtemp(prefix="dcp-nvme-zbench-", dir=options.directory)
+    server = None
+    target, storage = options.drain_to, options.storage_options
+    try:
+        if target == "s3-loopback":
+            server, storage = _loopback_s3()
+            target = "s3://zbench"
+        local = os.path.join(root, "step")
+        dcp.save(state, storage_writer=NVMeWriter(local), no_dist=True)
+        rows: dict[str, Any] = {"bandwidth": options.bandwidth, "target": target}
+        for mode in ("off", "bytegroup", "auto"):
+            where = target.rstrip("/") + f"/{mode}" if "://" in target else os.path.join(target, mode)
+            drain_options = DrainOptions(compress=mode, bandwidth=options.bandwidth, part_size=8 << 20,
+                                         codec_threads=options.codec_threads, level=options.level, retries=0)
+            result, seconds = _timed(drain, local, where, storage_options=storage, options=drain_options)
+            rows[mode] = {"seconds": seconds, "bytes_sent": result.bytes_sent, **result.compression}
+            if mode == "bytegroup":
+                out = {k: torch.zeros_like(v) for k, v in state.items()}
+                reader = NVMeReader(where, storage_options=storage)
+                _, load_s = _timed(dcp.load, out, storage_reader=reader, no_dist=True)
+                rows["load_seconds"] = load_s
+                rows["load_MBps"] = sum(v.numel() * v.element_size() for v in state.values()) / 1e6 / load_s
+                rows["load_bitwise_equal"] = all(torch.equal(out[k].view(torch.uint8), state[k].view(torch.uint8))
+                                                 for k in state)
+        rows["speedup"] = rows["off"]["seconds"] / rows["auto"]["seconds"]
+        rows["speedup_bytegroup"] = rows["off"]["seconds"] / rows["bytegroup"]["seconds"]
+        return rows
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if server is not None:
+            server.close()
+
+
+def _loopback_s3():
+    import sys
+
+    tests = os.path.join(os.path.dirname(__file__), "..", "..", "tests")
+    sys.path.insert(0, os.path.abspath(tests))
+    from s3server import S3Server  # tests/s3server.py: moto on loopback (needs moto[server], s3fs)
+
+    server = S3Server(proxy=False)
+    server.start()
+    server.s3fs().mkdir("zbench")
+    return server, server.storage_options()
+
+
+def format_compress_report(doc: dict[str, Any]) -> str:
+    t = doc["training"]
+    lines = [f"training: {t['params']} params, {t['steps']} steps (loss {t['final_loss']}), checkpoints "
+             f"{t['gap']} steps apart, {t['train_seconds']} s; zstd level {doc['level']}, "
+             f"{doc['codec_threads']} codec thread(s)", "",
+             f"{'group':<18}{'MB':>8}{'bytegroup':>11}{'zstd':>7}{'vs zstd':>9}{'enc MB/s':>10}"
+             f"{'dec MB/s':>10}{'zstd MB/s':>11}{'zipnn':>7}"]
+    for title, rows in (("full", doc["groups"]), ("delta", doc["delta"])):
+        lines.append(f"-- {title}")
+        for name, r in rows.items():
+            zipnn = f"{r['zipnn_ratio']:.2f}x" if "zipnn_ratio" in r else "-"
+            lines.append(f"{name:<18}{r['bytes'] / 1e6:>8.1f}{r['bytegroup_ratio']:>10.3f}x{r['zstd_ratio']:>6.3f}x"
+                         f"{r['vs_zstd']:>8.3f}x{r['bytegroup_encode_MBps']:>10.0f}{r['bytegroup_decode_MBps']:>10.0f}"
+                         f"{r['zstd_encode_MBps']:>11.0f}{zipnn:>7}"
+                         + (f"   {r['vs_full']:.2f}x the full ratio" if "vs_full" in r else ""))
+    drain = doc.get("drain")
+    if drain:
+        cap = f"{drain['bandwidth'] / 1e6:.0f} MB/s" if drain["bandwidth"] else "no cap"
+        lines += ["", f"drain to {drain['target']} ({cap}): off {drain['off']['seconds']:.2f} s, auto "
+                  f"{drain['auto']['seconds']:.2f} s ({drain['speedup']:.2f}x sooner; auto: "
+                  f"{drain['auto'].get('decision', drain['auto'].get('mode'))}; "
+                  f"{drain['auto'].get('cpu_seconds', 0):.2f} CPU s)",
+                  f"  bytegroup forced: {drain['bytegroup']['seconds']:.2f} s ({drain['speedup_bytegroup']:.2f}x "
+                  f"sooner, {drain['bytegroup'].get('ratio', 1):.3f}x, {drain['bytegroup'].get('cpu_seconds', 0):.2f} "
+                  "CPU s)",
+                  f"load from the compressed mirror: {drain['load_MBps']:.0f} MB/s, bitwise equal: "
+                  f"{drain['load_bitwise_equal']}"]
+    return "\n".join(lines)
+
+
+def dump(doc: dict[str, Any], path: str) -> None:
+    with open(path, "w") as handle:
+        json.dump(doc, handle, indent=1)

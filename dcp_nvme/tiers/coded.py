@@ -1,0 +1,346 @@
+"""Reading a compressed mirror: ranges of the original rank files, decoded from ``.dcz`` files.
+
+A mirror drained with compression holds, per rank file, ``<rank file>.dcz`` (see
+``dcp_nvme.codec``) and a manifest whose ``compression`` section names it. ``CodedFile``
+serves any byte range of the original file by fetching only the stored bytes of the chunks it
+overlaps (one ranged read) and decoding them, each chunk checked against its crc32c.
+``CodedEngine`` is the read half of the engine protocol on top of it, so ``NVMeReader`` plans,
+reshards and verifies (blocks table of the original) exactly as for a plain checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import codec
+from ..checksums import check_host
+from ..concurrency import run_bounded
+from ..config import IOConfig
+from ..engines.posix import check_length
+from ..layout import SCRATCH, ReadRequest
+from ..manifest import FileRecord, Manifest
+from ..stats import IOStats
+from .transfer import plan_pieces, verify_piece
+
+Fetch = Callable[[str, int, int], bytes]
+"""(name, start, end) -> the stored bytes [start, end) of a file of the mirror."""
+
+
+def store_fetch(store: Any) -> Fetch:
+    """Ranged reads from a LocalStore or FsspecStore."""
+    if hasattr(store, "read_range"):
+        return store.read_range
+
+    def fetch(name: str, start: int, end: int) -> bytes:
+        buffer = bytearray(end - start)
+        got = store.read_into(name, start, memoryview(buffer))
+        return bytes(buffer[:got])
+
+    return fetch
+
+
+def coded_files(doc: dict[str, Any], location: str) -> dict[str, tuple[str, int, int, str | None]] | None:
+    """original name -> (stored name, original size, stored size, base file or None) from a manifest's
+    ``compression`` section; None for a plain checkpoint. Checked before any is used."""
+    section = doc.get("compression")
+    if section is None:
+        return None
+    where = f"{location}/manifest.json compression section"
+    if not isinstance(section, dict) or section.get("codec") != codec.CODEC:
+        raise codec.CodecError(f"{where}: unknown codec {section.get('codec') if isinstance(section, dict) else section!r}")
+    if section.get("version") != codec.CODEC_VERSION:
+        raise codec.CodecError(f"{where}: codec version {section.get('version')!r}, this dcp_nvme reads "
+                               f"{codec.CODEC_VERSION}; upgrade dcp_nvme")
+    files = section.get("files")
+    if not isinstance(files, dict):
+        raise codec.CodecError(f"{where}: 'files' is not a mapping")
+    out = {}
+    for name, info in files.items():
+        stored = info.get("stored") if isinstance(info, dict) else None
+        sizes = [info.get(k) if isinstance(info, dict) else None for k in ("size", "stored_size")]
+        if (not isinstance(stored, str) or stored != name + ".dcz" or "/" in stored
+                or not all(isinstance(s, int) and s >= 0 for s in sizes)):
+            raise codec.CodecError(f"{where}: entry for {name!r} is malformed: {info!r}")
+        base = info.get("base")
+        if base is not None and (not isinstance(base, str) or "/" in base or base.startswith(".")):
+            raise codec.CodecError(f"{where}: base of {name!r} is malformed: {base!r}")
+        out[name] = (stored, sizes[0], sizes[1], base)
+    return out
+
+
+def open_base(store: Any, doc: dict[str, Any], location: str) -> Any:
+    """The decoded view of the checkpoint a delta mirror is coded against (itself perhaps a
+    delta: its own base is opened the same way). Refused clearly when it is missing or holds
+    another save."""
+    from ..remote import FsspecStore
+    from ..store import LocalStore, is_remote_url, local_path
+
+    delta = (doc.get("compression") or {}).get("delta")
+    url, key = (delta.get("base"), delta.get("base_save_key")) if isinstance(delta, dict) else (None, None)
+    if not isinstance(url, str) or not url or not isinstance(key, str):
+        raise codec.CodecError(f"{location}/manifest.json: delta section is malformed: {delta!r}")
+    base = FsspecStore(url, fs=store.fs) if is_remote_url(url) and hasattr(store, "fs") else LocalStore(local_path(url))
+    what = (f"{location} is coded as a delta against {url} (save {key})")
+    try:
+        found = json.loads(base.read("manifest.json")) if base.has("manifest.json") else None
+    except (OSError, ValueError):
+        found = None
+    if not isinstance(found, dict):
+        raise codec.CodecError(f"{what}, which is missing or not committed: the delta cannot be decoded "
+                               "without it; restore that mirror, or load a full checkpoint")
+    if found.get("save_key") != key:
+        raise codec.CodecError(f"{what}, but {url} now holds save {found.get('save_key')}: the delta "
+                               "cannot be decoded; load a full checkpoint")
+    return decoded_view(base)
+
+
+def _base_reader(view: Any, name: str, where: str) -> Callable[[int, int], bytes]:
+    def read(start: int, end: int) -> bytes:
+        buffer = bytearray(end - start)
+        got = view.read_into(name, start, memoryview(buffer))
+        if got != end - start:
+            raise codec.CodecError(f"{where}: its base file {name} ends at {start + got}, before {end}")
+        return bytes(buffer)
+
+    return read
+
+
+class CodedFile:
+    """One ``.dcz`` file of a mirror: header and chunk table read once, ranges decoded on demand."""
+
+    def __init__(self, fetch: Fetch, stored: str, size: int, stored_size: int, where: str,
+                 base: Callable[[int, int], bytes] | None = None) -> None:
+        self.fetch, self.stored, self.where, self.base = fetch, stored, where, base
+        head = fetch(stored, 0, codec.HEADER_SIZE)
+        _, count, decoded, table_crc = codec.parse_header(head, where)
+        if decoded != size:
+            raise codec.CodecError(f"{where} decodes to {decoded} bytes, the manifest says {size}")
+        table = fetch(stored, codec.HEADER_SIZE, codec.HEADER_SIZE + count * codec.ENTRY_SIZE)
+        self.entries = codec.parse_table(table, count, decoded, table_crc, stored_size, where)
+        self.size = decoded
+        if base is None and any(e.flags & codec.DELTA for e in self.entries):
+            raise codec.CodecError(f"{where} holds delta chunks but the manifest names no base for it")
+
+    def read(self, start: int, end: int) -> bytes:
+        """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk."""
+        end = min(end, self.size)
+        needed = codec.overlapping(self.entries, start, end)
+        if not needed:
+            return b""
+        base = needed[0].stored_offset
+        stored = self.fetch(self.stored, base, needed[-1].stored_offset + needed[-1].stored_length)
+        out = []
+        for entry in needed:
+            lo = entry.stored_offset - base
+            try:
+                basis = self.base(entry.offset, entry.end) if entry.flags & codec.DELTA else None
+                data = codec.decode_chunk(entry, memoryview(stored)[lo: lo + entry.stored_length], basis)
+            except codec.CodecError as exc:
+                raise codec.CodecError(f"{self.where}: {exc}") from None
+            out.append(memoryview(data)[max(0, start - entry.offset): min(entry.length, end - entry.offset)])
+        return b"".join(out)
+
+
+class CodedEngine:
+    """Ranged reads of a compressed mirror into destination tensors, ``queue_depth`` at a time;
+    each request's decoded bytes are checked against the original's blocks before use."""
+
+    name = "dcz"
+
+    def __init__(self, fetch: Fetch, paths: dict[str, tuple[str, int, int, str | None]], location: str,
+                 config: IOConfig, base: Callable[[], Any] | None = None) -> None:
+        self.fetch, self.paths, self.location, self.config = fetch, paths, location, config
+        self.base = base
+        self._files: dict[str, CodedFile] = {}
+        self._lock = threading.Lock()
+
+    def file(self, path: str) -> CodedFile:
+        with self._lock:
+            opened = self._files.get(path)
+        if opened is None:
+            stored, size, stored_size, base = self.paths[os.path.normpath(path)]
+            where = f"{self.location}/{stored}"
+            reader = _base_reader(self.base(), base, where) if base and self.base else None
+            opened = CodedFile(self.fetch, stored, size, stored_size, where, reader)
+            with self._lock:
+                self._files[path] = opened
+        return opened
+
+    def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
+        from ..engines.fsspec import _copy_into
+
+        stats = IOStats("read")
+        started = time.perf_counter()
+
+        def run(request: ReadRequest) -> None:
+            begun = stats.begin()
+            data = self.file(request.file).read(request.file_offset, request.file_offset + request.length)
+            stats.end(begun, len(data), len(data))
+            check_length(request, request.file_offset + len(data))
+            check_host(request.file, request.file_offset, request.checks, [memoryview(data)])
+            source = np.frombuffer(data, dtype=np.uint8)
+            position = 0
+            for dest, dest_offset, length in request.pieces:
+                if dest != SCRATCH and length:
+                    _copy_into(dests[dest], dest_offset, source, position, length)
+                position += length
+
+        run_bounded(self.config.queue_depth, requests, run, "dcp-nvme-dcz")
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def write_file(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("a compressed mirror is written by the drain, not by NVMeWriter")
+
+    def close(self) -> None:
+        pass
+
+
+def coded_engine(store: Any, manifest: Manifest, location: str, config: IOConfig) -> CodedEngine | None:
+    """The engine for a compressed mirror (one per manifest, tables cached), else None."""
+    files = coded_files(manifest.doc, location)
+    if files is None:
+        return None
+    engine = getattr(manifest, "_coded_engine", None)
+    if engine is None:
+        paths = {os.path.normpath(store.path(name)): info for name, info in files.items()}
+        engine = CodedEngine(store_fetch(store), paths, location, config, _lazy_base(store, manifest.doc, location))
+        manifest._coded_engine = engine  # cached beside the manifest's other parsed tables
+    return engine
+
+
+def same_save(remote: bytes, local: bytes) -> bool:
+    """Whether a mirror's manifest is the local one plus a compression section."""
+    try:
+        theirs, ours = json.loads(remote), json.loads(local)
+    except ValueError:
+        return False
+    if not isinstance(theirs, dict) or not isinstance(ours, dict) or "compression" not in theirs:
+        return False
+    strip = ("compression", "manifest_crc32c")
+    return {k: v for k, v in theirs.items() if k not in strip} == {k: v for k, v in ours.items() if k not in strip}
+
+
+def readback_coded(store: Any, location: str, records: dict[str, FileRecord], window: int) -> int:
+    """Decode every chunk of a compressed mirror (its delta base chain too) and check the result
+    against the original's blocks table (ChecksumMismatchError / CodecError naming the file);
+    returns the bytes checked."""
+    view = decoded_view(store)
+    if not isinstance(view, DecodedStore):
+        raise codec.CodecError(f"{location} is not a compressed mirror")
+    checked = 0
+    for name, (stored, size, _, _) in view.files.items():
+        record = records.get(name)
+        where = f"{location}/{stored}"
+        if record is None or record.size != size:
+            raise codec.CodecError(f"{where}: not a file of this save (or of another size)")
+        coded = view._coded(name)
+        for piece in plan_pieces(size, record.data_start, record.checksum_block, window):
+            data = coded.read(piece.offset, piece.offset + piece.length)
+            if len(data) != piece.length:
+                raise codec.CodecError(f"{where}: decodes short at {piece.offset + len(data)}")
+            verify_piece(record, piece.offset, data, where)
+        checked += size
+    return checked
+
+
+class DecodedStore:
+    """A compressed mirror seen as the plain checkpoint it encodes: the tools (verify, list,
+    export) read rank files by their original names and get decoded, chunk-checked bytes."""
+
+    def __init__(self, store: Any, files: dict[str, tuple[str, int, int, str | None]],
+                 doc: dict[str, Any] | None = None) -> None:
+        self.inner, self.files, self.location = store, files, store.location
+        self._base = _lazy_base(store, doc or {}, store.location)
+        self._fetch = store_fetch(store)
+        self._open: dict[str, CodedFile] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:  # path, make, write_atomic... as the store's
+        return getattr(self.inner, name)
+
+    def _coded(self, name: str) -> CodedFile:
+        with self._lock:
+            opened = self._open.get(name)
+        if opened is None:
+            stored, size, stored_size, base = self.files[name]
+            where = f"{self.location}/{stored}"
+            opened = CodedFile(self._fetch, stored, size, stored_size, where,
+                               _base_reader(self._base(), base, where) if base else None)
+            with self._lock:
+                self._open[name] = opened
+        return opened
+
+    def exists(self) -> bool:
+        return self.inner.exists()
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(self.files[name][0]) if name in self.files else self.inner.has(name)
+
+    def names(self) -> list[str]:
+        stored = {info[0]: name for name, info in self.files.items()}
+        return sorted(stored.get(n, n) for n in self.inner.names())
+
+    def size(self, name: str) -> int:
+        return self._coded(name).size if name in self.files else self.inner.size(name)
+
+    def read(self, name: str) -> bytes:
+        if name in self.files:
+            return self._coded(name).read(0, self._coded(name).size)
+        return self.inner.read(name)
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
+        if name not in self.files:
+            return self.inner.read_into(name, offset, buffer)
+        data = self._coded(name).read(offset, offset + len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def decoded_view(store: Any) -> Any:
+    """``store`` itself for a plain checkpoint, a DecodedStore for a compressed mirror (a
+    missing or unreadable manifest is left for the caller to report)."""
+    try:
+        doc = json.loads(store.read("manifest.json")) if store.has("manifest.json") else None
+    except (OSError, ValueError):
+        return store
+    files = coded_files(doc, store.location) if isinstance(doc, dict) else None
+    return store if files is None else DecodedStore(store, files, doc)
+
+
+def _lazy_base(store: Any, doc: dict[str, Any], location: str) -> Callable[[], Any]:
+    """Opens the delta base on first need (a full mirror never touches it)."""
+    opened: list[Any] = []
+    lock = threading.Lock()
+
+    def get() -> Any:
+        with lock:
+            if not opened:
+                opened.append(open_base(store, doc, location))
+            return opened[0]
+
+    return get
+
+
+def describe_compression(location: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """One line on a compressed mirror (codec, version, ratio, sizes), or None if plain."""
+    from ..remote import open_store
+
+    store = open_store(location, storage_options)
+    try:
+        doc = json.loads(store.read("manifest.json"))
+    except (OSError, ValueError):
+        return None
+    section = doc.get("compression") if isinstance(doc, dict) else None
+    if not isinstance(section, dict):
+        return None
+    return (f"{section.get('codec')} v{section.get('version')}, level {section.get('level')}: "
+            f"{section.get('bytes')} -> {section.get('stored_bytes')} bytes ({section.get('ratio')}x)")
