@@ -55,14 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--compress", action="store_true",
                        help="instead of the table above: train a small transformer on CPU on the stdlib's "
                             "sources, then report codec ratios and MB/s beside plain zstd (and zipnn)")
-    group.add_argument("--train-steps", type=int, default=300)
+    group.add_argument("--train-steps", type=int, default=300, help="training steps before the first checkpoint")
     group.add_argument("--gap", type=int, default=20, help="steps between the two checkpoints (delta)")
-    group.add_argument("--model-dim", type=int, default=256)
-    group.add_argument("--layers", type=int, default=4)
+    group.add_argument("--model-dim", type=int, default=256, help="width of the trained transformer")
+    group.add_argument("--layers", type=int, default=4, help="layers of the trained transformer")
     group.add_argument("--seq", type=int, default=128, help="training sequence length (bytes)")
     group.add_argument("--batch", type=int, default=16, help="training batch size")
     group.add_argument("--level", type=int, default=3, help="zstd level (codec and plain zstd)")
-    group.add_argument("--codec-threads", type=int, default=2)
+    group.add_argument("--codec-threads", type=int, default=2, help="threads that code and decode chunks")
     group.add_argument("--drain-to", default=None,
                        help="also drain the state there (URL, directory, or s3-loopback) off/bytegroup/auto")
     group.add_argument("--drain-storage-options", default=None, help="JSON fsspec options for --drain-to")
