@@ -306,8 +306,16 @@ class NVMeReader(StorageReader):
     def _check_container(self, record: FileRecord) -> None:
         """Before reading a container: its own header agrees with the index (once per load)."""
         if record.name not in self._checked:
-            check_container(self.store, record, self.manifest(), self.path, self.config.verify)
+            check_container(self._plain_view(), record, self.manifest(), self.path, self.config.verify)
             self._checked.add(record.name)
+
+    def _plain_view(self) -> Any:
+        """The store as the plain checkpoint it holds: a compressed mirror's rank files are
+        read through their decoder, so their headers are checked like any other."""
+        from .tiers.coded import DecodedStore, coded_files
+
+        files = coded_files(self.manifest().doc, self.path)
+        return self.store if files is None else DecodedStore(self.store, files, self.manifest().doc)
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:

@@ -25,6 +25,7 @@ from ..checksums import check_host
 from ..concurrency import run_bounded
 from ..config import IOConfig
 from ..engines.posix import check_length
+from ..errors import ManifestError
 from ..layout import SCRATCH, ReadRequest
 from ..manifest import FileRecord, Manifest
 from ..stats import IOStats
@@ -292,10 +293,14 @@ class DecodedStore:
     def size(self, name: str) -> int:
         return self._coded(name).size if name in self.files else self.inner.size(name)
 
-    def read(self, name: str) -> bytes:
-        if name in self.files:
-            return self._coded(name).read(0, self._coded(name).size)
-        return self.inner.read(name)
+    def read(self, name: str, max_size: int | None = None) -> bytes:
+        if name not in self.files:
+            return self.inner.read(name, max_size)
+        coded = self._coded(name)
+        if max_size is not None and coded.size > max_size:
+            raise ManifestError(f"{self.location}/{name} decodes to {coded.size} bytes, over the "
+                                f"{max_size} allowed for it")
+        return coded.read(0, coded.size)
 
     def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
         if name not in self.files:
