@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("dcp_nvme.tune", "sweep queue depth x block size on a directory; save the best for the plugin"),
     "bench": ("dcp_nvme.bench", "measure dcp_nvme against the device limit, DCP FileSystemWriter, "
                                 "torch.save, safetensors"),
-    "unlock": ("dcp_nvme.savelock", "remove a checkpoint directory's save lock left by a dead save"),
+    "unlock": ("dcp_nvme.tools.commands", "remove a checkpoint directory's save lock left by a dead save"),
 }
 """Command name -> (module defining it, one-line help shown by ``dcp-nvme --help``)."""
 

@@ -27,7 +27,6 @@ costs a failed save, never a mixed directory.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import logging
@@ -38,7 +37,6 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from .errors import CheckpointLockedError
 
@@ -383,26 +381,3 @@ def unlock(directory: str | os.PathLike, *, force: bool = False) -> tuple[LockHo
         return None, "the lock changed meanwhile; run again"
     return holder, reason or "forced"
 
-
-# --------------------------------------------------------------------------- dcp-nvme unlock
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "unlock", help="remove a checkpoint directory's save lock left by a dead save",
-        description="Remove <dir>/.save.lock when its holder is dead by the lock rule (same host: "
-                    "its pid is gone; another host: no heartbeat for "
-                    f"{STALE_AFTER_S:.0f} s). --force removes a lock that still looks live.")
-    parser.add_argument("path", help="checkpoint directory")
-    parser.add_argument("--force", action="store_true",
-                        help="remove the lock even if its holder looks alive (you know it is dead)")
-    parser.set_defaults(func=_cmd_unlock)
-
-
-def _cmd_unlock(args: argparse.Namespace) -> int:
-    holder, why = unlock(args.path, force=args.force)
-    if holder is None:
-        print(f"{args.path}: {why}")
-    else:
-        print(f"{args.path}: removed the save lock of {holder.describe()} ({why})")
-    return 0

@@ -75,11 +75,12 @@ def not_regular(path: str, mode: int) -> ManifestError:
     return ManifestError(f"{path} is {kind}; a checkpoint holds only regular files, so it is refused")
 
 
-def open_regular(path: str | os.PathLike) -> int:
+def open_regular(path: str | os.PathLike, extra_flags: int = 0) -> int:
     """An fd of ``path`` for reading, only if it is a regular file (never a link, FIFO or device).
 
     O_NONBLOCK so that opening a FIFO cannot hang; O_NOFOLLOW so that a link cannot lead out."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags |= extra_flags
     try:
         fd = os.open(path, flags)
     except OSError:

@@ -31,7 +31,7 @@ from .blockdev import warn_once
 from .config import IOConfig, check_option, resolve_config
 from .engines import shared_engine
 from .errors import CheckpointExistsError, CheckpointLockedError
-from .format import stored_as
+from .format import stored_as, table_name
 from .health import DriveWatch
 from .layout import ItemSpec, plan_container
 from .manifest import (
@@ -338,7 +338,7 @@ class NVMeWriter(StorageWriter):
         log.info("dcp_nvme: save %s: %s", key, format_summary(layers))
         index_bytes = chunks_table(chunks)
         blocks_bytes = files_table(files)
-        index_name, blocks_name = f"index.{key}.parquet", f"blocks.{key}.parquet"
+        index_name, blocks_name = table_name("index", key), table_name("blocks", key)
         write_commit_file(self.path, index_name, index_bytes, key)
         write_commit_file(self.path, blocks_name, blocks_bytes, key)
         doc = build_manifest_doc(

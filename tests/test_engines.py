@@ -570,3 +570,23 @@ def test_gpu_check_exits_cleanly_without_cuda(tmp_path):
     strict = subprocess.run([sys.executable, str(ROOT / "integration" / "gpu_check.py"), "--require-cuda"],
                             capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert strict.returncode == 1
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_open_for_reading_refuses_fifo_and_link(tmp_path: Path, direct: bool) -> None:
+    """A FIFO or symlink where a container should be is refused at once (no hang, no follow)."""
+    from dcp_nvme.config import IOConfig
+    from dcp_nvme.errors import ManifestError
+
+    config = IOConfig(read_mode="direct" if direct else "buffered")
+    fifo = tmp_path / "__0_0.distcp"
+    os.mkfifo(fifo)
+    with pytest.raises(ManifestError, match="regular"):
+        posix.open_for_reading(str(fifo), config)
+    (tmp_path / "real").write_bytes(b"x" * 4096)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real")
+    with pytest.raises(ManifestError, match="regular"):
+        posix.open_for_reading(str(link), config)
+    fd, _ = posix.open_for_reading(str(tmp_path / "real"), config)
+    os.close(fd)

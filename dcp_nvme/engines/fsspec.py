@@ -47,14 +47,7 @@ class FsspecEngine:
             data = self.fs.cat_file(request.file, start=request.file_offset,
                                     end=request.file_offset + request.length)
             stats.end(begun, len(data), len(data))
-            check_length(request, request.file_offset + len(data))
-            check_host(request.file, request.file_offset, request.checks, [memoryview(data)])
-            source = np.frombuffer(data, dtype=np.uint8)
-            position = 0
-            for dest, dest_offset, length in request.pieces:
-                if dest != SCRATCH and length:
-                    _copy_into(dests[dest], dest_offset, source, position, length)
-                position += length
+            deliver(request, data, dests)
 
         run_bounded(self.config.queue_depth, requests, run, "dcp-nvme-fsspec")
         stats.seconds = time.perf_counter() - started
@@ -62,6 +55,18 @@ class FsspecEngine:
 
     def close(self) -> None:
         pass
+
+
+def deliver(request: ReadRequest, data: bytes, dests: Sequence[torch.Tensor]) -> None:
+    """Check one whole-request read (length, then crc32c) and scatter its pieces to ``dests``."""
+    check_length(request, request.file_offset + len(data))
+    check_host(request.file, request.file_offset, request.checks, [memoryview(data)])
+    source = np.frombuffer(data, dtype=np.uint8)
+    position = 0
+    for dest, dest_offset, length in request.pieces:
+        if dest != SCRATCH and length:
+            _copy_into(dests[dest], dest_offset, source, position, length)
+        position += length
 
 
 def _copy_into(dest: torch.Tensor, offset: int, source: np.ndarray, position: int, length: int) -> None:

@@ -31,6 +31,7 @@ from ..errors import DCPNVMeError
 from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, contiguous_span, plan_windows
 from ..memory import aligned_buffer
 from ..stats import IOStats
+from ..store import open_regular
 from .base import FileWriteResult, PicklesAsConfig
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,21 @@ def open_file(path: str, flags: int, direct: bool) -> tuple[int, bool]:
 def open_for_reading(path: str, config: IOConfig) -> tuple[int, bool]:
     """Open a container for reading in the configured read mode. Buffered reads tell the kernel
     the access is sequential (a larger readahead window), so our block_size preads find the next
-    pages already on their way."""
-    fd, direct = open_file(path, os.O_RDONLY, config.reads_direct)
-    if not direct and hasattr(os, "posix_fadvise"):
+    pages already on their way. Only a regular file is opened (store.open_regular), so a FIFO,
+    device or link in a checkpoint directory is refused instead of hanging or leading out."""
+    if config.reads_direct and _O_DIRECT:
+        try:
+            return open_regular(path, _O_DIRECT), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            _note_fallback(path, os.strerror(exc.errno))
+    elif config.reads_direct:
+        _note_fallback(path, "this platform has no O_DIRECT")
+    fd = open_regular(path)
+    if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return fd, direct
+    return fd, False
 
 
 def pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:

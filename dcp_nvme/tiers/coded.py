@@ -17,16 +17,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import codec
-from ..checksums import check_host
 from ..concurrency import run_bounded
 from ..config import IOConfig
-from ..engines.posix import check_length
 from ..errors import ManifestError
-from ..layout import SCRATCH, ReadRequest
+from ..layout import ReadRequest
 from ..manifest import FileRecord, Manifest
 from ..stats import IOStats
 from .transfer import plan_pieces, verify_piece
@@ -176,7 +173,7 @@ class CodedEngine:
         return opened
 
     def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
-        from ..engines.fsspec import _copy_into
+        from ..engines.fsspec import deliver
 
         stats = IOStats("read")
         started = time.perf_counter()
@@ -185,14 +182,7 @@ class CodedEngine:
             begun = stats.begin()
             data = self.file(request.file).read(request.file_offset, request.file_offset + request.length)
             stats.end(begun, len(data), len(data))
-            check_length(request, request.file_offset + len(data))
-            check_host(request.file, request.file_offset, request.checks, [memoryview(data)])
-            source = np.frombuffer(data, dtype=np.uint8)
-            position = 0
-            for dest, dest_offset, length in request.pieces:
-                if dest != SCRATCH and length:
-                    _copy_into(dests[dest], dest_offset, source, position, length)
-                position += length
+            deliver(request, data, dests)
 
         run_bounded(self.config.queue_depth, requests, run, "dcp-nvme-dcz")
         stats.seconds = time.perf_counter() - started

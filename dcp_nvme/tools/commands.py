@@ -185,6 +185,31 @@ def register_convert(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_convert)
 
 
+def cmd_unlock(args: argparse.Namespace) -> int:
+    from ..savelock import unlock
+
+    holder, why = unlock(args.path, force=args.force)
+    if holder is None:
+        print(f"{args.path}: {why}")
+    else:
+        print(f"{args.path}: removed the save lock of {holder.describe()} ({why})")
+    return 0
+
+
+def register_unlock(subparsers: argparse._SubParsersAction) -> None:
+    from ..savelock import STALE_AFTER_S
+
+    p = subparsers.add_parser(
+        "unlock", help="remove a checkpoint directory's save lock left by a dead save",
+        description="Remove <dir>/.save.lock when its holder is dead by the lock rule (same host: "
+                    "its pid is gone; another host: no heartbeat for "
+                    f"{STALE_AFTER_S:.0f} s). --force removes a lock that still looks live.")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--force", action="store_true",
+                   help="remove the lock even if its holder looks alive (you know it is dead)")
+    p.set_defaults(func=cmd_unlock)
+
+
 # --------------------------------------------------------------------------- registration
 
 
@@ -225,3 +250,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_export)
 
     register_convert(subparsers)
+    register_unlock(subparsers)
