@@ -316,14 +316,7 @@ class PosixEngine(PicklesAsConfig):
             got = _pread_into(fd, [view], lo)
             stats.end(begun, request.length, request.length)
             check_length(request, lo + got)
-            base = request.file_offset - lo
-            check_host(request.file, request.file_offset, request.checks, [view[base : base + request.length]])
-            position = base
-            for dest, dest_offset, length in request.pieces:
-                if dest != SCRATCH:
-                    copy_bytes(dests[dest][dest_offset : dest_offset + length],
-                               buffer[position : position + length])
-                position += length
+            deliver_bounced(request, buffer, view, request.file_offset - lo, dests)
         finally:
             pool.free.put(index)
 
@@ -434,6 +427,18 @@ def check_length(request: ReadRequest, end_read: int) -> None:
             f"{request.file} is truncated: needed bytes up to {needed}, the file ends at "
             f"{end_read}. The checkpoint is damaged; load an earlier one or restore this file."
         )
+
+
+def deliver_bounced(request: ReadRequest, buffer: torch.Tensor, view: memoryview, base: int,
+                    dests: Sequence[torch.Tensor]) -> None:
+    """A request read into a bounce buffer (its bytes from ``base``): checked against its block
+    crcs, then each wanted piece copied out to its destination (scratch pieces are skipped)."""
+    check_host(request.file, request.file_offset, request.checks, [view[base : base + request.length]])
+    position = base
+    for dest, dest_offset, length in request.pieces:
+        if dest != SCRATCH:
+            copy_bytes(dests[dest][dest_offset : dest_offset + length], buffer[position : position + length])
+        position += length
 
 
 def with_path(exc: OSError, path: str) -> OSError:

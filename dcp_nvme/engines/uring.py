@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from ..checksums import check_host
 from ..config import IOConfig
-from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up
+from ..layout import ReadRequest, Window, align_down, align_up
 from ..stats import IOStats
 from . import ring as uring
 from .base import FileWriteResult
@@ -33,6 +32,7 @@ from .posix import (
     _memory_at,
     check_length,
     copy_bytes,
+    deliver_bounced,
     open_for_reading,
     with_path,
 )
@@ -248,15 +248,8 @@ class UringEngine(PosixEngine):
                         stats.end(begun.pop(id(op)), request.length, request.length)
                         check_length(request, op.offset + op.done)
                         buffer = pool.buffers[op.buffer]
-                        base = request.file_offset - op.offset
-                        view = buffer.numpy()[base : base + request.length].data
-                        check_host(request.file, request.file_offset, request.checks, [view])
-                        position = base
-                        for dest, dest_offset, length in request.pieces:
-                            if dest != SCRATCH:
-                                copy_bytes(dests[dest][dest_offset : dest_offset + length],
-                                           buffer[position : position + length])
-                            position += length
+                        deliver_bounced(request, buffer, buffer.numpy().data, request.file_offset - op.offset,
+                                        dests)
                     finally:
                         free_buffers.append(op.buffer)
 
