@@ -17,6 +17,7 @@ from .errors import (
     EngineUnavailableError,
     ManifestError,
 )
+from .lazy import lazy_names
 from .rundir import CheckpointDir, checkpoints, latest
 
 # The torch-backed classes load on first use, so that `dcp-nvme --help` and tools that only need
@@ -24,18 +25,7 @@ from .rundir import CheckpointDir, checkpoints, latest
 _LAZY = {"NVMeReader": ".reader", "NVMeStager": ".staging", "NVMeWriter": ".writer"}
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)
 
 
 __all__ = [

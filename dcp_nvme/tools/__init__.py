@@ -9,7 +9,7 @@ The same as ``dcp-nvme list | inspect | verify | export``; ``dcp-nvme convert`` 
 ``dcp_nvme.tools.convert.convert``.
 """
 
-import importlib
+from ..lazy import lazy_names
 
 # Names load on first use, so that ``dcp-nvme list --help`` (which imports this package for its
 # commands module) starts without torch.
@@ -22,16 +22,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)
 
 __all__ = [
     "CheckpointEntry",
