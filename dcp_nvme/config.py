@@ -32,6 +32,9 @@ extra (1 MiB blocks made a resharded quarter-load read 1.9x the bytes it needed)
 ENGINES = ("auto", "posix", "kvikio", "uring")
 READ_MODES = ("auto", "direct", "buffered")
 HOST_ENGINES = ("posix", "uring")
+NODE_WRITE_ORDERS = ("together", "staggered")
+"""How a node's ranks share the drive: all at once (each with its share of the node budget) or
+one at a time (each with the whole budget, in turns); ``dcp-nvme tune --ranks`` measures both."""
 """What ``engine="auto"`` runs when there are no device tensors (``dcp-nvme tune`` measures both)."""
 """How containers are read: O_DIRECT, or the page cache with readahead (POSIX_FADV_SEQUENTIAL,
 block_size preads); ``auto`` follows ``direct_io`` unless ``dcp-nvme tune`` stored a winner."""
@@ -168,6 +171,7 @@ _CHECKS: dict[str, Any] = {
     "max_bytes": lambda n, v, s: check_size(n, v, STAGING_BYTES_RANGE, s),
     "mirror": check_url,
     "node_queue_depth": lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s),
+    "node_write_order": lambda n, v, s: check_choice(n, v, NODE_WRITE_ORDERS, s),
 }
 """The one place each option's form and range is checked: name -> check(name, value, source)."""
 
@@ -183,7 +187,8 @@ class IOConfig:
 
     ``queue_depth`` requests of ``block_size`` bytes are in flight per rank: that product is the
     write window. With N ranks on one node the device sees N x queue_depth requests, unless
-    ``node_queue_depth`` is set: then the node's ranks share that many (``dcp_nvme.node``).
+    ``node_queue_depth`` is set: then the node's ranks share that many (``dcp_nvme.node``), all
+    at once or, with ``node_write_order="staggered"``, one rank at a time.
     """
 
     queue_depth: int = 8
@@ -194,6 +199,7 @@ class IOConfig:
     read_mode: str = "auto"
     host_engine: str = "posix"
     node_queue_depth: int | None = None
+    node_write_order: str = "together"
 
     def __post_init__(self) -> None:
         for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
@@ -216,8 +222,9 @@ class IOConfig:
 
 
 _FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify", "node_queue_depth",
-           "read_mode", "host_engine")
-_TUNED = ("queue_depth", "block_size", "direct_io", "node_queue_depth", "read_mode", "host_engine")
+           "read_mode", "host_engine", "node_write_order")
+_TUNED = ("queue_depth", "block_size", "direct_io", "node_queue_depth", "read_mode", "host_engine",
+          "node_write_order")
 
 
 def _from_env() -> dict[str, Any]:

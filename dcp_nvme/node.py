@@ -6,13 +6,23 @@ instead of ``queue_depth x L``. L is ``LOCAL_WORLD_SIZE`` (torchrun sets it) or 
 the coordinator agrees on while planning: every rank's local plan carries its host name
 (``HostTag``), and the coordinator counts ranks per host and hands each rank its count back in
 its plan. That rides on DCP's own plan gather: no extra collective, nothing to hang on.
+
+With ``node_write_order="staggered"`` the ranks of a node write one at a time instead, each with
+the whole budget: a turn is an exclusive ``flock`` on a node-local file named after the drive
+(``node_turn``). The kernel drops a flock when its holder exits, so a killed rank never blocks
+the others, and nothing crosses nodes (the file lives in /dev/shm, not on shared storage).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import tempfile
+import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from .config import IOConfig
@@ -53,10 +63,40 @@ def local_ranks(agreed: int | None = None) -> int:
 
 
 def effective_queue_depth(config: IOConfig, ranks_on_node: int) -> int:
-    """This rank's share of the node budget, or its own ``queue_depth`` when there is none."""
+    """This rank's share of the node budget (all of it when ranks write in turns), or its own
+    ``queue_depth`` when there is no budget."""
     if config.node_queue_depth is None:
         return config.queue_depth
-    return min(256, max(1, config.node_queue_depth // max(1, ranks_on_node)))
+    sharing = 1 if config.node_write_order == "staggered" else max(1, ranks_on_node)
+    return min(256, max(1, config.node_queue_depth // sharing))
+
+
+def turn_file(directory: str) -> str:
+    """The node-local lock file for the drive under ``directory``: ranks writing to one file
+    system take turns on it; other drives, users and nodes are not involved."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"dcp_nvme-turn-{os.getuid()}-{os.stat(directory).st_dev:x}.lock")
+
+
+@contextmanager
+def node_turn(directory: str) -> Iterator[float]:
+    """Hold this node's write turn for the drive under ``directory``; yields the seconds waited."""
+    path = turn_file(directory)
+    try:  # O_NOFOLLOW: a planted symlink must not make us open (and lock) someone else's file
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot open the node's write-turn file {path} "
+                                 f"(node_write_order=staggered): {exc.strerror}") from exc
+    try:
+        started = time.perf_counter()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield time.perf_counter() - started
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def budgeted(config: IOConfig, ranks_on_node: int) -> IOConfig:

@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ class ProbeResult:
 
 
 def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, keep: bool = False,
-                 sync=None, engine_class=PosixEngine) -> ProbeResult:
+                 sync=None, engine_class=PosixEngine, turn=nullcontext) -> ProbeResult:
     """Write ``nbytes`` to a new file with the plugin's engine, evict it, read it back, delete it.
 
     The data comes from (and returns to) one page-aligned buffer, so the engine takes its
@@ -76,6 +77,8 @@ def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, kee
     the plugin sees it. The engine is warmed on a small file first so that allocating its
     bounce buffers is not timed. ``sync``, when given, is called before the timed write and
     before the timed read: processes measured together (``tune --ranks``) start each at once.
+    ``turn`` wraps the timed write (a node write turn when they write staggered): waiting for it
+    counts, as it does for a rank.
     """
     nbytes = max(ALIGN, nbytes // ALIGN * ALIGN)
     os.makedirs(directory, exist_ok=True)
@@ -92,7 +95,8 @@ def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, kee
         if sync is not None:
             sync()
         started = time.perf_counter()
-        written = engine.write_file(path, header, [source], config.checksum_block)
+        with turn():
+            written = engine.write_file(path, header, [source], config.checksum_block)
         write_seconds = time.perf_counter() - started
         eviction = evict_from_page_cache([path])
         dest = aligned_buffer(nbytes, pin=False) if buffer is None else source
@@ -246,12 +250,13 @@ def format_curve(doc: dict[str, Any]) -> str:
     """The sweep as a table a person can scan, the chosen point marked."""
     best = doc["best"]
     node = "node_queue_depth" in best  # tune --ranks: node depth, then each rank's share
-    lines = [(f"{'node qd':>7} " if node else "") + f"{'direct':>6} {'queue_depth':>11} {'block_size':>10} "
+    lines = [(f"{'node qd':>7} {'order':>9} " if node else "") + f"{'direct':>6} {'queue_depth':>11} {'block_size':>10} "
              f"{'write GB/s':>10} {'read GB/s':>9} {'w p99 ms':>8} {'depth':>5}"]
     for p in doc["points"]:
-        chosen = all(p[k] == best[k] for k in ("queue_depth", "block_size", "direct_io"))
+        chosen = all(p.get(k) == best.get(k) for k in ("queue_depth", "block_size", "direct_io", "write_gbps",
+                                                       "read_gbps", "node_write_order"))
         lines.append(
-            (f"{p['node_queue_depth']:>7} " if node else "") +
+            (f"{p['node_queue_depth']:>7} {p.get('node_write_order', 'together'):>9} " if node else "") +
             f"{('yes' if p['direct_io'] else 'no'):>6} {p['queue_depth']:>11} {format_size(p['block_size']):>10} "
             f"{p['write_gbps']:>10.2f} {p['read_gbps']:>9.2f} {p['write_io']['latency_p99_ms']:>8.1f} "
             f"{p['write_io']['max_inflight']:>5}" + ("   <- best" if chosen else ""))
@@ -373,8 +378,8 @@ def run_tune(args: argparse.Namespace) -> int:
     print(f"dcp-nvme tune: {args.size / 2**20:.0f} MiB per point on {doc['machine']['directory']} "
           f"({doc['machine'].get('fstype', '?')})")
     print(format_curve(doc))
-    node = (f"node_queue_depth={best['node_queue_depth']} over {args.ranks} ranks, "
-            if best.get("node_queue_depth") else "")
+    node = (f"node_queue_depth={best['node_queue_depth']} over {args.ranks} ranks "
+            f"({best.get('node_write_order', 'together')}), " if best.get("node_queue_depth") else "")
     print(f"best: {node}queue_depth={best['queue_depth']} block_size={format_size(best['block_size'])} "
           f"direct_io={best['direct_io']} (write {best['write_gbps']:.2f} GB/s, read {best['read_gbps']:.2f} GB/s)")
     print("\n".join(layer_lines))

@@ -4,6 +4,10 @@ Each point is a node depth D: every process keeps ``max(1, D // N)`` requests in
 own file of ``size // N`` bytes, all processes start the write together and the read together
 (a barrier), and the point's time is the slowest process's: the node's checkpoint time. The best
 point is stored with ``node_queue_depth = D``, so writers on a node of N ranks share D.
+
+Each node depth is also measured staggered: the processes take turns (``node.node_turn``), each
+with all D requests; the point's time is then the last process's end. Whichever order wins is
+stored as ``node_write_order``.
 """
 
 from __future__ import annotations
@@ -12,15 +16,19 @@ import multiprocessing
 import os
 import queue
 import time
+from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 from .config import ALIGN, IOConfig
 from .display import format_size, progress_bar
 from .host import machine_info
-from .node import effective_queue_depth
+from .node import effective_queue_depth, node_turn
 from .tune import engine_probe, pick_best
 
 BARRIER_SECONDS = 3600.0
+CHOSEN_BY = ("queue_depth", "block_size", "direct_io", "write_gbps", "read_gbps")
+"""pick_best copies these from the winning point: together they find it again among the points."""
 
 
 def _worker(index: int, directory: str, nbytes: int, tasks, results, barrier) -> None:
@@ -34,9 +42,11 @@ def _worker(index: int, directory: str, nbytes: int, tasks, results, barrier) ->
         task = tasks.get()
         if task is None:
             return
+        config = IOConfig(**task)
+        turn = (lambda: node_turn(directory)) if config.node_write_order == "staggered" else nullcontext
         try:
-            probe = engine_probe(own, nbytes, IOConfig(**task), buffer=buffer,
-                                 sync=lambda: barrier.wait(BARRIER_SECONDS))
+            probe = engine_probe(own, nbytes, config, buffer=buffer,
+                                 sync=lambda: barrier.wait(BARRIER_SECONDS), turn=turn)
             results.put((index, probe.to_dict()))
         except BaseException as exc:  # the others must not wait at the barrier for this one
             barrier.abort()
@@ -44,7 +54,7 @@ def _worker(index: int, directory: str, nbytes: int, tasks, results, barrier) ->
             return
 
 
-def combine(per_rank: list[dict[str, Any]], node_depth: int) -> dict[str, Any]:
+def combine(per_rank: list[dict[str, Any]], node_depth: int, order: str = "together") -> dict[str, Any]:
     """One point from the processes' probes: bytes add up, the slowest process sets the time."""
     first = per_rank[0]
     nbytes = sum(p["bytes"] for p in per_rank)
@@ -57,7 +67,8 @@ def combine(per_rank: list[dict[str, Any]], node_depth: int) -> dict[str, Any]:
                 "latency_p50_ms": max(p[op]["latency_p50_ms"] for p in per_rank),
                 "latency_p99_ms": max(p[op]["latency_p99_ms"] for p in per_rank)}
 
-    return {"ranks": len(per_rank), "node_queue_depth": node_depth, "queue_depth": first["queue_depth"],
+    return {"ranks": len(per_rank), "node_queue_depth": node_depth, "node_write_order": order,
+            "queue_depth": first["queue_depth"],
             "block_size": first["block_size"], "direct_io": first["direct_io"], "bytes": nbytes,
             "write_seconds": round(write_seconds, 6), "read_seconds": round(read_seconds, 6),
             "write_gbps": round(nbytes / write_seconds / 1e9, 3), "read_gbps": round(nbytes / read_seconds / 1e9, 3),
@@ -74,12 +85,23 @@ def node_grid(ranks: int, node_depths: list[int]) -> list[tuple[int, int]]:
     return [(node, per_rank) for per_rank, node in sorted(seen.items())]
 
 
+def order_grid(ranks: int, node_depths: list[int]) -> list[tuple[str, int, int]]:
+    """(write order, node depth, per-rank depth) points: the together grid, then each node depth
+    staggered (one process at a time with all of it) when there is more than one process."""
+    points = [("together", node, per_rank) for node, per_rank in node_grid(ranks, node_depths)]
+    if ranks > 1:
+        staggered = IOConfig(node_write_order="staggered")
+        points += [("staggered", node, effective_queue_depth(replace(staggered, node_queue_depth=node), ranks))
+                   for node in sorted(set(node_depths))]
+    return points
+
+
 def sweep_ranks(directory: str, nbytes: int, ranks: int, node_depths: list[int], block_sizes: list[int],
                 directs: list[bool], repeat: int = 1, progress: bool = True) -> dict[str, Any]:
     """Measure every point with ``ranks`` processes at once; return the tune document."""
     per_rank_bytes = max(ALIGN, nbytes // ranks // ALIGN * ALIGN)
-    grid = [(d, node, per_rank, b) for d in directs for b in block_sizes
-            for node, per_rank in node_grid(ranks, node_depths)]
+    grid = [(d, order, node, per_rank, b) for d in directs for b in block_sizes
+            for order, node, per_rank in order_grid(ranks, node_depths)]
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(ranks)
     results = context.Queue()
@@ -91,14 +113,16 @@ def sweep_ranks(directory: str, nbytes: int, ranks: int, node_depths: list[int],
     bar = progress_bar(len(grid) * repeat, progress, unit="pt")
     points = []
     try:
-        for direct, node, per_rank, block in grid:
-            task = {"queue_depth": per_rank, "block_size": block, "direct_io": direct, "engine": "posix"}
+        for direct, order, node, per_rank, block in grid:
+            task = {"queue_depth": per_rank, "block_size": block, "direct_io": direct, "engine": "posix",
+                    "node_write_order": order}
             runs = []
             for _ in range(repeat):
-                bar.set_description(f"tune {ranks} ranks node qd={node} bs={format_size(block)} direct={int(direct)}")
+                bar.set_description(f"tune {ranks} ranks {order} node qd={node} bs={format_size(block)} "
+                                    f"direct={int(direct)}")
                 for inbox in inboxes:
                     inbox.put(task)
-                runs.append(combine(_collect(results, workers), node))
+                runs.append(combine(_collect(results, workers), node, order))
                 bar.update(1)
             point = min(runs, key=lambda p: p["write_seconds"]) if repeat == 1 else _median(runs)
             points.append(point)
@@ -115,8 +139,9 @@ def sweep_ranks(directory: str, nbytes: int, ranks: int, node_depths: list[int],
                 os.rmdir(own)
         bar.close()
     best = pick_best(points)
-    chosen = next(p for p in points if all(p[k] == best[k] for k in ("queue_depth", "block_size", "direct_io")))
+    chosen = next(p for p in points if all(p[k] == best[k] for k in CHOSEN_BY))
     best["node_queue_depth"] = chosen["node_queue_depth"]
+    best["node_write_order"] = chosen["node_write_order"]
     best["ranks"] = ranks
     return {"format": "dcp_nvme.tune", "format_version": 1, "created_unix": time.time(), "best": best,
             "size": nbytes, "ranks": ranks, "repeat": repeat, "points": points,

@@ -6,6 +6,7 @@ prepare_global_plan (coordinator) -> write_data (every rank) -> finish (coordina
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -55,7 +56,7 @@ from .manifest import (
     write_commit_file,
 )
 from .memory import tensor_bytes
-from .node import HostTag, budgeted, local_ranks, ranks_per_host, this_host
+from .node import HostTag, budgeted, local_ranks, node_turn, ranks_per_host, this_host
 from .stats import PhaseTimer
 from .store import LocalStore, is_local_path, local_path
 from .telemetry import format_summary, layer_summary
@@ -120,6 +121,9 @@ class NVMeWriter(StorageWriter):
         engine: ``"auto"``, ``"posix"`` (threads), ``"uring"`` (io_uring) or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
         node_queue_depth: requests in flight shared by the ranks of a node: each keeps
             ``node_queue_depth // local ranks`` (env ``DCP_NVME_NODE_QUEUE_DEPTH``; ``dcp_nvme.node``).
+        node_write_order: ``"together"`` (the node's ranks write at once, sharing the budget) or
+            ``"staggered"`` (one at a time, each with the whole budget); env
+            ``DCP_NVME_NODE_WRITE_ORDER``, or what ``dcp-nvme tune --ranks`` measured faster.
         overwrite: replace a committed checkpoint at ``path``; the old one stays loadable until
             the new one commits.
         mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each
@@ -138,6 +142,7 @@ class NVMeWriter(StorageWriter):
         direct_io: bool | None = None,
         engine: str | None = None,
         node_queue_depth: int | None = None,
+        node_write_order: str | None = None,
         overwrite: bool = False,
         mirror: str | None = None,
         mirror_options: dict[str, Any] | None = None,
@@ -147,7 +152,7 @@ class NVMeWriter(StorageWriter):
         self.path = local_path(path)
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine,
-            node_queue_depth=node_queue_depth,
+            node_queue_depth=node_queue_depth, node_write_order=node_write_order,
         )
         self.overwrite = check_option("overwrite", overwrite)
         self.mirror = None if mirror is None else check_option("mirror", mirror)
@@ -258,9 +263,12 @@ class NVMeWriter(StorageWriter):
         wave = waves.release_for(sources)  # a bounded stager's live tensors are in this save
         progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
         try:
-            with timer.span("write"):
+            with timer.span("write"), self._turn(config) as waited:
+                began_unix = time.time()
                 written = engine.write_file(path, layout.header, sources, config.checksum_block,
                                             **progress)
+                write_unix = (began_unix, time.time())  # wall clock: comparable across ranks
+            timer.add("turn_wait", waited)  # a part of "write": the other local ranks' turns
             if wave is not None:
                 wave.release()  # every byte is written: the live tensors are free in any case
         except BaseException as exc:
@@ -277,7 +285,9 @@ class NVMeWriter(StorageWriter):
             "rank": target.rank, "file": name, "items": len(plan.items), "bytes": written.size,
             "engine": engine.name, "engine_reason": reason, "config": config.to_dict(),
             "phases": {k: round(v, 6) for k, v in timer.phases.items()}, "io": io_stats,
-            "host": this_host(), "local_ranks": on_node, "drive": drive.finish(),
+            "host": this_host(), "local_ranks": on_node, "write_order": config.node_write_order,
+            "write_unix": [round(t, 6) for t in write_unix],
+            "drive": drive.finish(),
             "block_layer": [str(a) for a in advice],
         }
         if stats["drive"]["throttled"]:
@@ -299,6 +309,10 @@ class NVMeWriter(StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
         future.set_result(results)
         return future
+
+    def _turn(self, config: IOConfig) -> contextlib.AbstractContextManager[float]:
+        """The node's write turn when ranks write staggered, else nothing to wait for."""
+        return node_turn(self.path) if config.node_write_order == "staggered" else contextlib.nullcontext(0.0)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         started = time.perf_counter()

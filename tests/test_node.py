@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import multiprocessing
 import os
+import signal
 import statistics
 
 import pytest
@@ -15,13 +18,14 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import IOConfig, resolve_config
-from dcp_nvme.node import effective_queue_depth, local_ranks, ranks_per_host
+from dcp_nvme.node import effective_queue_depth, local_ranks, node_turn, ranks_per_host, turn_file
 from dcp_nvme.telemetry import format_summary, layer_summary
 
 
 @pytest.fixture(autouse=True)
 def no_env(monkeypatch, tmp_path):
-    for name in ("LOCAL_WORLD_SIZE", "DCP_NVME_NODE_QUEUE_DEPTH", "DCP_NVME_QUEUE_DEPTH"):
+    for name in ("LOCAL_WORLD_SIZE", "DCP_NVME_NODE_QUEUE_DEPTH", "DCP_NVME_QUEUE_DEPTH",
+                 "DCP_NVME_NODE_WRITE_ORDER"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tmp_path / "no-tune.json"))
 
@@ -157,3 +161,99 @@ def test_layer_summary_on_a_known_node_of_four():
                                     "slowest_over_median": 2.667}
     assert summary["throttled_ranks"] == [3]
     assert "slowest rank 3 4.000 s = 2.67 x median" in format_summary(summary)
+
+
+# --------------------------------------------------------------------------- staggered writes
+
+
+def test_staggered_ranks_each_take_the_whole_budget(monkeypatch):
+    staggered = IOConfig(node_queue_depth=8, node_write_order="staggered")
+    assert effective_queue_depth(staggered, 4) == 8  # one rank at a time: all of it
+    assert effective_queue_depth(IOConfig(node_queue_depth=8), 4) == 2  # together: a share
+    with pytest.raises(ValueError, match="node_write_order='sideways' from the argument is not valid"):
+        IOConfig(node_write_order="sideways")
+    monkeypatch.setenv("DCP_NVME_NODE_WRITE_ORDER", "staggered")
+    assert resolve_config().node_write_order == "staggered"
+    monkeypatch.setenv("DCP_NVME_NODE_WRITE_ORDER", "alone")
+    with pytest.raises(ValueError, match="environment variable DCP_NVME_NODE_WRITE_ORDER"):
+        resolve_config()
+
+
+def _turn_is_free(directory: str) -> bool:
+    fd = os.open(turn_file(directory), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing drops a lock this probe may have taken
+    return True
+
+
+def _hold_turn(directory: str, holding, release) -> None:
+    with node_turn(directory):
+        holding.set()
+        release.wait(60)
+
+
+@pytest.mark.parametrize("ending", ["release", "kill"])
+def test_a_turn_is_exclusive_on_the_node_and_dies_with_its_holder(tmp_path, ending):
+    """Another process holds the turn: nobody else gets it until it releases, or is killed."""
+    ctx = multiprocessing.get_context("spawn")
+    holding, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_turn, args=(str(tmp_path), holding, release))
+    holder.start()
+    try:
+        assert holding.wait(60)
+        assert not _turn_is_free(str(tmp_path))
+        if ending == "kill":
+            os.kill(holder.pid, signal.SIGKILL)  # the kernel drops a dead holder's flock
+        else:
+            release.set()
+        holder.join(60)
+        assert _turn_is_free(str(tmp_path))
+    finally:
+        release.set()
+        holder.join(5)
+        if holder.is_alive():
+            holder.kill()
+
+
+def test_a_planted_link_at_the_turn_file_is_refused(tmp_path):
+    path = turn_file(str(tmp_path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.symlink(tmp_path / "victim", path)
+    try:
+        with pytest.raises(OSError, match="write-turn file .*node_write_order=staggered"):
+            with node_turn(str(tmp_path)):
+                pass
+        assert not (tmp_path / "victim").exists()
+    finally:
+        os.unlink(path)
+
+
+def _staggered_save(rank, world, path):
+    full, state = _state(world)
+    writer = NVMeWriter(path, queue_depth=2, block_size=16384, node_queue_depth=4,
+                        node_write_order="staggered", direct_io=False)
+    dcp.save(state, storage_writer=writer)
+    stats = writer.last_stats
+    assert stats["config"]["queue_depth"] == 4 and stats["write_order"] == "staggered"
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(dest, storage_reader=NVMeReader(path))
+    for key, tensor in full.items():
+        assert torch.equal(dest[key].full_tensor(), tensor), key
+
+
+@pytest.mark.slow
+def test_staggered_ranks_write_one_after_the_other(tmp_path):
+    """Two ranks on this host, node_write_order=staggered: each writes with the whole budget,
+    and their write intervals (wall clock, from the manifest) do not overlap."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _staggered_save, path)
+    doc = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    first, second = sorted(tuple(r["write_unix"]) for r in doc["ranks"])
+    assert first[0] <= first[1] <= second[0] <= second[1], (first, second)
+    assert all(r["write_order"] == "staggered" for r in doc["ranks"])

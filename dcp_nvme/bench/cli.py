@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="dcp_nvme requests in flight shared by the ranks (each keeps this // ranks); "
                              "fio then runs numjobs=ranks at the same total depth, and a save at the per-rank "
                              "depth it replaces is measured too")
+    parser.add_argument("--node-write-order", choices=("together", "staggered"), default=None,
+                        help="with --node-queue-depth: the ranks write at once, sharing it, or take turns, "
+                             "each with all of it; the other order is measured too")
     parser.add_argument("--repeat", type=int, default=1, help="runs per row; the median is reported")
     parser.add_argument("--quick", action="store_true", help="FileSystemWriter at thread_count=1 only")
     parser.add_argument("--json", default=None, help="write every figure and the configuration here")
@@ -80,7 +83,7 @@ def _command(args: argparse.Namespace) -> int:
         size=args.size, ranks=args.ranks, directory=args.dir, optim=args.optim,
         queue_depth=args.queue_depth, block_size=args.block_size,
         direct_io=None if args.direct_io is None else args.direct_io == "on",
-        node_queue_depth=args.node_queue_depth,
+        node_queue_depth=args.node_queue_depth, node_write_order=args.node_write_order,
         repeat=args.repeat, quick=args.quick, keep=args.keep, progress=not args.no_progress,
     )
     doc = run_bench(options)

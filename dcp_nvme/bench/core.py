@@ -27,11 +27,13 @@ class BenchCore:
         self.options, self.group, self.root = options, group, root
         self.config = resolve_config(queue_depth=options.queue_depth, block_size=options.block_size,
                                      direct_io=options.direct_io, engine="posix",
-                                     node_queue_depth=options.node_queue_depth)
+                                     node_queue_depth=options.node_queue_depth,
+                                     node_write_order=options.node_write_order)
         self.io_kwargs = {"queue_depth": self.config.queue_depth, "block_size": self.config.block_size,
                           "direct_io": self.config.direct_io}
         # every bench rank runs on this node: the node budget splits over all of them
-        self.writer_kwargs = {**self.io_kwargs, "node_queue_depth": self.config.node_queue_depth}
+        self.writer_kwargs = {**self.io_kwargs, "node_queue_depth": self.config.node_queue_depth,
+                              "node_write_order": self.config.node_write_order}
         self.device_config = budgeted(self.config, group.world)
         """What each rank of a save keeps in flight; fio's jobs and the engine probe use the same."""
         self.spec: ModelSpec = llama_spec(options.size, options.optim)

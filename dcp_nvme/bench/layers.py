@@ -49,6 +49,26 @@ class LayerRows(BenchCore):
                      "max_inflight": max(s.get("io", {}).get("max_inflight", 0) for s in self.group.gather(stats[-1]))}
         row.note = f"{self.group.world} ranks x queue_depth {per_rank}"
 
+    def other_order_save(self) -> None:
+        """The same budgeted save with the node's ranks in the other write order (together vs
+        staggered), so the run shows which one this drive prefers."""
+        from ..writer import NVMeWriter
+
+        order = "together" if self.config.node_write_order == "staggered" else "staggered"
+        row = self.add(Row(f"dcp_nvme.save.{order}", f"dcp_nvme save, node ranks {order}", "write", "ours"))
+        kwargs = {**self.writer_kwargs, "node_write_order": order}
+        dcp = self._dcp()
+
+        def save(path: str) -> dict[str, Any]:
+            writer = NVMeWriter(path, **kwargs)
+            dcp.save(self.state, storage_writer=writer, no_dist=not self.group.is_dist)
+            return writer.last_stats or {}
+
+        stats = self._repeat_saves(row, f"dcp_nvme_{order}", save, keep=False)
+        depths = [s.get("config", {}).get("queue_depth") for s in self.group.gather(stats[-1])]
+        row.extra = {"node_write_order": order, "queue_depth": depths}
+        row.note = f"{self.group.world} ranks {order}, queue_depth {depths[0]} each"
+
     def layers_document(self, rows: list[dict[str, Any]], ratios: dict[str, Any]) -> dict[str, Any]:
         """Block layer, advice, drive health over the run, the save's telemetry, the targets."""
         device = self.drive_watch.device if self.drive_watch else None
@@ -58,6 +78,11 @@ class LayerRows(BenchCore):
         ours, replaced = by_key.get("dcp_nvme.save"), by_key.get("dcp_nvme.save.per_rank_depth")
         if ours and replaced and not ours["skipped"] and not replaced["skipped"] and replaced["gbps"]:
             ratios["save_vs_per_rank_depth"] = round(ours["gbps"] / replaced["gbps"], 3)
+        by_order = {order: by_key.get(f"dcp_nvme.save.{order}") for order in ("together", "staggered")}
+        by_order[self.config.node_write_order] = ours  # the main save row ran in the configured order
+        staggered, together = by_order["staggered"], by_order["together"]
+        if staggered and together and not staggered["skipped"] and not together["skipped"] and together["gbps"]:
+            ratios["staggered_vs_together"] = round(staggered["gbps"] / together["gbps"], 3)
         budget = self.config.node_queue_depth is not None and self.group.world > 1
         targets = []
         for name, key, threshold in LAYER_TARGETS:
@@ -67,6 +92,8 @@ class LayerRows(BenchCore):
         saves = self.dcp_stats.get("save")
         return {
             "node_queue_depth": self.config.node_queue_depth, "per_rank_depth": self.device_config.queue_depth,
+            "node_write_order": self.config.node_write_order,
+            "staggered_vs_together": ratios.get("staggered_vs_together"),
             "local_ranks": self.group.world,
             "block_layer": {"device": device.to_dict() if device else None, "advice": [str(a) for a in advice]},
             "drive": self.drive_watch.finish() if self.drive_watch else None,
@@ -84,6 +111,9 @@ def format_layers(layers: dict[str, Any] | None) -> list[str]:
               if layers["node_queue_depth"] else
               f"no node budget: {layers['local_ranks']} rank(s) x queue_depth {depth} = {layers['local_ranks'] * depth}")
     lines = ["LAYERS (issue 16)", f"  framework: {budget}"]
+    if layers.get("staggered_vs_together") is not None:
+        lines.append(f"  write order: {layers.get('node_write_order')}; staggered / together = "
+                     f"{layers['staggered_vs_together']:.2f} (same run; `dcp-nvme tune --ranks N` stores the faster)")
     from ..blockdev import BlockDevice, DiskQueue
 
     device = layers["block_layer"]["device"]

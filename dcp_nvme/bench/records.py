@@ -21,6 +21,7 @@ class BenchOptions:
     block_size: int | None = None
     direct_io: bool | None = None
     node_queue_depth: int | None = None
+    node_write_order: str | None = None
     repeat: int = 1
     quick: bool = False
     keep: bool = False

@@ -34,7 +34,8 @@ class Bench(OursRows, DataPathRows, PeerRows, LayerRows):
     """The rows of one run, on one rank. Rank 0 keeps the results."""
 
     def steps(self) -> list[tuple[str, Callable[[], None]]]:
-        budget = [("dcp_nvme save, per-rank depth", self.per_rank_depth_save)] if (
+        budget = [("dcp_nvme save, per-rank depth", self.per_rank_depth_save),
+                  ("dcp_nvme save, the other write order", self.other_order_save)] if (
             self.config.node_queue_depth is not None and self.group.world > 1) else []
         return [
             ("warm-up", self.warm_up),
