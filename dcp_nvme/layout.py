@@ -173,24 +173,6 @@ def plan_windows(sizes: Sequence[int], block_size: int) -> Iterator[Window]:
         yield Window(start, length, tuple(pieces))
 
 
-def contiguous_span(window: Window, addresses: Sequence[int | None]) -> int | None:
-    """The address of the window's bytes when they are one span of host memory (sources laid
-    out as ``place_back_to_back`` lays the container), else None; ``addresses`` are the
-    sources' host addresses (None: not in host memory)."""
-    first = window.pieces[0]
-    start = addresses[first.source]
-    if start is None:
-        return None
-    start += first.src_offset
-    expected = start
-    for piece in window.pieces:
-        base = addresses[piece.source]
-        if base is None or base + piece.src_offset != expected:
-            return None
-        expected += piece.length
-    return start
-
-
 @dataclass(frozen=True)
 class Segment:
     """One iovec of a window's write: ``length`` bytes at window offset ``offset``, straight from
