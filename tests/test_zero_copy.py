@@ -23,7 +23,8 @@ from dcp_nvme.engines.uring import uring_unavailable_reason
 from dcp_nvme.format import is_pad_key
 from dcp_nvme.layout import DIRECT_MIN
 from dcp_nvme.memory import aligned_buffer
-from dcp_nvme.tools import export_hf, inspect_checkpoint, verify_checkpoint
+from dcp_nvme.tools import export_hf, inspect_checkpoint, list_checkpoints, verify_checkpoint
+from dcp_nvme.tools.convert import convert
 
 ENGINES = ["posix"] + (["uring"] if uring_unavailable_reason() is None else [])
 BLOCK = 256 << 10
@@ -186,6 +187,11 @@ def test_tools_never_show_pads(tmp_path):
         with safe_open(str(tmp_path / "hf" / shard), framework="pt") as handle:
             exported |= set(handle.keys())
     assert exported == set(state)
+    convert(tmp_path / "c", tmp_path / "t.pt", "torch")
+    loaded = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert set(loaded) == set(state) and all(_same(loaded[k], v) for k, v in state.items())
+    (entry,) = list_checkpoints(tmp_path / "c")
+    assert entry.state == "committed"
 
 
 def test_block_crcs_continue_across_segments():
