@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from dcp_nvme import NVMeReader, NVMeStager, NVMeWriter
-from dcp_nvme.dio import dio_alignment
+from dcp_nvme.dio import DioAlignment, dio_alignment
 from dcp_nvme.engines.posix import block_crcs
 from dcp_nvme.engines.uring import uring_unavailable_reason
 from dcp_nvme.format import is_pad_key
@@ -248,3 +248,24 @@ def test_uring_resubmits_the_rest_of_a_short_vectored_write():
     assert _remaining(spans, 600) == [(5088, 936), (9000, 7)]
     assert _remaining(spans, 1536 + 6) == [(9006, 1)]
     assert _remaining(spans, 1543) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_alignment_the_kernel_refuses_falls_back_to_bouncing(tmp_path, monkeypatch, caplog, engine):
+    """statx or the device claiming less alignment than O_DIRECT really needs: the kernel's
+    EINVAL on a direct span makes that window and the rest of the file bounce, page-aligned."""
+    from dcp_nvme.engines import posix
+
+    monkeypatch.setattr(posix, "dio_alignment", lambda fd: DioAlignment(64, 64, "test"))
+    state = model_like_state()
+    writer = NVMeWriter(tmp_path, engine=engine, direct_io=True, block_size="1MiB")
+    with caplog.at_level("WARNING"):
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    if not writer.last_stats["io"]["direct_io"]:
+        pytest.skip("no O_DIRECT on this filesystem")
+    if _dio_align(next(tmp_path.glob("rank_*"))) > 64:  # the kernel refused: we fell back
+        assert "bouncing every write" in caplog.text
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=NVMeReader(tmp_path), no_dist=True)
+    assert all(_same(back[k], v) for k, v in state.items())
+    assert verify_checkpoint(tmp_path).ok

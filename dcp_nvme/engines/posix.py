@@ -426,7 +426,7 @@ class ContainerWrite:
                 pwritev_all(self.fd, [_memory_at(a, n) for a, n in prepared.spans],
                             self.data_start + window.offset)
             except OSError as exc:
-                if not self._refused_direct_memory(exc, prepared):
+                if not self.refused_direct_memory(exc, prepared):
                     raise
                 self.stats.end(begun, 0)
                 self.write_host_window(window)  # again, every byte through the bounce buffer
@@ -437,14 +437,16 @@ class ContainerWrite:
             if prepared.buffer >= 0:
                 pool.free.put(prepared.buffer)
 
-    def _refused_direct_memory(self, exc: OSError, prepared: PreparedWindow) -> bool:
+    def refused_direct_memory(self, exc: OSError, prepared: PreparedWindow) -> bool:
         """Whether O_DIRECT refused a write from the sources' own memory (EINVAL: the alignment
-        the kernel or device reported was not enough); if so, bounce everything from now on."""
+        the kernel or device reported was not enough); if so, every later window of this file
+        (and this one, written again) bounces through page-aligned buffers, page-rounded."""
         if not self.direct or exc.errno != errno.EINVAL or not prepared.direct_bytes:
             return False  # a buffered write, or one bounced already: a real error
         if any(a is not None for a in self.addresses):
             log.warning("dcp_nvme: O_DIRECT refused a write from tensor memory aligned to %d for %s; "
                         "bouncing every write of this file", self.align, self.path)
+            self.align = ALIGN  # what every device takes; first, so no bounce uses the old one
             self.addresses = [None] * len(self.addresses)
         return True
 

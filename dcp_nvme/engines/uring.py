@@ -116,10 +116,11 @@ class UringEngine(PosixEngine):
 
     # ------------------------------------------------------------------ the loop
 
-    def _drive(self, fd: int, tasks, start, finish, write: bool) -> None:
+    def _drive(self, fd: int, tasks, start, finish, write: bool, retry=None) -> None:
         """Start ``start(task) -> _Op`` for each task with queue_depth in flight; call
         ``finish(op)`` as each completes in full. Short transfers are resubmitted for the rest;
-        a failed one raises (after the others in flight have landed)."""
+        a failed one is replaced by ``retry(op, errno)`` when that gives an op, else raises
+        (after the others in flight have landed)."""
         ring = self._get_ring()
         fixed_op = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
         plain_op = uring.OP_WRITE if write else uring.OP_READ
@@ -146,6 +147,11 @@ class UringEngine(PosixEngine):
             for slot, result in ring.submit_and_wait(wait):
                 op = slots[slot]
                 if result < 0:
+                    replacement = retry(op, -result) if retry is not None and not failure else None
+                    if replacement is not None:
+                        slots[slot] = replacement
+                        submit(slot, replacement)
+                        continue
                     fail(OSError(-result, os.strerror(-result)))
                 elif result > 0 and op.done + result < op.length:
                     op.done += result
@@ -219,7 +225,19 @@ class UringEngine(PosixEngine):
                 if tracker is not None:
                     tracker.done(window.offset, window.length)
 
-            self._drive(container.fd, container.windows(), start, finish, True)
+            def retry(op: _Op, code: int) -> _Op | None:
+                prepared: PreparedWindow = op.task
+                if not container.refused_direct_memory(OSError(code, os.strerror(code)), prepared):
+                    return None
+                stats.end(begun.pop(id(op)), 0)
+                if op.buffer >= 0:
+                    free_buffers.append(op.buffer)
+                try:
+                    return start(prepared.window)  # again, every byte through a bounce buffer
+                except BaseException:  # noqa: BLE001 - the original error is the one to raise
+                    return None
+
+            self._drive(container.fd, container.windows(), start, finish, True, retry)
         return container.result
 
     # ------------------------------------------------------------------ read
