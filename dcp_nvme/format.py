@@ -129,6 +129,20 @@ def stored_as(dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> tuple[st
 
 # --------------------------------------------------------------------------- header codec
 
+PAD_PREFIX = "__pad__."
+"""Keys of padding entries: bytes between items, placed so a host tensor's bytes share its memory's
+alignment in the file (``layout.place_congruent``). safetensors lets no gap go undescribed, so
+each gap is a U8 entry of its own; readers of the container never show or load one."""
+
+
+def pad_key(index: int) -> str:
+    return f"{PAD_PREFIX}{index}"
+
+
+def is_pad_key(key: str) -> bool:
+    return key.startswith(PAD_PREFIX) and key[len(PAD_PREFIX):].isdigit()
+
+
 MAX_HEADER = 100_000_000
 """Largest safetensors JSON header accepted (the cap safetensors itself applies)."""
 MAX_NDIM = 64
@@ -190,6 +204,7 @@ def parse_header(prefix: bytes, what: str) -> tuple[dict[str, object], list[Head
 
     Every entry is checked: a known dtype, a shape of non-negative ints, offsets that hold exactly
     shape x itemsize bytes; items may not overlap. ``ManifestError`` names the file and item.
+    Padding entries (``is_pad_key``) are checked too but not returned: they hold no data.
     """
     length = header_length(prefix[:8], len(prefix), what)
     try:
@@ -207,7 +222,7 @@ def parse_header(prefix: bytes, what: str) -> tuple[dict[str, object], list[Head
         if item.start < end and item.nbytes:
             raise ManifestError(f"{what}: item {item.key!r} overlaps the item before it")
         end = max(end, item.end)
-    return metadata, items, 8 + length
+    return metadata, [item for item in items if not is_pad_key(item.key)], 8 + length
 
 
 def _is_count(value: object) -> bool:

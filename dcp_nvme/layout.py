@@ -1,19 +1,22 @@
 """Pure placement logic: items to byte ranges, byte ranges to I/O requests. No I/O here.
 
 A container is one safetensors file per rank: an 8-byte little-endian header length, a JSON
-header padded with spaces so the data region starts on an ``ALIGN`` boundary, then every
-item's bytes back to back. Requests are planned over the data region so that, when the data
-comes from a staging arena laid out in the same order, memory and file offsets stay aligned.
+header padded with spaces so the data region starts on an ``ALIGN`` boundary, then the items
+in order. A host tensor large enough to matter starts at a data offset congruent to its memory
+address (``place_congruent``), the gap before it a padding entry, so the aligned bulk of its
+bytes can be written straight from its memory with O_DIRECT (``plan_segments``); only its
+unaligned head and tail go through a bounce buffer.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .config import ALIGN
-from .format import build_header
+from .format import build_header, is_pad_key, pad_key
 
 
 def align_up(value: int, alignment: int = ALIGN) -> int:
@@ -30,11 +33,10 @@ def align_down(value: int, alignment: int = ALIGN) -> int:
 def place_back_to_back(sizes: Sequence[int], alignments: Sequence[int] | None = None) -> tuple[list[int], int]:
     """Offsets of items laid one after the other, each rounded up to its alignment, and the end.
 
-    The one layout of both a container's data region and a staging arena, so that zero-copy
-    writes cannot silently drift: the container passes no alignments (safetensors has no gaps
-    between items), the arena each dtype's itemsize (a typed view cannot start mid-element).
-    While no padding is needed the two agree byte for byte, and every write window is one span
-    of the arena (``contiguous_span``); after a padding, windows fall back to a bounce copy.
+    A staging arena's layout, each dtype's itemsize the alignment (a typed view cannot start
+    mid-element); a container without host addresses, no alignments. ``place_congruent`` puts
+    an arena's items at their arena offsets in the container (its gaps become pad entries), so
+    every write window is one span of the arena, written without a copy.
     """
     offsets, cursor = [], 0
     for index, size in enumerate(sizes):
@@ -44,6 +46,35 @@ def place_back_to_back(sizes: Sequence[int], alignments: Sequence[int] | None = 
         cursor += size
     return offsets, cursor
 
+
+DIRECT_MIN = 64 << 10
+"""Host items at least this large get a gap (< the congruence) to be written from their memory."""
+ITEMSIZE_GAP = 16
+"""Smaller items take a gap only below this (the largest itemsize): a staging arena's dtype
+padding, so an arena's items keep their arena offsets and its windows stay one span."""
+
+
+def place_congruent(
+    sizes: Sequence[int], addresses: Sequence[int | None], congruence: int = ALIGN,
+    threshold: int = DIRECT_MIN,
+) -> tuple[list[int], int]:
+    """Offsets of items in order, each at ``offset = address (mod congruence)`` when the gap that
+    takes is worth it, else right after the item before; and the end.
+
+    A gap is taken for an item with an address (host memory) and bytes: any gap below
+    ``congruence`` when it holds ``threshold`` bytes or more, else only one below
+    ``ITEMSIZE_GAP``. Sources laid out by ``place_back_to_back`` with itemsize alignments in one
+    ``congruence``-aligned arena get exactly their arena offsets (relative to the first).
+    """
+    offsets, cursor = [], 0
+    for size, address in zip(sizes, addresses, strict=True):
+        if address is not None and size > 0:
+            gap = (address - cursor) % congruence
+            if gap < (congruence if size >= threshold else ITEMSIZE_GAP):
+                cursor += gap
+        offsets.append(cursor)
+        cursor += size
+    return offsets, cursor
 
 
 @dataclass(frozen=True)
@@ -63,6 +94,8 @@ class ContainerLayout:
     offsets: tuple[int, ...]
     """Each item's offset inside the data region."""
     data_size: int
+    pads: tuple[tuple[int, int], ...] = ()
+    """``(offset, size)`` of each padding entry (a gap before an item) in the data region."""
 
     @property
     def data_start(self) -> int:
@@ -74,14 +107,30 @@ class ContainerLayout:
 
 
 def plan_container(
-    items: Sequence[ItemSpec], metadata: dict[str, str], alignment: int = ALIGN
+    items: Sequence[ItemSpec], metadata: dict[str, str], alignment: int = ALIGN,
+    addresses: Sequence[int | None] | None = None, congruence: int = ALIGN,
 ) -> ContainerLayout:
-    """Place items back to back and build the safetensors header that describes them."""
-    offsets, cursor = place_back_to_back([item.nbytes for item in items])
-    header, _ = build_header(  # lays the items back to back too: the same offsets
-        [(item.key, item.st_dtype, item.st_shape, item.nbytes) for item in items], metadata, alignment
-    )
-    return ContainerLayout(header, tuple(offsets), cursor)
+    """Place items and build the safetensors header that describes them: back to back, or with
+    ``addresses`` (each item's host address, None when not in host memory) by
+    ``place_congruent``, every gap a padding entry (``format.pad_key``)."""
+    sizes = [item.nbytes for item in items]
+    if addresses is None:
+        offsets, cursor = place_back_to_back(sizes)
+    else:
+        offsets, cursor = place_congruent(sizes, addresses, congruence)
+    entries: list[tuple[str, str, Sequence[int], int]] = []
+    pads: list[tuple[int, int]] = []
+    end = 0
+    for item, offset in zip(items, offsets):
+        if is_pad_key(item.key):
+            raise ValueError(f"item key {item.key!r} is reserved for padding entries")
+        if offset > end:
+            pads.append((end, offset - end))
+            entries.append((pad_key(len(pads) - 1), "U8", (offset - end,), offset - end))
+        entries.append((item.key, item.st_dtype, item.st_shape, item.nbytes))
+        end = offset + item.nbytes
+    header, _ = build_header(entries, metadata, alignment)  # back to back: the same offsets
+    return ContainerLayout(header, tuple(offsets), cursor, tuple(pads))
 
 
 # --------------------------------------------------------------------------- write windows
@@ -124,22 +173,97 @@ def plan_windows(sizes: Sequence[int], block_size: int) -> Iterator[Window]:
         yield Window(start, length, tuple(pieces))
 
 
-def contiguous_span(window: Window, addresses: Sequence[int | None]) -> int | None:
-    """The address of the window's bytes when they are one span of host memory (sources laid
-    out as ``place_back_to_back`` lays the container), else None; ``addresses`` are the
-    sources' host addresses (None: not in host memory)."""
-    first = window.pieces[0]
-    start = addresses[first.source]
-    if start is None:
-        return None
-    start += first.src_offset
-    expected = start
+@dataclass(frozen=True)
+class Segment:
+    """One iovec of a window's write: ``length`` bytes at window offset ``offset``, straight from
+    host memory at ``address``, or (``address`` None) from the window's bounce buffer at the same
+    offset, filled from ``pieces`` (``dst_offset`` relative to the window) then ``fill`` zero
+    bytes (the O_DIRECT round-up of the file's last window)."""
+
+    offset: int
+    length: int
+    address: int | None
+    pieces: tuple[SourceSpan, ...] = ()
+    fill: int = 0
+
+
+def _host_runs(window: Window, addresses: Sequence[int | None]) -> list[tuple[int, int, int | None]]:
+    """``(window offset, length, address)`` of the window's pieces, merged where they are one
+    span of host memory (address None: not in host memory)."""
+    runs: list[tuple[int, int, int | None]] = []
     for piece in window.pieces:
         base = addresses[piece.source]
-        if base is None or base + piece.src_offset != expected:
-            return None
-        expected += piece.length
-    return start
+        address = None if base is None else base + piece.src_offset
+        if runs and address is not None:
+            position, length, start = runs[-1]
+            if start is not None and start + length == address:
+                runs[-1] = (position, length + piece.length, start)
+                continue
+        runs.append((piece.dst_offset, piece.length, address))
+    return runs
+
+
+def _direct_spans(window: Window, addresses: Sequence[int | None], align: int,
+                  min_direct: int) -> list[tuple[int, int, int]]:
+    """The aligned bulk of every host run whose memory is congruent to its file offset."""
+    spans = []
+    for position, length, address in _host_runs(window, addresses):
+        if address is None or (address - window.offset - position) % align:
+            continue
+        lo, hi = align_up(position, align), align_down(position + length, align)
+        if hi - lo >= max(min_direct, 1):
+            spans.append((lo, hi - lo, address + lo - position))
+    return spans
+
+
+def _clip(window: Window, starts: Sequence[int], lo: int, hi: int) -> tuple[SourceSpan, ...]:
+    """The window's pieces cut to window offsets ``[lo, hi)`` (``starts``: their dst offsets)."""
+    out = []
+    index = max(bisect.bisect_right(starts, lo) - 1, 0)
+    for piece in window.pieces[index:]:
+        if piece.dst_offset >= hi:
+            break
+        start, end = max(lo, piece.dst_offset), min(hi, piece.dst_offset + piece.length)
+        if start < end:
+            out.append(SourceSpan(piece.source, piece.src_offset + start - piece.dst_offset, end - start, start))
+    return tuple(out)
+
+
+def plan_segments(
+    window: Window, addresses: Sequence[int | None], align: int = 1, *, min_direct: int = ALIGN,
+    max_segments: int = 1024,
+) -> list[Segment]:
+    """Cut one write window into segments: the ``align``-aligned bulk of each host run (a tensor,
+    or tensors one after the other in memory) whose address is congruent to its file offset
+    modulo ``align`` is written from its own memory; the rest (edges, pads, small items, device
+    memory) through a bounce buffer. Every segment but the last starts and ends on an ``align``
+    boundary, the last is rounded up with ``fill``, so O_DIRECT takes the whole list as one
+    vectored write (``align``: the larger of its memory and offset alignments; 1 when buffered).
+
+    ``addresses``: each source's host address (None: not in host memory). The window's file
+    offset must be a multiple of ``align``: the data region starts on a page. Direct spans
+    shorter than ``min_direct`` bounce (a memcpy beats an iovec); at most ``max_segments``
+    (IOV_MAX) come out, the shortest direct spans bouncing first.
+    """
+    if window.offset % align:
+        raise ValueError(f"window at {window.offset} is not aligned to {align}")
+    spans = _direct_spans(window, addresses, align, min_direct)
+    keep = max((max_segments - 1) // 2, 0)  # each direct span may bring a bounce segment
+    if len(spans) > keep:
+        spans = sorted(sorted(spans, key=lambda span: -span[1])[:keep])
+    starts = [piece.dst_offset for piece in window.pieces]
+    segments: list[Segment] = []
+    position = 0
+    for lo, length, address in spans:
+        if lo > position:
+            segments.append(Segment(position, lo - position, None, _clip(window, starts, position, lo)))
+        segments.append(Segment(lo, length, address))
+        position = lo + length
+    if position < window.length:
+        fill = align_up(window.length, align) - window.length
+        segments.append(Segment(position, window.length - position, None,
+                                _clip(window, starts, position, window.length), fill))
+    return segments
 
 
 # --------------------------------------------------------------------------- tensor slices

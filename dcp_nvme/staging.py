@@ -4,10 +4,11 @@
 training thread for one copy of the state into the arena; the write runs in the background.
 
 Layout: tensors are packed back to back in the order DCP's default planner will hand them to
-NVMeWriter (the flattened state-dict traversal order), from a page-aligned base, by the same
-function that lays out the writer's container (``layout.place_back_to_back``), so each write
-window is one aligned span of the arena and the POSIX engine writes it straight from there (no
-bounce copy). Within each mapping, keys that hold tensors are placed before non-tensor leaves:
+NVMeWriter (the flattened state-dict traversal order), from a page-aligned base, each aligned
+to its itemsize (``layout.place_back_to_back``). The writer places them in its container at the
+same offsets (``layout.place_congruent``: congruent to their addresses, the dtype padding a pad
+entry read from the arena's zeros), so each write window is one aligned span of the arena and
+the engines write it straight from there (no bounce copy). Within each mapping, keys that hold tensors are placed before non-tensor leaves:
 a pickled object between two tensors would shift every later tensor off the 4 KiB grid.
 
 Reuse: the arena is allocated and first-touched once and reused while the state's structure

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,7 +35,7 @@ from .engines import shared_engine
 from .errors import CheckpointExistsError, CheckpointLockedError
 from .format import stored_as, table_name
 from .health import DriveWatch
-from .layout import ItemSpec, plan_container
+from .layout import ITEMSIZE_GAP, ItemSpec, plan_container
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -108,6 +109,35 @@ def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, Ch
         tuple(item.tensor_data.size), dtype_name(tensor.dtype), "", 0, source.numel(), key,
     )
     return spec, source, record
+
+
+def with_pads(sources: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+    """The data region's sources in order: the items' and, for each gap before an item, its pad."""
+    out: list[torch.Tensor] = []
+    end, previous = 0, None
+    for source, offset in zip(sources, offsets):
+        if offset > end:
+            out.append(_pad_source(previous, source, offset - end))
+        out.append(source)
+        end = offset + source.numel()
+        previous = source if source.numel() else previous
+    return out
+
+
+def _pad_source(previous: torch.Tensor | None, following: torch.Tensor, size: int) -> torch.Tensor:
+    """A pad's bytes: the memory between its two neighbours when that is zeros of their one
+    storage (a staging arena's dtype padding: the window stays one span of the arena, written
+    without a copy), else fresh zeros."""
+    if previous is not None and previous.device.type == "cpu" and following.device.type == "cpu":
+        storage = previous.untyped_storage()
+        start = previous.storage_offset() + previous.numel()  # flat uint8: elements are bytes
+        if (size < ITEMSIZE_GAP and storage.data_ptr() == following.untyped_storage().data_ptr()
+                and previous.data_ptr() + previous.numel() + size == following.data_ptr()
+                and start + size <= storage.nbytes()):
+            gap = torch.empty(0, dtype=torch.uint8).set_(storage, start, (size,))
+            if not gap.any():
+                return gap
+    return torch.zeros(size, dtype=torch.uint8)
 
 
 class NVMeWriter(StorageWriter):
@@ -249,10 +279,13 @@ class NVMeWriter(StorageWriter):
             sources = [source for _, source, _ in resolved]
         name = data_file_name(target.rank, target.save_key)
         with timer.span("plan"):
+            # host tensors are placed congruent to their addresses: written from their memory
+            addresses = [s.data_ptr() if s.device.type == "cpu" and s.numel() else None for s in sources]
             layout = plan_container(specs, {
                 "format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "rank": str(target.rank), "save_key": target.save_key,
-            })
+            }, addresses=addresses)
+            data = with_pads(sources, layout.offsets)
         has_device = any(s.device.type != "cpu" for s in sources)
         on_node = local_ranks(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
         config = budgeted(self.config, on_node)
@@ -260,12 +293,12 @@ class NVMeWriter(StorageWriter):
         path = os.path.join(self.path, name)
         drive = DriveWatch(self.path)
         advice = warn_once(drive.device, config.queue_depth, on_node, config.block_size, log)
-        wave = waves.release_for(sources)  # a bounded stager's live tensors are in this save
+        wave = waves.release_for(data)  # a bounded stager's live tensors are in this save
         progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
         try:
             with timer.span("write"), self._turn(config) as waited:
                 began_unix = time.time()
-                written = engine.write_file(path, layout.header, sources, config.checksum_block,
+                written = engine.write_file(path, layout.header, data, config.checksum_block,
                                             **progress)
                 write_unix = (began_unix, time.time())  # wall clock: comparable across ranks
             timer.add("turn_wait", waited)  # a part of "write": the other local ranks' turns

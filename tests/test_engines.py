@@ -529,7 +529,7 @@ def test_posix_device_bounce_overlaps_copy_and_write(monkeypatch, tmp_path):
     data_start = len(header)
     copy_of = {}  # window index -> Event set when its device copy starts
     overlapped = []
-    real_copy, real_pwrite = posix.copy_bytes, posix.pwrite_all
+    real_copy, real_pwrite = posix.copy_bytes, posix.pwritev_all
     copy_offsets = iter(range(0, sum(sizes), 65_536))
 
     def fake_device_copy(dst, src):  # stands in for a CUDA -> pinned copy_
@@ -545,9 +545,9 @@ def test_posix_device_bounce_overlaps_copy_and_write(monkeypatch, tmp_path):
                 overlapped.append(nxt.wait(timeout=5))
         real_pwrite(fd, view, offset)
 
-    monkeypatch.setattr(posix, "contiguous_span", lambda window, addresses: None)
+    monkeypatch.setattr(posix, "host_address", lambda tensor: None)  # as if on a device
     monkeypatch.setattr(posix, "copy_bytes", fake_device_copy)
-    monkeypatch.setattr(posix, "pwrite_all", slow_pwrite)
+    monkeypatch.setattr(posix, "pwritev_all", slow_pwrite)
     result = posix.PosixEngine(config).write_file(str(tmp_path / "dev.bin"), header, sources, 65_536)
     assert (tmp_path / "dev.bin").read_bytes() == (tmp_path / "ref.bin").read_bytes()
     assert result.crcs == reference.crcs

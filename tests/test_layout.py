@@ -8,17 +8,21 @@ import struct
 import numpy as np
 import pytest
 
+from dcp_nvme.format import is_pad_key, parse_header
 from dcp_nvme.layout import (
+    DIRECT_MIN,
+    ITEMSIZE_GAP,
     SCRATCH,
     FileBlocks,
     ItemSpec,
     Need,
-    contiguous_span,
     count_runs,
     covering_rows,
     place_back_to_back,
+    place_congruent,
     plan_container,
     plan_reads,
+    plan_segments,
     plan_windows,
     slice_runs,
 )
@@ -39,6 +43,12 @@ def test_container_header_is_valid_safetensors_and_aligned():
     assert layout.file_size == layout.data_start + 17
 
 
+def _one_span(window, addresses):
+    """The window's address when it is one direct write from host memory (any alignment)."""
+    segments = plan_segments(window, addresses, 1, min_direct=1)
+    return segments[0].address if len(segments) == 1 else None
+
+
 def test_sources_laid_out_like_the_container_make_every_window_one_span():
     sizes = [12, 0, 5, 4096, 3, 8000]
     offsets, end = place_back_to_back(sizes)
@@ -46,16 +56,16 @@ def test_sources_laid_out_like_the_container_make_every_window_one_span():
                                           {}).offsets) and end == sum(sizes)
     base = 1 << 20
     windows = list(plan_windows(sizes, 1000))
-    assert [contiguous_span(w, [base + o for o in offsets]) for w in windows] == [
-        base + w.offset for w in windows]
-    # aligned for dtypes (a staging arena): the padding breaks the span where it falls
+    assert [_one_span(w, [base + o for o in offsets]) for w in windows] == [base + w.offset for w in windows]
+    # aligned for dtypes (a staging arena) but the sources back to back: the padding breaks the
+    # span where it falls
     padded, padded_end = place_back_to_back(sizes, [4, 1, 1, 8, 1, 8])
     assert padded == [0, 12, 12, 24, 4120, 4128] and padded_end == 12128
-    spans = [contiguous_span(w, [base + o for o in padded]) for w in windows]
+    spans = [_one_span(w, [base + o for o in padded]) for w in windows]
     assert spans[0] is None  # the 7 bytes of padding after item 2 fall in the first window
     assert spans[1] == base + 1000 + 7  # one span again inside item 3, shifted by the padding
     assert spans[4] is None  # and broken again by the padding before item 5
-    assert contiguous_span(windows[0], [None, *[base + o for o in offsets[1:]]]) is None  # not host memory
+    assert _one_span(windows[0], [None, *[base + o for o in offsets[1:]]]) is None  # not host memory
 
 
 def test_container_rejects_duplicate_keys():
@@ -207,3 +217,192 @@ def test_itertools_sanity_of_brute_force_helper():
     got = _brute_force((4, 5), (1, 1), (2, 3))
     want = [r * 5 + c for r, c in itertools.product(range(1, 3), range(1, 4))]
     assert list(got) == want
+
+
+# --------------------------------------------------------------------------- congruent placement
+
+
+def _reference_placement(sizes, addresses, congruence, threshold):
+    """Brute force: each item at the first offset from the cursor that meets its address
+    modulo ``congruence``, when that gap is allowed for its size; else at the cursor."""
+    offsets, cursor = [], 0
+    for size, address in zip(sizes, addresses):
+        if address is not None and size > 0:
+            limit = congruence if size >= threshold else ITEMSIZE_GAP
+            for gap in range(limit):
+                if (cursor + gap - address) % congruence == 0:
+                    cursor += gap
+                    break
+        offsets.append(cursor)
+        cursor += size
+    return offsets, cursor
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_congruent_placement_against_brute_force(seed):
+    rng = random.Random(seed)
+    congruence = rng.choice([64, 512, 4096])
+    threshold = rng.choice([1, 100, 5000])
+    sizes = [rng.choice([0, 1, 3, 17, 100, 4096, 5000, 70_000]) for _ in range(rng.randint(1, 30))]
+    addresses = [rng.choice([None, rng.randrange(0, 1 << 30), rng.randrange(0, 1 << 24) * 64])
+                 for _ in sizes]
+    offsets, end = place_congruent(sizes, addresses, congruence, threshold)
+    assert (offsets, end) == _reference_placement(sizes, addresses, congruence, threshold)
+    previous_end = 0
+    for size, address, offset in zip(sizes, addresses, offsets):
+        gap = offset - previous_end
+        assert 0 <= gap < congruence  # no overlap, and a gap below the congruence
+        if gap:
+            assert address is not None and size > 0 and (address - offset) % congruence == 0
+        if address is not None and size >= max(threshold, 1):
+            assert (address - offset) % congruence == 0  # every large host item is congruent
+        previous_end = offset + size
+    assert end == previous_end
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_congruent_placement_keeps_a_staging_arena_layout(seed):
+    """Tensors laid out by the stager (itemsize alignment from a page) keep their arena offsets,
+    so windows stay one span; behind unrelated items (a bounded save's live tensors) they do
+    from the first large one on (small ones before it take no big gap)."""
+    rng = random.Random(seed)
+    itemsizes = [rng.choice([1, 2, 4, 8, 16]) for _ in range(40)]
+    sizes = [s * rng.choice([0, 1, 3, 7, 1000, 20_000, 100_000]) for s in itemsizes]
+    arena, _ = place_back_to_back(sizes, itemsizes)
+    base = rng.randrange(1, 1 << 20) * 4096
+    live = [rng.randrange(0, 1 << 20) for _ in range(rng.randint(0, 3))]
+    live_addresses = [rng.randrange(0, 1 << 30) for _ in live]
+    offsets, _ = place_congruent(live + sizes, live_addresses + [base + a for a in arena])
+    kept = [i for i, n in enumerate(sizes) if n]  # an empty item's offset holds no byte
+    placed = [offsets[len(live) + i] for i in kept]
+    expected = [arena[i] for i in kept]
+    if not live:
+        assert placed == expected
+    large = [k for k, i in enumerate(kept) if sizes[i] >= DIRECT_MIN]
+    if large:
+        first = large[0]
+        assert [o - placed[first] for o in placed[first:]] == [a - expected[first] for a in expected[first:]]
+        assert (placed[first] - expected[first]) % 4096 == 0  # the arena's pages line up with the file's
+
+
+def test_container_with_addresses_describes_every_gap_as_a_pad():
+    items = [ItemSpec("a", 100, "U8", (100,)), ItemSpec("b", 80_000, "F32", (20_000,)),
+             ItemSpec("c", 3, "U8", (3,)), ItemSpec("d", 70_000, "U8", (70_000,)), ItemSpec("e", 0, "F32", (0,))]
+    addresses = [None, 4096 * 7 + 64, 12345, 4096 * 99 + 1000, 64]
+    layout = plan_container(items, {"rank": "0"}, addresses=addresses)
+    # b: the first offset past 100 that is 64 mod 4096; c is small and 1913 bytes off: no gap;
+    # d: 1000 mod 4096; e is empty
+    assert layout.offsets == (0, 4160, 84_160, 87_016, 157_016)
+    assert layout.pads == ((100, 4060), (84_163, 2853))
+    header = json.loads(layout.header[8:])
+    entries = sorted((v["data_offsets"], k, v) for k, v in header.items() if k != "__metadata__")
+    cursor = 0
+    for (start, end), key, entry in entries:  # the entries cover the data region with no gap
+        assert start == cursor
+        cursor = end
+        if is_pad_key(key):
+            assert entry["dtype"] == "U8" and entry["shape"] == [end - start] and end > start
+    assert cursor == layout.data_size
+    assert [(s, e - s) for (s, e), k, _ in entries if is_pad_key(k)] == list(layout.pads)
+    _, parsed, data_start = parse_header(layout.header, "c")
+    assert data_start == layout.data_start
+    assert [i.key for i in parsed] == ["a", "b", "c", "d", "e"]  # pads are not items
+    assert [i.start for i in parsed] == list(layout.offsets)
+    with pytest.raises(ValueError, match="reserved"):
+        plan_container([ItemSpec("__pad__.0", 1, "U8", (1,))], {})
+
+
+# --------------------------------------------------------------------------- write segments
+
+
+def _byte_addresses(window, addresses):
+    """Where each byte of the window is in memory (None: not in host memory), and its source."""
+    out = []
+    for piece in window.pieces:
+        for k in range(piece.length):
+            base = addresses[piece.source]
+            out.append((None if base is None else base + piece.src_offset + k, piece.source, piece.src_offset + k))
+    return out
+
+
+def _reference_direct(window, addresses, align, min_direct):
+    """Brute force: the window offsets a direct write may cover, byte by byte."""
+    places = _byte_addresses(window, addresses)
+    direct = set()
+    start = 0
+    while start < len(places):  # maximal runs of consecutive memory
+        end = start + 1
+        while (end < len(places) and places[start][0] is not None and places[end][0] is not None
+               and places[end][0] == places[end - 1][0] + 1):
+            end += 1
+        address = places[start][0]
+        if address is not None and (address - window.offset - start) % align == 0:
+            lo, hi = -(-start // align) * align, end // align * align
+            if hi - lo >= max(min_direct, 1):
+                direct.update(range(lo, hi))
+        start = end
+    return direct
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_segments_against_brute_force(seed):
+    rng = random.Random(seed)
+    align = rng.choice([1, 8, 64])
+    block = align * rng.choice([4, 16, 50])
+    min_direct = rng.choice([1, align, 3 * align])
+    sizes = [rng.choice([0, 1, 5, 64, 100, 300, 1000]) for _ in range(rng.randint(1, 12))]
+    # sources in memory: back to back (an arena), scattered, congruent or not, or on a device
+    addresses, cursor = [], rng.randrange(0, 4) * 64
+    for size in sizes:
+        kind = rng.choice(["next", "far", "device"])
+        if kind == "far":
+            cursor += rng.randrange(1, 5000)
+        addresses.append(None if kind == "device" else cursor)
+        cursor += size + (0 if kind == "next" else 1)
+    for max_segments in (1024, 3):
+        for window in plan_windows(sizes, block):
+            segments = plan_segments(window, addresses, align, min_direct=min_direct,
+                                     max_segments=max_segments)
+            assert len(segments) <= max(max_segments, 1)
+            places = _byte_addresses(window, addresses)
+            position = 0
+            for index, segment in enumerate(segments):
+                assert segment.offset == position and segment.length > 0
+                position += segment.length
+                last = index == len(segments) - 1
+                assert segment.offset % align == 0
+                if segment.address is not None:  # direct: aligned, and exactly the window's bytes
+                    assert segment.address % align == 0 and segment.length % align == 0
+                    assert segment.length >= min_direct and not segment.pieces and not segment.fill
+                    assert [places[segment.offset + k][0] for k in range(segment.length)] == list(
+                        range(segment.address, segment.address + segment.length))
+                else:  # bounced: its pieces rebuild exactly its bytes
+                    rebuilt = [(p.source, p.src_offset + k) for p in segment.pieces for k in range(p.length)]
+                    assert [p.dst_offset for p in segment.pieces] == list(
+                        itertools.accumulate([segment.offset] + [p.length for p in segment.pieces[:-1]]))
+                    assert rebuilt == [places[q][1:] for q in range(segment.offset, segment.offset + segment.length)]
+                    assert (segment.length + segment.fill) % align == 0 or not last and not segment.fill
+                    assert segment.fill < align and (segment.fill == 0 or last)
+                if not last:
+                    assert segment.length % align == 0
+            assert position == window.length
+            direct = {q for s in segments if s.address is not None for q in range(s.offset, s.offset + s.length)}
+            reference = _reference_direct(window, addresses, align, min_direct)
+            if max_segments == 1024:
+                assert direct == reference
+            else:
+                assert direct <= reference
+
+
+def test_segments_of_an_aligned_arena_are_one_direct_write():
+    sizes = [4096, 100, 3996, 8192, 5]
+    offsets, _ = place_back_to_back(sizes)
+    base = 1 << 20
+    windows = list(plan_windows(sizes, 8192))
+    segments = [plan_segments(w, [base + o for o in offsets], 512) for w in windows]
+    assert [[(s.offset, s.length, s.address) for s in seg] for seg in segments[:2]] == [
+        [(0, 8192, base)], [(0, 8192, base + 8192)]]
+    tail = segments[2]  # 5 bytes: bounced, rounded up to the alignment with zeros
+    assert [(s.address, s.length, s.fill) for s in tail] == [(None, 5, 507)]
+    buffered = plan_segments(windows[2], [base + o for o in offsets], 1, min_direct=1)
+    assert [(s.address, s.length, s.fill) for s in buffered] == [(base + 16384, 5, 0)]

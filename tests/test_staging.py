@@ -173,9 +173,10 @@ def test_thread_round_trip_streams_the_arena_without_copies(tmp_path):
         assert_same(load(str(tmp_path / f"s{i}"), state), snapshot(state))
     total = data_bytes(state)
     # every window but the unaligned tail (which also holds the pickled leaves) is written
-    # straight from the arena; an unstaged save copies nearly everything through bounce buffers
+    # straight from the arena; an unstaged save writes its tensors from their own memory too,
+    # bouncing only their unaligned edges, pads and the pickled leaves
     assert writer.last_stats["io"]["copied_bytes"] < BLOCK
-    assert plain.last_stats["io"]["copied_bytes"] > total // 2
+    assert plain.last_stats["io"]["copied_bytes"] < total // 20
     stats = stager.stats()
     assert stats["arena_bytes"] == total and stats["rebuilds"] == 0 and stats["saves"] == 2
     assert stats["pinned_bytes"] == (total if torch.cuda.is_available() else 0)

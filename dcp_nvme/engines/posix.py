@@ -1,11 +1,12 @@
 """POSIX engine: worker threads doing positional I/O, optionally with O_DIRECT.
 
-Writes stream the container as ``block_size`` requests with ``queue_depth`` in flight. A request
-whose bytes are one aligned span of host memory (a staging arena) is written straight from it;
-anything else (scattered tensors, device memory, the unaligned tail) is first copied into one of
-``queue_depth`` page-aligned bounce buffers, which are reused across saves. Reads are the mirror
-image. ``os.pwrite``/``os.preadv``, ``crc32c`` and torch copies all release the GIL, so the
-threads overlap copying, checksumming and the device.
+Writes stream the container as ``block_size`` requests with ``queue_depth`` in flight. Each
+request is one vectored write (``layout.plan_segments``): the aligned bulk of host memory (a
+staging arena, or a tensor the writer placed congruent to its address) straight from that
+memory; the rest (unaligned edges, pads, small items, device memory, the unaligned tail) copied
+into one of ``queue_depth`` page-aligned bounce buffers, which are reused across saves. Reads
+are the mirror image. ``os.pwritev``/``os.preadv``, ``crc32c`` and torch copies all release the
+GIL, so the threads overlap copying, checksumming and the device.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import crc32c
 import torch
@@ -28,7 +30,7 @@ from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
 from ..dio import DioAlignment, dio_alignment
 from ..errors import DCPNVMeError
-from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, contiguous_span, plan_windows
+from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_segments, plan_windows
 from ..memory import aligned_buffer
 from ..stats import IOStats
 from ..store import open_regular
@@ -86,6 +88,21 @@ def pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:
     while len(buffer):
         written = os.pwrite(fd, buffer, offset)
         buffer, offset = buffer[written:], offset + written
+
+
+def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
+    """pwritev until every view is written, at most IOV_MAX views a call."""
+    pending = [v for v in views if len(v)]
+    while pending:
+        written = os.pwritev(fd, pending[:_IOV_MAX], offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"pwritev wrote nothing at offset {offset}")
+        offset += written
+        while pending and written >= len(pending[0]):
+            written -= len(pending[0])
+            pending.pop(0)
+        if written:
+            pending[0] = pending[0][written:]
 
 
 _local = threading.local()
@@ -349,20 +366,12 @@ class ContainerWrite:
         self.sizes = [int(s.numel()) for s in sources]
         self.size = data_start + sum(self.sizes)
         self.crcs = [0] * (-(-sum(self.sizes) // checksum_block))
-        self.addresses = [s.data_ptr() if s.device.type == "cpu" else None for s in sources]
+        self.addresses = [host_address(s) for s in sources]
         self.dio: DioAlignment | None = dio_alignment(fd) if direct else None
         """What O_DIRECT needs on this file (statx, else the device's logical block size)."""
+        self.align = max(self.dio.memory, self.dio.offset) if self.dio else 1
+        """Where a segment may start and end; 1 when buffered (any address will do)."""
         self.result: FileWriteResult | None = None
-
-    def in_place(self, window: Window) -> int | None:
-        """The address to write ``window`` from without a copy, or None when it must bounce:
-        its bytes are one span of host memory meeting the file's O_DIRECT alignment."""
-        span = contiguous_span(window, self.addresses)
-        if span is None or self.dio is None:
-            return span
-        if span % self.dio.memory or window.length % self.dio.offset:
-            return None
-        return span
 
     def windows(self) -> Iterator[Window]:
         """The data region cut into requests of ``block_size`` bytes."""
@@ -373,34 +382,110 @@ class ContainerWrite:
         first = window.offset // self.checksum_block
         self.crcs[first : first + len(values)] = values
 
-    def write_host_window(self, window: Window) -> None:
-        """Write one window from host memory: straight from one aligned span when the sources
-        lie back to back there (a staging arena), else through a bounce buffer."""
-        direct, block, stats = self.direct, self.checksum_block, self.stats
-        span = self.in_place(window)
-        pool = None
-        if span is not None:
-            view, copied = _memory_at(span, window.length), 0
-        else:
-            pool = self.engine._bounce()
-            index = pool.free.get()
-            buffer = pool.buffers[index]
-            for piece in window.pieces:
-                src = self.sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
-                copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
-            length = align_up(window.length) if direct else window.length
-            if length > window.length:
-                buffer[window.length : length].zero_()
-            view, copied = buffer.numpy()[:length].data, window.length
+    def prepare(self, window: Window, take: Callable[[], int], give: Callable[[int], None]) -> PreparedWindow:
+        """The window's segments as ``(address, length)`` spans, its bounce parts copied into the
+        buffer ``take()`` hands out (taken only when something bounces; ``give`` returns it if
+        the copy fails, else the caller does once the write is done)."""
+        segments = plan_segments(window, self.addresses, self.align, max_segments=_IOV_MAX)
+        index = take() if any(s.address is None for s in segments) else -1
         try:
-            begun = stats.begin()
-            pwrite_all(self.fd, view, self.data_start + window.offset)
-            stats.end(begun, window.length, copied)
-            self.record_crcs(window, [crc32c.crc32c(view[rel : min(rel + block, window.length)])
-                                      for rel in range(0, window.length, block)])
+            buffer = self.engine._bounce().buffers[index] if index >= 0 else None
+            spans, copied = [], 0
+            for segment in segments:
+                if segment.address is not None:
+                    spans.append((segment.address, segment.length))
+                    continue
+                for piece in segment.pieces:
+                    src = self.sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
+                    copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
+                end = segment.offset + segment.length
+                if segment.fill:
+                    buffer[end : end + segment.fill].zero_()
+                spans.append((buffer.data_ptr() + segment.offset, segment.length + segment.fill))
+                copied += segment.length
+        except BaseException:
+            if index >= 0:
+                give(index)
+            raise
+        direct = sum(s.length for s in segments if s.address is not None)
+        return PreparedWindow(window, spans, copied, index, direct)
+
+    def finish(self, prepared: PreparedWindow) -> None:
+        """Record the crc32c of the written window's checksum blocks, across its segments."""
+        views = [_memory_at(address, length) for address, length in prepared.spans]
+        self.record_crcs(prepared.window, block_crcs(views, prepared.window.length, self.checksum_block))
+
+    def write_host_window(self, window: Window) -> None:
+        """Write one window from host memory in one vectored write: direct spans from their own
+        memory, the rest through a bounce buffer (``prepare``)."""
+        pool = self.engine._bounce()
+        prepared = self.prepare(window, pool.free.get, pool.free.put)
+        try:
+            begun = self.stats.begin()
+            try:
+                pwritev_all(self.fd, [_memory_at(a, n) for a, n in prepared.spans],
+                            self.data_start + window.offset)
+            except OSError as exc:
+                if not self.refused_direct_memory(exc, prepared):
+                    raise
+                self.stats.end(begun, 0)
+                self.write_host_window(window)  # again, every byte through the bounce buffer
+                return
+            self.stats.end(begun, window.length, prepared.copied)
+            self.finish(prepared)
         finally:
-            if pool is not None:
-                pool.free.put(index)
+            if prepared.buffer >= 0:
+                pool.free.put(prepared.buffer)
+
+    def refused_direct_memory(self, exc: OSError, prepared: PreparedWindow) -> bool:
+        """Whether O_DIRECT refused a write from the sources' own memory (EINVAL: the alignment
+        the kernel or device reported was not enough); if so, every later window of this file
+        (and this one, written again) bounces through page-aligned buffers, page-rounded."""
+        if not self.direct or exc.errno != errno.EINVAL or not prepared.direct_bytes:
+            return False  # a buffered write, or one bounced already: a real error
+        if any(a is not None for a in self.addresses):
+            log.warning("dcp_nvme: O_DIRECT refused a write from tensor memory aligned to %d for %s; "
+                        "bouncing every write of this file", self.align, self.path)
+            self.align = ALIGN  # what every device takes; first, so no bounce uses the old one
+            self.addresses = [None] * len(self.addresses)
+        return True
+
+
+@dataclass(frozen=True)
+class PreparedWindow:
+    """A window ready to write: ``spans`` of host memory in file order, the bytes copied into
+    the bounce buffer ``buffer`` (-1: none taken) to get there."""
+
+    window: Window
+    spans: list[tuple[int, int]]
+    copied: int
+    buffer: int
+    direct_bytes: int = 0
+    """Bytes written straight from the sources' memory."""
+
+
+def host_address(tensor: torch.Tensor) -> int | None:
+    """Where a source's bytes are in host memory (None: device memory)."""
+    return tensor.data_ptr() if tensor.device.type == "cpu" else None
+
+
+def block_crcs(views: Sequence[memoryview], length: int, block: int) -> list[int]:
+    """The crc32c of each ``block`` bytes of the first ``length`` bytes of ``views`` joined."""
+    crcs, value, filled = [], 0, 0
+    for view in views:
+        view = view[: max(length, 0)]
+        length -= len(view)
+        while len(view):
+            take = min(block - filled, len(view))
+            value = crc32c.crc32c(view[:take], value)
+            filled, view = filled + take, view[take:]
+            if filled == block:
+                crcs.append(value)
+                value, filled = 0, 0
+    if filled:
+        crcs.append(value)
+    return crcs
+
 
 def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:
     """preadv until every view is full or the file ends; returns the bytes read."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 SYS_SETUP, SYS_ENTER, SYS_REGISTER = 425, 426, 427
 _MACHINES = ("x86_64",)
 
-OP_NOP, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE = 0, 4, 5, 22, 23
+OP_NOP, OP_WRITEV, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE = 0, 2, 4, 5, 22, 23
 _ENTER_GETEVENTS = 1
 _REGISTER_BUFFERS, _UNREGISTER_BUFFERS = 0, 1
 _FEAT_SINGLE_MMAP = 1
@@ -54,6 +54,12 @@ class _Params(ctypes.Structure):
 
 class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def iovec_array(spans: Sequence[tuple[int, int]]) -> ctypes.Array:
+    """``(address, length)`` spans as a ``struct iovec`` array, for OP_WRITEV (whose SQE takes its
+    address and count); the caller keeps it alive until the write completes."""
+    return (_Iovec * len(spans))(*[_Iovec(address, length) for address, length in spans])
 
 
 _libc = None
@@ -153,7 +159,7 @@ class Ring:
 
     def register_buffers(self, spans: Sequence[tuple[int, int]]) -> None:
         """Register ``(address, length)`` spans as fixed buffers 0..n-1 (pinned once, not per I/O)."""
-        iovecs = (_Iovec * len(spans))(*[_Iovec(address, length) for address, length in spans])
+        iovecs = iovec_array(spans)
         _syscall(SYS_REGISTER, self.fd, _REGISTER_BUFFERS, ctypes.addressof(iovecs), len(spans))
         self.registered = True
 

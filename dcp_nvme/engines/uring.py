@@ -11,6 +11,7 @@ computed on the submitting thread while the kernel moves the other requests.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -18,7 +19,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import crc32c
 import torch
 
 from ..config import IOConfig
@@ -29,9 +29,8 @@ from .base import FileWriteResult
 from .posix import (
     PosixEngine,
     PrefixTracker,
-    _memory_at,
+    PreparedWindow,
     check_length,
-    copy_bytes,
     deliver_bounced,
     open_for_reading,
     with_path,
@@ -58,7 +57,8 @@ def reset_probe() -> None:
 
 @dataclass
 class _Op:
-    """One request in flight: ``length`` bytes at ``address`` <-> file offset ``offset``."""
+    """One request in flight: ``length`` bytes at ``address`` <-> file offset ``offset``; a
+    vectored write has its ``spans`` (``(address, length)``) instead of an address."""
 
     task: object
     address: int
@@ -66,6 +66,20 @@ class _Op:
     offset: int
     buffer: int  # bounce buffer index, or -1 when the request uses the caller's memory
     done: int = 0
+    spans: list[tuple[int, int]] | None = None
+    iovecs: object = None  # the iovec array of the vectored write in flight: alive until it completes
+
+
+def _remaining(spans: Sequence[tuple[int, int]], done: int) -> list[tuple[int, int]]:
+    """The spans still to write once the first ``done`` bytes are."""
+    out = []
+    for address, length in spans:
+        if done >= length:
+            done -= length
+            continue
+        out.append((address + done, length - done))
+        done = 0
+    return out
 
 
 class UringEngine(PosixEngine):
@@ -102,10 +116,11 @@ class UringEngine(PosixEngine):
 
     # ------------------------------------------------------------------ the loop
 
-    def _drive(self, fd: int, tasks, start, finish, write: bool) -> None:
+    def _drive(self, fd: int, tasks, start, finish, write: bool, retry=None) -> None:
         """Start ``start(task) -> _Op`` for each task with queue_depth in flight; call
         ``finish(op)`` as each completes in full. Short transfers are resubmitted for the rest;
-        a failed one raises (after the others in flight have landed)."""
+        a failed one is replaced by ``retry(op, errno)`` when that gives an op, else raises
+        (after the others in flight have landed)."""
         ring = self._get_ring()
         fixed_op = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
         plain_op = uring.OP_WRITE if write else uring.OP_READ
@@ -114,6 +129,11 @@ class UringEngine(PosixEngine):
         failure: list[BaseException] = []
 
         def submit(slot: int, op: _Op) -> None:
+            if op.spans is not None:
+                op.iovecs = uring.iovec_array(_remaining(op.spans, op.done))
+                ring.prepare(uring.OP_WRITEV, fd, ctypes.addressof(op.iovecs), len(op.iovecs),
+                             op.offset + op.done, slot)
+                return
             fixed = op.buffer >= 0 and ring.registered
             ring.prepare(fixed_op if fixed else plain_op, fd, op.address + op.done,
                          op.length - op.done, op.offset + op.done, slot,
@@ -127,6 +147,11 @@ class UringEngine(PosixEngine):
             for slot, result in ring.submit_and_wait(wait):
                 op = slots[slot]
                 if result < 0:
+                    replacement = retry(op, -result) if retry is not None and not failure else None
+                    if replacement is not None:
+                        slots[slot] = replacement
+                        submit(slot, replacement)
+                        continue
                     fail(OSError(-result, os.strerror(-result)))
                 elif result > 0 and op.done + result < op.length:
                     op.done += result
@@ -178,35 +203,41 @@ class UringEngine(PosixEngine):
             stats = container.stats
 
             def start(window: Window) -> _Op:
-                span = container.in_place(window)
-                if span is not None:
-                    op = _Op(window, span, window.length, container.data_start + window.offset, -1)
+                prepared = container.prepare(window, free_buffers.pop, free_buffers.append)
+                offset = container.data_start + window.offset
+                length = sum(n for _, n in prepared.spans)
+                if len(prepared.spans) == 1:  # one span: a plain (or fixed-buffer) write
+                    op = _Op(prepared, prepared.spans[0][0], length, offset, prepared.buffer)
                 else:
-                    index = free_buffers.pop()
-                    buffer = pool.buffers[index]
-                    for piece in window.pieces:
-                        src = sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
-                        copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)
-                    length = align_up(window.length) if container.direct else window.length
-                    if length > window.length:
-                        buffer[window.length : length].zero_()
-                    op = _Op(window, buffer.data_ptr(), length, container.data_start + window.offset, index)
+                    op = _Op(prepared, 0, length, offset, prepared.buffer, spans=prepared.spans)
                 begun[id(op)] = stats.begin()
                 return op
 
             def finish(op: _Op) -> None:
-                window: Window = op.task
-                stats.end(begun.pop(id(op)), window.length, window.length if op.buffer >= 0 else 0)
-                view = _memory_at(op.address, window.length)
-                block = checksum_block
-                container.record_crcs(window, [crc32c.crc32c(view[rel : min(rel + block, window.length)])
-                                               for rel in range(0, window.length, block)])
-                if op.buffer >= 0:
-                    free_buffers.append(op.buffer)
+                prepared: PreparedWindow = op.task
+                window = prepared.window
+                try:
+                    stats.end(begun.pop(id(op)), window.length, prepared.copied)
+                    container.finish(prepared)
+                finally:
+                    if op.buffer >= 0:
+                        free_buffers.append(op.buffer)
                 if tracker is not None:
                     tracker.done(window.offset, window.length)
 
-            self._drive(container.fd, container.windows(), start, finish, True)
+            def retry(op: _Op, code: int) -> _Op | None:
+                prepared: PreparedWindow = op.task
+                if not container.refused_direct_memory(OSError(code, os.strerror(code)), prepared):
+                    return None
+                stats.end(begun.pop(id(op)), 0)
+                if op.buffer >= 0:
+                    free_buffers.append(op.buffer)
+                try:
+                    return start(prepared.window)  # again, every byte through a bounce buffer
+                except BaseException:  # noqa: BLE001 - the original error is the one to raise
+                    return None
+
+            self._drive(container.fd, container.windows(), start, finish, True, retry)
         return container.result
 
     # ------------------------------------------------------------------ read
