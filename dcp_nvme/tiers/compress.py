@@ -327,12 +327,13 @@ class CompressedSource:
     """
 
     def __init__(self, inner: DrainSource, encoder: Encoder, *, level: int,
-                 chunk_size: int = codec.DEFAULT_CHUNK, window: int = WINDOW, base: Base | None = None,
-                 depth: int = DEPTH) -> None:
+                 chunk_size: int = codec.DEFAULT_CHUNK, window: int | None = None, base: Base | None = None,
+                 depth: int | None = None) -> None:
         self.inner = inner
         self.base = base
         self.encoder = encoder
-        self.level, self.chunk_size, self.window, self.depth = level, chunk_size, window, depth
+        self.level, self.chunk_size = level, chunk_size
+        self.window, self.depth = window or WINDOW, depth or DEPTH
         self.location = inner.location
         self.save_key = inner.save_key
         self.tables = inner.tables
@@ -343,7 +344,7 @@ class CompressedSource:
         self._codings: dict[str, _Coding] = {}
         for name in inner.manifest.file_names:
             record = inner.files[name]
-            plan = plan_file(record, inner.manifest, window, chunk_size)
+            plan = plan_file(record, inner.manifest, self.window, chunk_size)
             header = codec.HEADER_SIZE + codec.ENTRY_SIZE * sum(len(cs) for _, cs in plan)
             coding = _Coding(os.path.join(self.scratch, stored_name(name)), record, header)
             self._codings[coding.name] = coding
