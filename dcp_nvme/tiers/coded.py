@@ -5,7 +5,8 @@ A mirror drained with compression holds, per rank file, ``<rank file>.dcz`` (see
 serves any byte range of the original file by fetching only the stored bytes of the chunks it
 overlaps (one ranged read) and decoding them, each chunk checked against its crc32c.
 ``CodedEngine`` is the read half of the engine protocol on top of it, so ``NVMeReader`` plans,
-reshards and verifies (blocks table of the original) exactly as for a plain checkpoint.
+reshards and verifies (blocks table of the original) exactly as for a plain checkpoint; one
+read call fetches and decodes each chunk its requests overlap once (``_ReadPlan``).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 The local tier stays plain safetensors. With ``DrainOptions(compress="bytegroup")`` (or
 ``"auto"`` when it pays) each rank file is read in block-aligned windows, each window checked
 against the blocks table, coded by ``dcp_nvme.codec`` on a bounded thread pool, and written to
-``<checkpoint>/.drain-zip.<key>/<rank file>.dcz``. The drain then sends those files exactly as
-it sends plain ones (pieces, journal, confirmation before ``mirrored``): each gets a FileRecord
-of its own bytes, so "confirmed" means the bytes sent are the bytes encoded. The tables are
+``<checkpoint>/.drain-zip.<key>/<rank file>.dcz``, on a coder thread of its own. The drain sends
+those files as it sends plain ones (pieces, journal, confirmation before ``mirrored``), each
+piece as soon as it is coded (``CompressedSource.stream``): each gets a FileRecord of its own
+bytes, so "confirmed" means the bytes sent are the bytes encoded. The tables are
 sent unchanged (they describe the decoded files); the mirror's manifest is the local one plus a
 ``compression`` section (codec, version, level, per-file stored name and sizes, ratio) and its
 own checksum. Coding is deterministic, so a resumed drain re-encodes the same bytes and the
