@@ -29,6 +29,12 @@ from ..manifest import FileRecord, Manifest
 from ..stats import IOStats
 from .transfer import plan_pieces, verify_piece
 
+FETCH = 32 << 20
+"""Stored bytes per ranged read of a load (at least): an object store answers a few large
+ranged GETs much faster than many small ones (each pays a round trip)."""
+IN_FLIGHT = 128 << 20
+"""Stored bytes a load fetches at once (runs in flight x their size): bounds its memory."""
+
 Fetch = Callable[[str, int, int], bytes]
 """(name, start, end) -> the stored bytes [start, end) of a file of the mirror."""
 
@@ -194,7 +200,8 @@ class _ReadPlan:
         self.waiting = [len(n) for n in self.needs]
         self.left = {key: len(users) for key, users in self.users.items()}
         by_id = {id(f): f for f in self.files}
-        limit = max(engine.config.block_size, codec.DEFAULT_CHUNK)
+        limit = max(engine.config.block_size, FETCH)
+        self.depth = max(1, min(engine.config.queue_depth, IN_FLIGHT // limit))
         self.runs = [(by_id[key], run) for key, found in chunks.items()
                      for run in fetch_runs(sorted(found.values(), key=lambda e: e.offset), limit)]
         self.cache: dict[tuple[int, int], bytes] = {}
@@ -285,7 +292,7 @@ class CodedEngine:
             for index in plan.run(*task):
                 give(index)
 
-        run_bounded(self.config.queue_depth, plan.runs, run, "dcp-nvme-dcz")
+        run_bounded(plan.depth, plan.runs, run, "dcp-nvme-dcz")
         self.last_peak = plan.peak
         stats.seconds = time.perf_counter() - started
         return stats
