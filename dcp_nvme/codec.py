@@ -155,7 +155,7 @@ def encode_chunk(data: bytes | memoryview, planes: int = 1, level: int = DEFAULT
 
 
 def decode_chunk(entry: Entry, stored: bytes | memoryview,
-                 base: bytes | memoryview | None = None) -> bytes:
+                 base: bytes | memoryview | None = None) -> bytes | bytearray:
     """The decoded bytes of one chunk, checked against its crc32c (CodecError if not)."""
     view = memoryview(stored).cast("B")
     at = f"chunk at bytes {entry.offset}-{entry.end}"
@@ -164,14 +164,17 @@ def decode_chunk(entry: Entry, stored: bytes | memoryview,
                          f"{entry.stored_length}, {entry.planes} planes")
     per_plane = entry.length // entry.planes
     position = _PLANE.size * entry.planes
-    planes = []
+    data: bytes | bytearray = b""
+    if entry.planes > 1:  # planes are written straight into their columns: one copy, no stack
+        data = bytearray(entry.length)
+        grid = np.frombuffer(data, dtype=np.uint8).reshape(per_plane, entry.planes)
     try:
         for i in range(entry.planes):
             mode, length = _PLANE.unpack_from(view, i * _PLANE.size)
             body = view[position: position + length]
             position += length
             if mode == RAW:
-                plane = bytes(body)
+                plane: bytes | memoryview = body
             elif mode == ZSTD:
                 plane = zstandard.ZstdDecompressor().decompress(body, max_output_size=per_plane)
             else:
@@ -179,12 +182,14 @@ def decode_chunk(entry: Entry, stored: bytes | memoryview,
             if len(plane) != per_plane:
                 raise CodecError(f"{at}: plane {i} decodes to {len(plane)} bytes, "
                                  f"expected {per_plane}")
-            planes.append(np.frombuffer(plane, dtype=np.uint8))
+            if entry.planes == 1:
+                data = bytes(plane)  # a no-op for zstd's output, one copy of a raw plane
+            else:
+                grid[:, i] = np.frombuffer(plane, dtype=np.uint8)
     except (struct.error, zstandard.ZstdError) as exc:
         raise CodecError(f"{at}: {exc}") from None
     if position != len(view):
         raise CodecError(f"{at}: {len(view) - position} stray stored bytes")
-    data = planes[0].tobytes() if entry.planes == 1 else np.stack(planes, axis=1).tobytes()
     if entry.flags & DELTA:
         if base is None:
             raise CodecError(f"{at} is a delta; its base bytes are needed")

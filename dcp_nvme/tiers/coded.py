@@ -5,7 +5,8 @@ A mirror drained with compression holds, per rank file, ``<rank file>.dcz`` (see
 serves any byte range of the original file by fetching only the stored bytes of the chunks it
 overlaps (one ranged read) and decoding them, each chunk checked against its crc32c.
 ``CodedEngine`` is the read half of the engine protocol on top of it, so ``NVMeReader`` plans,
-reshards and verifies (blocks table of the original) exactly as for a plain checkpoint.
+reshards and verifies (blocks table of the original) exactly as for a plain checkpoint; one
+read call fetches and decodes each chunk its requests overlap once (``_ReadPlan``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from ..layout import ReadRequest
 from ..manifest import FileRecord, Manifest
 from ..stats import IOStats
 from .transfer import plan_pieces, verify_piece
+
+FETCH = 32 << 20
+"""Stored bytes per ranged read of a load (at least): an object store answers a few large
+ranged GETs much faster than many small ones (each pays a round trip)."""
+IN_FLIGHT = 128 << 20
+"""Stored bytes a load fetches at once (runs in flight x their size): bounds its memory."""
 
 Fetch = Callable[[str, int, int], bytes]
 """(name, start, end) -> the stored bytes [start, end) of a file of the mirror."""
@@ -133,18 +140,109 @@ class CodedFile:
         needed = codec.overlapping(self.entries, start, end)
         if not needed:
             return b""
-        base = needed[0].stored_offset
-        stored = self.fetch(self.stored, base, needed[-1].stored_offset + needed[-1].stored_length)
         out = []
-        for entry in needed:
-            lo = entry.stored_offset - base
-            try:
-                basis = self.base(entry.offset, entry.end) if entry.flags & codec.DELTA else None
-                data = codec.decode_chunk(entry, memoryview(stored)[lo: lo + entry.stored_length], basis)
-            except codec.CodecError as exc:
-                raise codec.CodecError(f"{self.where}: {exc}") from None
+        for entry, data in zip(needed, self.decode_run(needed), strict=True):
             out.append(memoryview(data)[max(0, start - entry.offset): min(entry.length, end - entry.offset)])
         return b"".join(out)
+
+    def decode_run(self, run: Sequence[codec.Entry]) -> list[bytes]:
+        """The decoded bytes of consecutive chunks, fetched with one ranged read, each checked
+        against its crc32c (CodecError naming the file and the chunk's decoded bytes)."""
+        first = run[0].stored_offset
+        stored = memoryview(self.fetch(self.stored, first, run[-1].stored_offset + run[-1].stored_length))
+        out = []
+        for entry in run:
+            lo = entry.stored_offset - first
+            try:
+                basis = self.base(entry.offset, entry.end) if entry.flags & codec.DELTA else None
+                out.append(codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], basis))
+            except codec.CodecError as exc:
+                raise codec.CodecError(f"{self.where}: {exc}") from None
+        return out
+
+
+def fetch_runs(entries: Sequence[codec.Entry], limit: int) -> list[list[codec.Entry]]:
+    """Chunks (sorted, unique) cut into runs that are adjacent in the file, each fetched with one
+    ranged read of at most ``limit`` stored bytes (or one chunk): few round trips, and runs
+    enough to decode in parallel."""
+    runs: list[list[codec.Entry]] = []
+    size = 0
+    for entry in entries:
+        last = runs[-1][-1] if runs else None
+        adjacent = last is not None and last.stored_offset + last.stored_length == entry.stored_offset
+        if adjacent and size + entry.stored_length <= limit:
+            runs[-1].append(entry)
+            size += entry.stored_length
+        else:
+            runs.append([entry])
+            size = entry.stored_length
+    return runs
+
+
+class _ReadPlan:
+    """One engine read call of a compressed mirror: every chunk the requests overlap is fetched
+    (in runs) and decoded once; a request is assembled and delivered as soon as its last chunk
+    is decoded, and a chunk is dropped once every request using it is delivered."""
+
+    def __init__(self, engine: CodedEngine, requests: Sequence[ReadRequest]) -> None:
+        self.requests = list(requests)
+        self.files = [engine.file(r.file) for r in self.requests]
+        self.needs: list[list[codec.Entry]] = []
+        self.users: dict[tuple[int, int], list[int]] = {}  # (file id, chunk offset) -> requests
+        chunks: dict[int, dict[int, codec.Entry]] = {}
+        for index, (request, coded) in enumerate(zip(self.requests, self.files, strict=True)):
+            end = min(request.file_offset + request.length, coded.size)
+            needed = codec.overlapping(coded.entries, request.file_offset, end)
+            self.needs.append(needed)
+            for entry in needed:
+                self.users.setdefault((id(coded), entry.offset), []).append(index)
+                chunks.setdefault(id(coded), {})[entry.offset] = entry
+        self.waiting = [len(n) for n in self.needs]
+        self.left = {key: len(users) for key, users in self.users.items()}
+        by_id = {id(f): f for f in self.files}
+        limit = max(engine.config.block_size, FETCH)
+        self.depth = max(1, min(engine.config.queue_depth, IN_FLIGHT // limit))
+        self.runs = [(by_id[key], run) for key, found in chunks.items()
+                     for run in fetch_runs(sorted(found.values(), key=lambda e: e.offset), limit)]
+        self.cache: dict[tuple[int, int], bytes] = {}
+        self.lock = threading.Lock()
+        self.peak = 0
+        """Most decoded chunks held at once (tests: the cache is bounded by the runs in flight)."""
+
+    def empty(self) -> list[int]:
+        """Requests that need no chunk (past the end of the file): delivered short at once."""
+        return [i for i, n in enumerate(self.needs) if not n]
+
+    def run(self, coded: CodedFile, run: list[codec.Entry]) -> list[int]:
+        """Fetch and decode one run; the requests it completes."""
+        decoded = coded.decode_run(run)
+        ready = []
+        with self.lock:
+            for entry, data in zip(run, decoded, strict=True):
+                key = (id(coded), entry.offset)
+                self.cache[key] = data
+                for index in self.users[key]:
+                    self.waiting[index] -= 1
+                    if self.waiting[index] == 0:
+                        ready.append(index)
+            self.peak = max(self.peak, len(self.cache))
+        return ready
+
+    def assemble(self, index: int) -> bytes:
+        """A request's decoded bytes from the cached chunks; chunks no request still needs go."""
+        request, coded = self.requests[index], self.files[index]
+        start, end = request.file_offset, min(request.file_offset + request.length, coded.size)
+        keys = [(id(coded), e.offset) for e in self.needs[index]]
+        with self.lock:
+            parts = [self.cache[k] for k in keys]
+        out = b"".join(memoryview(data)[max(0, start - e.offset): min(e.length, end - e.offset)]
+                       for e, data in zip(self.needs[index], parts, strict=True))
+        with self.lock:
+            for key in keys:
+                self.left[key] -= 1
+                if not self.left[key]:
+                    del self.cache[key]
+        return out
 
 
 class CodedEngine:
@@ -159,6 +257,8 @@ class CodedEngine:
         self.base = base
         self._files: dict[str, CodedFile] = {}
         self._lock = threading.Lock()
+        self.last_peak = 0
+        """Most decoded chunks the last read held at once."""
 
     def file(self, path: str) -> CodedFile:
         with self._lock:
@@ -177,14 +277,23 @@ class CodedEngine:
 
         stats = IOStats("read")
         started = time.perf_counter()
+        plan = _ReadPlan(self, requests)
 
-        def run(request: ReadRequest) -> None:
+        def give(index: int) -> None:
             begun = stats.begin()
-            data = self.file(request.file).read(request.file_offset, request.file_offset + request.length)
+            data = plan.assemble(index)
             stats.end(begun, len(data), len(data))
-            deliver(request, data, dests)
+            deliver(plan.requests[index], data, dests)  # length, then the original's blocks
 
-        run_bounded(self.config.queue_depth, requests, run, "dcp-nvme-dcz")
+        for index in plan.empty():
+            give(index)
+
+        def run(task: tuple[CodedFile, list[codec.Entry]]) -> None:
+            for index in plan.run(*task):
+                give(index)
+
+        run_bounded(plan.depth, plan.runs, run, "dcp-nvme-dcz")
+        self.last_peak = plan.peak
         stats.seconds = time.perf_counter() - started
         return stats
 

@@ -3,9 +3,10 @@
 The local tier stays plain safetensors. With ``DrainOptions(compress="bytegroup")`` (or
 ``"auto"`` when it pays) each rank file is read in block-aligned windows, each window checked
 against the blocks table, coded by ``dcp_nvme.codec`` on a bounded thread pool, and written to
-``<checkpoint>/.drain-zip.<key>/<rank file>.dcz``. The drain then sends those files exactly as
-it sends plain ones (pieces, journal, confirmation before ``mirrored``): each gets a FileRecord
-of its own bytes, so "confirmed" means the bytes sent are the bytes encoded. The tables are
+``<checkpoint>/.drain-zip.<key>/<rank file>.dcz``, on a coder thread of its own. The drain sends
+those files as it sends plain ones (pieces, journal, confirmation before ``mirrored``), each
+piece as soon as it is coded (``CompressedSource.stream``): each gets a FileRecord of its own
+bytes, so "confirmed" means the bytes sent are the bytes encoded. The tables are
 sent unchanged (they describe the decoded files); the mirror's manifest is the local one plus a
 ``compression`` section (codec, version, level, per-file stored name and sizes, ratio) and its
 own checksum. Coding is deterministic, so a resumed drain re-encodes the same bytes and the
@@ -20,8 +21,10 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import crc32c
@@ -40,6 +43,11 @@ WINDOW = 32 << 20
 """Decoded bytes read, verified and coded at a time (bounds the drain's memory)."""
 SAMPLE = 8 << 20
 """Bytes ``auto`` codes to measure the codec on this machine."""
+DEPTH = 2
+"""Windows coding at once: one being finished and written while the next keeps the pool busy."""
+
+Window = tuple[bytes, list[codec.Chunk], int, "bytes | None"]
+"""(decoded bytes, the chunks inside them, their file offset, the base's bytes or None)."""
 
 
 def default_threads() -> int:
@@ -61,16 +69,17 @@ class Measure:
 
 
 def pays(measure: Measure, link: float | None) -> tuple[bool, str]:
-    """Whether coding a file before sending it finishes sooner than sending it plain.
+    """Whether coding a file while sending it finishes sooner than sending it plain.
 
-    The drain codes a file, then sends it: time per byte 1/E + 1/(r*L) against 1/L plain
-    (E codec throughput, r ratio, L the link's bytes/s: the bandwidth cap or ``link_rate``).
-    Without a known link the drain sends plain (say ``compress="bytegroup"`` to force it).
+    The drain sends coded pieces while later ones are coded, so time per byte is the slower
+    stage: max(1/E, 1/(r*L)) against 1/L plain (E codec throughput, r ratio, L the link's
+    bytes/s: the bandwidth cap or ``link_rate``). Without a known link the drain sends plain
+    (say ``compress="bytegroup"`` to force it).
     """
     figures = f"codec {measure.throughput / 1e6:.0f} MB/s at {measure.ratio:.2f}x"
     if not link:
         return False, f"{figures}; link speed unknown (set bandwidth or link_rate): sending plain"
-    coded = 1 / measure.throughput + 1 / (measure.ratio * link)
+    coded = max(1 / measure.throughput, 1 / (measure.ratio * link))
     if coded < 1 / link:
         return True, f"{figures} beats the {link / 1e6:.0f} MB/s link ({1 / link / coded:.2f}x sooner)"
     return False, f"{figures} does not beat the {link / 1e6:.0f} MB/s link: sending plain"
@@ -118,9 +127,17 @@ class Encoder:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dcp-nvme-codec")
         self.cpu = 0.0
         self._lock = threading.Lock()
+        self.alive = 0
+        """Windows submitted to the pool whose results are not yet handed on (their bytes are held)."""
+        self.peak = 0
+        """Most windows alive at once: the memory bound (tests check it)."""
 
     def code(self, data: bytes, chunks: list[codec.Chunk], origin: int,
              base: bytes | None = None) -> list[tuple[bytes, int]]:
+        return [future.result() for future in self._submit(data, chunks, origin, base)]
+
+    def _submit(self, data: bytes, chunks: list[codec.Chunk], origin: int,
+                base: bytes | None) -> list[Future[tuple[bytes, int]]]:
         view = memoryview(data)
         basis = memoryview(base) if base is not None else None
 
@@ -134,7 +151,38 @@ class Encoder:
                 self.cpu += time.thread_time() - started
             return out
 
-        return list(self.pool.map(one, chunks))
+        return [self.pool.submit(one, chunk) for chunk in chunks]
+
+    def code_windows(self, windows: Iterable[Window], depth: int = DEPTH) -> Iterator[list[tuple[bytes, int]]]:
+        """Each window's coded chunks, in order, with the next ``depth - 1`` windows already
+        coding on the pool meanwhile (the pool never idles between windows); at most ``depth``
+        windows' bytes are held at once."""
+        pending: deque[list[Future[tuple[bytes, int]]]] = deque()
+        source = iter(windows)
+        try:
+            while True:
+                while len(pending) < depth:
+                    window = next(source, None)
+                    if window is None:
+                        break
+                    pending.append(self._submit(*window))
+                    self._alive(+1)
+                if not pending:
+                    return
+                coded = [future.result() for future in pending[0]]
+                pending.popleft()
+                self._alive(-1)
+                yield coded
+        finally:
+            for futures in pending:  # abandoned (a failure): let no window outlive the call
+                for future in futures:
+                    future.cancel()
+                self._alive(-1)
+
+    def _alive(self, change: int) -> None:
+        with self._lock:
+            self.alive += change
+            self.peak = max(self.peak, self.alive)
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -212,75 +260,224 @@ def pick_base(location: str, target: str, every: int, mirror_manifest: Any) -> t
     return None, "no earlier mirrored checkpoint in the run directory: coding full"
 
 
+class _Coding:
+    """One rank file being coded into the scratch directory, as far as the coder has got.
+
+    The container's chunks follow its header and table, whose length is known before coding
+    (the chunk plan) but whose bytes are not (stored lengths): the checksum blocks holding
+    them (``hold``) are summed at the end; every later block is summed, from the bytes read
+    back from disk, as soon as it is whole. ``known``: bytes [hold, known) are final."""
+
+    def __init__(self, path: str, original: FileRecord, header: int) -> None:
+        self.path, self.original = path, original
+        self.block = original.checksum_block
+        self.hold = -(-header // self.block) * self.block
+        self.known = self.hold
+        self.crcs: list[int] = [0] * (self.hold // self.block)  # the held blocks: placeholders
+        self.record: FileRecord | None = None
+        self.error: BaseException | None = None
+        self.changed = threading.Condition()
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def written(self, end: int) -> None:
+        """Bytes up to ``end`` are on disk: sum the blocks they complete, wake the senders."""
+        whole = end - (end - self.hold) % self.block
+        if whole <= self.known:
+            return
+        with open(self.path, "rb") as handle:
+            crcs = [crc32c.crc32c(os.pread(handle.fileno(), self.block, at))
+                    for at in range(self.known, whole, self.block)]
+        with self.changed:
+            self.crcs += crcs
+            self.known = whole
+            self.changed.notify_all()
+
+    def partial(self) -> FileRecord:
+        """A record of the bytes coded so far (the held blocks' crcs are not known yet)."""
+        with self.changed:
+            return FileRecord(self.name, self.original.rank, self.known, 0, self.block, 0, tuple(self.crcs))
+
+    def finish(self, record: FileRecord | None, error: BaseException | None = None) -> None:
+        with self.changed:
+            self.record, self.error = record, error
+            self.changed.notify_all()
+
+    def wait(self, until: int | None = None) -> FileRecord | None:
+        """Block until the file is coded (its record), or, with ``until``, until bytes up to
+        there are final (None then); raises when the coder failed."""
+        with self.changed:
+            while (self.record is None and self.error is None
+                   and (until is None or self.known < until)):
+                self.changed.wait()
+            if self.error is not None:
+                raise self.error  # as the coder raised it: a corrupt local file stays permanent
+            return self.record
+
+
 class CompressedSource:
     """A DrainSource seen through the codec: what the drain sends are the coded files.
 
     Has what the drain uses of a DrainSource: ``location``, ``save_key``, ``manifest``
     (``file_names``: the stored names), ``files`` (records of the coded files), ``piece``,
-    ``tables``, ``manifest_bytes`` (the mirror's manifest) and ``changed``.
+    ``tables``, ``manifest_bytes`` (the mirror's manifest) and ``changed``. Files are coded
+    on a thread of their own, in order, while the drain sends: ``stream`` hands out a file's
+    pieces as they are coded; ``record``, ``files`` and ``manifest_bytes`` wait for the coder.
     """
 
     def __init__(self, inner: DrainSource, encoder: Encoder, *, level: int,
-                 chunk_size: int = codec.DEFAULT_CHUNK, window: int = WINDOW, base: Base | None = None) -> None:
+                 chunk_size: int = codec.DEFAULT_CHUNK, window: int | None = None, base: Base | None = None,
+                 depth: int | None = None) -> None:
         self.inner = inner
         self.base = base
+        self.encoder = encoder
+        self.level, self.chunk_size = level, chunk_size
+        self.window, self.depth = window or WINDOW, depth or DEPTH
         self.location = inner.location
         self.save_key = inner.save_key
         self.tables = inner.tables
         self.scratch = os.path.join(inner.location, f".drain-zip.{inner.save_key}")
         self.stats = CodecStats()
-        started, cpu0 = time.perf_counter(), encoder.cpu
         os.makedirs(self.scratch, exist_ok=True)
-        self.files: dict[str, FileRecord] = {}
-        names = []
+        self._plans = {}
+        self._codings: dict[str, _Coding] = {}
         for name in inner.manifest.file_names:
             record = inner.files[name]
-            base_record = base.match(record, inner.manifest) if base is not None else None
-            coded = self._encode(record, encoder, chunk_size, window, base_record)
-            self.files[coded.name] = coded
-            names.append(coded.name)
-            self.stats.files[name] = {"stored": coded.name, "size": record.size, "stored_size": coded.size}
-            if base_record is not None:
-                self.stats.files[name]["base"] = base_record.name
-            self.stats.bytes_in += record.size
-            self.stats.bytes_out += coded.size
-        self.stats.seconds = time.perf_counter() - started
-        self.stats.cpu_seconds = encoder.cpu - cpu0
-        self.manifest = _Names(names, inner.manifest.doc)
-        doc = {k: v for k, v in json.loads(inner.manifest_bytes).items() if k != SELF_CRC}
-        doc[SECTION] = {
-            "codec": codec.CODEC, "version": codec.CODEC_VERSION, "level": level,
-            "chunk_size": chunk_size, "bytes": self.stats.bytes_in, "stored_bytes": self.stats.bytes_out,
-            "ratio": round(self.stats.ratio, 4), "files": self.stats.files,
-        }
-        if base is not None:
-            doc[SECTION]["delta"] = {"base": base.target, "base_save_key": base.source.save_key,
-                                     "depth": base.depth + 1}
-        self.manifest_bytes = seal(doc)
+            plan = plan_file(record, inner.manifest, self.window, chunk_size)
+            header = codec.HEADER_SIZE + codec.ENTRY_SIZE * sum(len(cs) for _, cs in plan)
+            coding = _Coding(os.path.join(self.scratch, stored_name(name)), record, header)
+            self._codings[coding.name] = coding
+            self._plans[coding.name] = plan
+        self.manifest = _Names(list(self._codings), inner.manifest.doc)
+        self._manifest_bytes = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcp-nvme-coder", daemon=True)
+        self._thread.start()
 
-    def _encode(self, record: FileRecord, encoder: Encoder, chunk_size: int, window: int,
-                base_record: FileRecord | None) -> FileRecord:
-        plan = plan_file(record, self.inner.manifest, window, chunk_size)
+    # -- the coder thread
+
+    def _run(self) -> None:
+        started, cpu0 = time.perf_counter(), self.encoder.cpu
+        try:
+            for coding in self._codings.values():
+                original = coding.original
+                base_record = self.base.match(original, self.inner.manifest) if self.base is not None else None
+                coded = self._encode(coding, base_record)
+                self.stats.files[original.name] = {"stored": coded.name, "size": original.size,
+                                                   "stored_size": coded.size}
+                if base_record is not None:
+                    self.stats.files[original.name]["base"] = base_record.name
+                self.stats.bytes_in += original.size
+                self.stats.bytes_out += coded.size
+                coding.finish(coded)
+            self.stats.seconds = time.perf_counter() - started
+            self.stats.cpu_seconds = self.encoder.cpu - cpu0
+            self._manifest_bytes = self._mirror_manifest()
+        except BaseException as exc:  # noqa: BLE001  handed to every sender waiting on a file
+            for coding in self._codings.values():
+                if coding.record is None:
+                    coding.finish(None, exc)
+        finally:
+            self.encoder.close()
+
+    def _windows(self, coding: _Coding, base_record: FileRecord | None) -> Iterator[Window]:
+        for piece, chunks in self._plans[coding.name]:
+            if self._stop.is_set():
+                raise DrainFault("the drain stopped while coding")
+            data = self.inner.piece(coding.original, piece)  # checked against the blocks table
+            basis = self.base.source.piece(base_record, piece) if base_record is not None else None
+            yield data, chunks, piece.offset, basis
+
+    def _encode(self, coding: _Coding, base_record: FileRecord | None) -> FileRecord:
+        plan = self._plans[coding.name]
         chunks = [c for _, cs in plan for c in cs]
-        final = os.path.join(self.scratch, stored_name(record.name))
-        temp = final + ".tmp"
         lengths: list[tuple[int, int]] = []
-        with step(f"compressing {record.name} into {final}"):
-            with open(temp, "wb") as out:
-                out.seek(codec.HEADER_SIZE + codec.ENTRY_SIZE * len(chunks))
-                for piece, cs in plan:
-                    data = self.inner.piece(record, piece)  # checked against the blocks table
-                    basis = self.base.source.piece(base_record, piece) if base_record is not None else None
-                    for stored, crc in encoder.code(data, cs, piece.offset, basis):
+        record = coding.original
+        with step(f"compressing {record.name} into {coding.path}"):
+            with open(coding.path, "wb") as out:
+                position = codec.HEADER_SIZE + codec.ENTRY_SIZE * len(chunks)
+                out.seek(position)
+                for coded in self.encoder.code_windows(self._windows(coding, base_record), self.depth):
+                    for stored, crc in coded:
                         out.write(stored)
                         lengths.append((len(stored), crc))
+                        position += len(stored)
+                    out.flush()
+                    coding.written(position)
                 entries = codec.table_entries(chunks, lengths, delta=base_record is not None)
                 out.seek(0)
                 out.write(codec.pack_header(entries, record.size))
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(temp, final)
-            return _record_of(final, record)
+            return _record_of(coding, position)
+
+    def _mirror_manifest(self) -> bytes:
+        doc = {k: v for k, v in json.loads(self.inner.manifest_bytes).items() if k != SELF_CRC}
+        doc[SECTION] = {
+            "codec": codec.CODEC, "version": codec.CODEC_VERSION, "level": self.level,
+            "chunk_size": self.chunk_size, "bytes": self.stats.bytes_in, "stored_bytes": self.stats.bytes_out,
+            "ratio": round(self.stats.ratio, 4), "files": self.stats.files,
+        }
+        if self.base is not None:
+            doc[SECTION]["delta"] = {"base": self.base.target, "base_save_key": self.base.source.save_key,
+                                     "depth": self.base.depth + 1}
+        return seal(doc)
+
+    # -- what the drain reads
+
+    def record(self, name: str) -> FileRecord | None:
+        """The coded file's record once it is coded (waits for the coder)."""
+        coding = self._codings.get(name)
+        return coding.wait() if coding is not None else None
+
+    @property
+    def files(self) -> dict[str, FileRecord]:
+        return {name: coding.wait() for name, coding in self._codings.items()}
+
+    @property
+    def manifest_bytes(self) -> bytes:
+        for coding in self._codings.values():
+            coding.wait()
+        return self._manifest_bytes
+
+    @property
+    def failed(self) -> bool:
+        return any(c.error is not None for c in self._codings.values())
+
+    def coding(self, name: str) -> bool:
+        """Whether ``name`` is still being coded (its pieces can be streamed)."""
+        coding = self._codings.get(name)
+        return coding is not None and coding.record is None and coding.error is None
+
+    def opening(self, name: str) -> FileRecord:
+        """A record to open a streamed file's transfer with: its final size is not known yet."""
+        return replace(self._codings[name].partial(), size=0, crcs=())
+
+    def stream(self, name: str, part_size: int) -> Iterator[tuple[FileRecord, Piece]]:
+        """The pieces of a coded file as ``plan_pieces`` cuts it, each with a record that checks
+        it, as soon as the coder has written them: whole parts past the held blocks while it
+        codes, then, once the file is coded, the rest (the first, holding the header, and the last)."""
+        coding = self._codings[name]
+        part = max(coding.block, part_size - part_size % coding.block)
+        index = max(1, -(-coding.hold // part))  # the first part wholly past the held blocks
+        early: dict[int, Piece] = {}
+        while coding.wait(until=(index + 1) * part) is None:
+            early[index] = Piece(index, index * part, part)
+            yield coding.partial(), early[index]
+            index += 1
+        record = coding.wait()
+        assert record is not None
+        planned = plan_pieces(record.size, record.data_start, record.checksum_block, part_size)
+        for piece in planned:
+            if piece.index not in early:
+                yield record, piece
+            elif early[piece.index] != piece:
+                raise DrainFault(f"{coding.path}: piece {piece.index} was sent as {early[piece.index]}, "
+                                 f"the finished file plans it as {piece}")
+        if max(early, default=-1) >= len(planned):
+            raise DrainFault(f"{coding.path}: pieces past the end of the finished file were sent")
 
     def piece(self, record: FileRecord, piece: Piece) -> bytes:
         """A piece of a coded file from the scratch directory, checked against its record."""
@@ -296,8 +493,20 @@ class CompressedSource:
     def changed(self) -> str | None:
         return self.inner.changed()
 
+    def summary(self) -> dict[str, Any]:
+        """What coding cost, once done: ratio, bytes, stored bytes, seconds, CPU seconds."""
+        self.manifest_bytes  # noqa: B018  waits for the coder
+        return {"ratio": self.stats.ratio, "bytes": self.stats.bytes_in, "stored_bytes": self.stats.bytes_out,
+                "encode_seconds": self.stats.seconds, "cpu_seconds": self.encoder.cpu}
+
+    def close(self) -> None:
+        """Stop the coder (after a failed drain) and wait for it: nothing writes the scratch after."""
+        self._stop.set()
+        self._thread.join()
+
     def discard(self) -> None:
         """Remove the coded files (after the commit; they are only the drain's scratch)."""
+        self.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -308,16 +517,19 @@ class _Names:
         self.file_names, self.doc = names, doc
 
 
-def _record_of(path: str, original: FileRecord) -> FileRecord:
-    """A FileRecord of a coded file: crc32c per checksum block, read back from disk (what is
-    sent and confirmed later is what was written)."""
-    block = original.checksum_block
-    crcs = []
-    with open(path, "rb") as handle:
-        while chunk := handle.read(block):
-            crcs.append(crc32c.crc32c(chunk))
-    size = os.path.getsize(path)
-    return FileRecord(os.path.basename(path), original.rank, size, 0, block, 0, tuple(crcs))
+def _record_of(coding: _Coding, size: int) -> FileRecord:
+    """The FileRecord of a coded file: the crc32c of each checksum block as read back from disk
+    (what is sent and confirmed later is what was written); blocks summed while coding stand."""
+    block = coding.block
+    crcs = list(coding.crcs)
+    with open(coding.path, "rb") as handle:
+        for at in range(0, min(coding.hold, size), block):  # the header is written last
+            crcs[at // block] = crc32c.crc32c(os.pread(handle.fileno(), min(block, size - at), at))
+        crcs += [crc32c.crc32c(os.pread(handle.fileno(), block, at)) for at in range(coding.known, size, block)]
+    if os.path.getsize(coding.path) != size:
+        raise DrainFault(f"{coding.path} is {os.path.getsize(coding.path)} bytes after coding, expected {size}")
+    crcs = crcs[: -(-size // block)]  # a file shorter than its held blocks
+    return FileRecord(coding.name, coding.original.rank, size, 0, block, 0, tuple(crcs))
 
 
 def remove_scratch(location: str, keep: str | None = None) -> None:
@@ -339,7 +551,9 @@ def mirror_codec(doc: dict[str, Any]) -> dict[str, Any] | None:
 
 def through_codec(source: DrainSource, mode: str, *, link: float | None, threads: int,
                   level: int, base: Base | None = None) -> tuple[DrainSource | CompressedSource, dict[str, Any]]:
-    """The source the drain sends for ``mode``, and what was decided (for DrainResult)."""
+    """The source the drain sends for ``mode``, and what was decided (for DrainResult). A
+    CompressedSource codes on its own thread from here on (it owns the encoder; its
+    ``summary()`` adds the figures once it is done)."""
     if mode == "off":
         return source, {"mode": "off"}
     encoder = Encoder(threads, level)
@@ -352,11 +566,11 @@ def through_codec(source: DrainSource, mode: str, *, link: float | None, threads
             log.info("dcp_nvme: compress=auto for %s: %s", source.location, why)
             if not go:
                 info["cpu_seconds"] = encoder.cpu
+                encoder.close()
                 return source, info
         coded = CompressedSource(source, encoder, level=level, base=base)
-        info.update(codec=codec.CODEC, ratio=coded.stats.ratio, bytes=coded.stats.bytes_in,
-                    stored_bytes=coded.stats.bytes_out, encode_seconds=coded.stats.seconds,
-                    cpu_seconds=encoder.cpu)
-        return coded, info
-    finally:
+    except BaseException:
         encoder.close()
+        raise
+    info.update(codec=codec.CODEC)
+    return coded, info

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any
 
 from ..concurrency import run_bounded
@@ -220,6 +221,9 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
                     coded = view if isinstance(view, CompressedSource) else None
                 sending = coded or source
             _attempt(sending, sink, journal, options, result, progress)
+            if coded is not None:
+                result.compression.update(coded.summary())
+                coded.close()
             remove_scratch(location)
             result.seconds = time.perf_counter() - started
             journal.update(state=MIRRORED, cause="", finished_unix=time.time(),
@@ -239,6 +243,9 @@ def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | 
             if result is not None:
                 result.errors.append(cause)
             final = is_permanent(exc) or attempt > options.retries
+            if coded is not None and (final or coded.failed):  # a failed coder codes again next time
+                coded.close()
+                coded = None
             if final and is_permanent(exc) and journal is not None:
                 _discard(sink, journal, lambda: open_sink(target, storage_options, filesystem))
                 remove_scratch(location)
@@ -299,11 +306,19 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
         sink.prepare()
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
+    streamed: list[str] = []
     for name in manifest.file_names:
-        record = source.files.get(name)
+        entry = journal.file(name)
+        if _streams(source, sink, name, entry):
+            with journal.lock, step(f"opening the transfer of {sink.location(name)}"):
+                entry.update(done=False, part_size=part_size)
+                sink.begin(name, source.opening(name), entry, resuming=False)
+                journal.save()
+            streamed.append(name)
+            continue
+        record = source.record(name)
         if record is None:
             raise ManifestError(f"{source.location}: {name} is missing from the blocks table")
-        entry = journal.file(name)
         planned, pieces = _plan(record, entry, part_size, sink)
         with step(f"checking {sink.location(name)} on the target"):
             complete = sink.confirm_file(name, record, pieces, source.piece)
@@ -328,12 +343,16 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
         work.append((record, pieces, [p for p in pieces if p.index not in confirmed]))
 
     bucket = TokenBucket(options.bandwidth, max(options.bandwidth or 0, part_size) if options.bandwidth else None)
-    _send_all(source, sink, journal, work, options, bucket, result, progress)
+    _send_all(source, sink, journal, work, options, bucket, result, progress,
+              [(name, part_size) for name in streamed])
+    for name in streamed:  # coded by now: the plan of the finished file, as every other file's
+        record = source.record(name)
+        work.append((record, plan_pieces(record.size, record.data_start, record.checksum_block, part_size), []))
     for record, pieces, _ in work:
         _finish_file(sink, journal, record, pieces)
     if options.verify == "readback":
         for name in manifest.file_names:
-            _readback(sink, source.files[name], part_size, options, result)
+            _readback(sink, source.record(name), part_size, options, result)
     for name, data in source.tables:
         _put_confirmed(sink, name, data)
     _at("before-commit", location=source.location)
@@ -422,8 +441,17 @@ def _discard(sink: Sink | None, journal: Journal, open_target: Callable[[], Sink
         log.warning("dcp_nvme: could not clean up the unfinished drain on %s: %s", sink.target, classify(exc))
 
 
+def _streams(source: DrainSource, sink: Sink, name: str, entry: dict[str, Any]) -> bool:
+    """Whether a file is sent while it is still being coded: it is, and nothing of it was ever
+    sent (a fresh journal entry: nothing on the target to confirm first), and the target takes
+    pieces in any order (the first piece, holding the header, is coded last)."""
+    return (isinstance(source, CompressedSource) and source.coding(name) and not sink.ordered
+            and not entry.get("done") and not entry["pieces"] and not entry.get("upload_id"))
+
+
 def _send_all(source: DrainSource, sink: Sink, journal: Journal, work, options: DrainOptions,
-              bucket: TokenBucket, result: DrainResult, progress: Progress | None) -> None:
+              bucket: TokenBucket, result: DrainResult, progress: Progress | None,
+              streamed: list[tuple[str, int]] = ()) -> None:
     lock = threading.Lock()
 
     def send(record: FileRecord, piece: Piece) -> None:
@@ -450,7 +478,10 @@ def _send_all(source: DrainSource, sink: Sink, journal: Journal, work, options: 
         tasks = [(send_file, (record, todo)) for record, _, todo in work]
     else:
         tasks = [(send, (record, piece)) for record, _, todo in work for piece in todo]
-    run_bounded(options.max_transfers, tasks, lambda task: task[0](*task[1]), "dcp-nvme-drain-io")
+    # pieces of files still being coded are drawn as the coder writes them (run_bounded draws
+    # lazily): sending overlaps coding
+    coded = ((send, found) for name, part_size in streamed for found in source.stream(name, part_size))
+    run_bounded(options.max_transfers, chain(tasks, coded), lambda task: task[0](*task[1]), "dcp-nvme-drain-io")
 
 
 def _readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptions,

@@ -42,6 +42,9 @@ class DrainSource:
         check_table(self.location, entry, data)  # never drain a corrupt checkpoint
         return data
 
+    def record(self, name: str) -> FileRecord | None:
+        return self.files.get(name)
+
     def piece(self, record: FileRecord, piece: Piece) -> bytes:
         """The piece's bytes from local disk, checked against the blocks table."""
         path = self.store.path(record.name)
