@@ -291,8 +291,16 @@ def test_delta_chain_loads_through_its_bases_and_a_missing_base_is_refused(tmp_p
         states.append(_step(states[-1], 21 + i))
     opts = DrainOptions(**FAST, compress="delta", delta_every=3)
     results = []
+    # saved from live tensors updated in place, as training does: the container layout follows
+    # the tensors' addresses (zero-copy placement), and a delta needs the base's layout
+    live = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[0].items()}
     for i, sd in enumerate(states, start=1):
-        local = save(tmp_path / "run" / f"step_{i}", sd)
+        for key, value in sd.items():
+            if isinstance(value, torch.Tensor):
+                live[key].copy_(value)
+            else:
+                live[key] = value
+        local = save(tmp_path / "run" / f"step_{i}", live)
         results.append(drain(local, str(tmp_path / "pfs" / f"step_{i}"), options=opts))
         docs.append(mirror_doc(tmp_path / "pfs" / f"step_{i}")["compression"])
     assert "delta" not in docs[0] and "no earlier mirrored" in results[0].compression["base"]

@@ -213,8 +213,9 @@ def test_a_turn_is_exclusive_on_the_node_and_dies_with_its_holder(tmp_path, endi
         holder.join(60)
         assert _turn_is_free(str(tmp_path))
     finally:
-        release.set()
-        holder.join(5)
+        if holder.is_alive():  # never set() after a kill: the dead waiter leaves the Event's lock held
+            release.set()
+            holder.join(5)
         if holder.is_alive():
             holder.kill()
 
