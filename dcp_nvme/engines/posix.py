@@ -98,11 +98,16 @@ def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
         if written <= 0:
             raise OSError(errno.EIO, f"pwritev wrote nothing at offset {offset}")
         offset += written
-        while pending and written >= len(pending[0]):
-            written -= len(pending[0])
-            pending.pop(0)
-        if written:
-            pending[0] = pending[0][written:]
+        _consume(pending, written)
+
+
+def _consume(pending: list[memoryview], count: int) -> None:
+    """Drop the first ``count`` bytes of ``pending`` (a vectored call's progress) in place."""
+    while pending and count >= len(pending[0]):
+        count -= len(pending[0])
+        pending.pop(0)
+    if count:
+        pending[0] = pending[0][count:]
 
 
 _local = threading.local()
@@ -497,11 +502,7 @@ def _pread_into(fd: int, views: list[memoryview], offset: int) -> int:
         if got == 0:
             break
         total += got
-        while pending and got >= len(pending[0]):
-            got -= len(pending[0])
-            pending.pop(0)
-        if got:
-            pending[0] = pending[0][got:]
+        _consume(pending, got)
     return total
 
 
