@@ -236,11 +236,16 @@ def _count_io(monkeypatch) -> tuple[Counter, Counter]:
     return fetched, decoded
 
 
-def test_small_requests_fetch_and_decode_each_chunk_once(tmp_path, monkeypatch):
-    sd = make_state(29)
-    local = save(tmp_path / "step_29", sd)
+def _bytegroup_mirror(tmp_path, seed: int) -> tuple[dict, str]:
+    """A state saved locally and drained, byte-grouped, to a directory mirror."""
+    sd = make_state(seed)
     target = str(tmp_path / "mirror")
-    drain(local, target, options=DrainOptions(**FAST, compress="bytegroup"))
+    drain(save(tmp_path / f"step_{seed}", sd), target, options=DrainOptions(**FAST, compress="bytegroup"))
+    return sd, target
+
+
+def test_small_requests_fetch_and_decode_each_chunk_once(tmp_path, monkeypatch):
+    sd, target = _bytegroup_mirror(tmp_path, 29)
     fetched, decoded = _count_io(monkeypatch)
     reader = NVMeReader(target, block_size="256KiB", queue_depth=3)  # 8 requests per 2 MiB chunk
     assert_same(load(reader, sd), sd)
@@ -271,18 +276,12 @@ def _load_rows(rank: int, world: int, mirror: str, expected: dict) -> None:
 def test_resharded_ranged_loads_of_the_batched_path_are_bitwise(tmp_path):
     from dist_utils import run_ranks
 
-    sd = make_state(31)
-    local = save(tmp_path / "step_31", sd)
-    target = str(tmp_path / "mirror")
-    drain(local, target, options=DrainOptions(**FAST, compress="bytegroup"))
+    sd, target = _bytegroup_mirror(tmp_path, 31)
     run_ranks(3, _load_rows, target, {k: sd[k] for k in ("w_bf16", "adam_fp32")})
 
 
 def test_one_item_loads_only_its_chunks(tmp_path, monkeypatch):
-    sd = make_state(33)
-    local = save(tmp_path / "step_33", sd)
-    target = str(tmp_path / "mirror")
-    drain(local, target, options=DrainOptions(**FAST, compress="bytegroup"))
+    sd, target = _bytegroup_mirror(tmp_path, 33)
     fetched, _ = _count_io(monkeypatch)
     out = {"fp16": torch.zeros_like(sd["fp16"])}
     dcp.load(out, storage_reader=NVMeReader(target, block_size="64KiB"), no_dist=True)
@@ -292,10 +291,7 @@ def test_one_item_loads_only_its_chunks(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_chunk_is_named_by_the_batched_path(tmp_path):
-    sd = make_state(35)
-    local = save(tmp_path / "step_35", sd)
-    target = str(tmp_path / "mirror")
-    drain(local, target, options=DrainOptions(**FAST, compress="bytegroup"))
+    sd, target = _bytegroup_mirror(tmp_path, 35)
     path = os.path.join(target, next(n for n in os.listdir(target) if n.endswith(".dcz")))
     blob = bytearray(open(path, "rb").read())
     _, count, size, crc = codec.parse_header(blob)
