@@ -28,8 +28,6 @@ class LayerRows(BenchCore):
     def per_rank_depth_save(self) -> None:
         """The same sync save with every rank at its own ``queue_depth`` (no node budget): what
         ``node_queue_depth`` replaces, in the same run."""
-        from ..writer import NVMeWriter
-
         row = self.add(Row("dcp_nvme.save.per_rank_depth",
                            "dcp_nvme save, per-rank depth (no node budget)", "write", "ours"))
         if self.config.node_queue_depth is None or self.group.world < 2:
@@ -37,26 +35,15 @@ class LayerRows(BenchCore):
         per_rank = self.config.queue_depth
         # node_queue_depth = depth x ranks gives each rank exactly `depth`, whatever env or tune file say
         kwargs = {**self.io_kwargs, "queue_depth": per_rank, "node_queue_depth": per_rank * self.group.world}
-        dcp = self._dcp()
-
-        def save(path: str) -> dict[str, Any]:
-            writer = NVMeWriter(path, **kwargs)
-            dcp.save(self.state, storage_writer=writer, no_dist=not self.group.is_dist)
-            return writer.last_stats or {}
-
-        stats = self._repeat_saves(row, "dcp_nvme_per_rank_depth", save, keep=False)
+        stats = self._writer_saves(row, "dcp_nvme_per_rank_depth", kwargs)
         row.extra = {"queue_depth": per_rank, "total_depth": per_rank * self.group.world,
                      "max_inflight": max(s.get("io", {}).get("max_inflight", 0) for s in self.group.gather(stats[-1]))}
         row.note = f"{self.group.world} ranks x queue_depth {per_rank}"
 
-    def other_order_save(self) -> None:
-        """The same budgeted save with the node's ranks in the other write order (together vs
-        staggered), so the run shows which one this drive prefers."""
+    def _writer_saves(self, row: Row, kind: str, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The row's repeated sync saves through NVMeWriter(**kwargs); this rank's stats of each."""
         from ..writer import NVMeWriter
 
-        order = "together" if self.config.node_write_order == "staggered" else "staggered"
-        row = self.add(Row(f"dcp_nvme.save.{order}", f"dcp_nvme save, node ranks {order}", "write", "ours"))
-        kwargs = {**self.writer_kwargs, "node_write_order": order}
         dcp = self._dcp()
 
         def save(path: str) -> dict[str, Any]:
@@ -64,7 +51,14 @@ class LayerRows(BenchCore):
             dcp.save(self.state, storage_writer=writer, no_dist=not self.group.is_dist)
             return writer.last_stats or {}
 
-        stats = self._repeat_saves(row, f"dcp_nvme_{order}", save, keep=False)
+        return self._repeat_saves(row, kind, save, keep=False)
+
+    def other_order_save(self) -> None:
+        """The same budgeted save with the node's ranks in the other write order (together vs
+        staggered), so the run shows which one this drive prefers."""
+        order = "together" if self.config.node_write_order == "staggered" else "staggered"
+        row = self.add(Row(f"dcp_nvme.save.{order}", f"dcp_nvme save, node ranks {order}", "write", "ours"))
+        stats = self._writer_saves(row, f"dcp_nvme_{order}", {**self.writer_kwargs, "node_write_order": order})
         depths = [s.get("config", {}).get("queue_depth") for s in self.group.gather(stats[-1])]
         row.extra = {"node_write_order": order, "queue_depth": depths}
         row.note = f"{self.group.world} ranks {order}, queue_depth {depths[0]} each"
