@@ -56,7 +56,7 @@ from .manifest import (
     temp_of,
     write_commit_file,
 )
-from .memory import tensor_bytes
+from .memory import aligned_buffer, tensor_bytes
 from .node import HostTag, budgeted, local_ranks, node_turn, ranks_per_host, this_host
 from .stats import PhaseTimer
 from .store import LocalStore, is_local_path, local_path
@@ -99,7 +99,7 @@ def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, Ch
         raise TypeError(f"{item.index.fqn}: {tensor.layout}/{tensor.dtype} tensors are not supported; "
                         "dequantize or densify them before saving")
     if not tensor.is_contiguous():
-        tensor = tensor.contiguous()  # only the view's bytes, never the whole storage
+        tensor = _contiguous_copy(tensor)  # only the view's bytes, never the whole storage
     source = tensor_bytes(tensor)
     chunk = item.tensor_data.chunk
     st_dtype, shape = stored_as(tensor.dtype, tensor.shape, source.numel())
@@ -138,6 +138,19 @@ def _pad_source(previous: torch.Tensor | None, following: torch.Tensor, size: in
             if not gap.any():
                 return gap
     return torch.zeros(size, dtype=torch.uint8)
+
+
+def _contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy on a page boundary: the container places items by their address
+    (zero-copy), so a fresh copy at a random address would change the layout from save to save
+    (and with it every delta-coded drain of the file)."""
+    if tensor.device.type != "cpu":
+        return tensor.contiguous()
+    try:
+        out = aligned_buffer(tensor.numel() * tensor.element_size(), pin=False).view(tensor.dtype)
+        return out.view(tensor.shape).copy_(tensor)
+    except (RuntimeError, TypeError):  # a dtype a uint8 buffer cannot be viewed as
+        return tensor.contiguous()
 
 
 class NVMeWriter(StorageWriter):
