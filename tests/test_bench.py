@@ -176,6 +176,9 @@ def test_bench_cli_smoke(tmp_path):
     assert rows["dcp_nvme.save"]["extra"]["max_inflight"] >= 1
     assert "latency_p99_ms" in rows["dcp_nvme.load"]["extra"]
     assert 0 <= rows["dcp_nvme.save"]["extra"]["bounce_share"] <= 1
+    assert 0 <= rows["dcp_nvme.load"]["extra"]["bounce_share"] <= 1
+    if not rows["dcp_nvme.load.direct"]["skipped"]:  # what the O_DIRECT load copied out of bounce buffers
+        assert 0 <= rows["dcp_nvme.load.direct"]["extra"]["bounce_share"] <= 1
     half = rows["dcp_nvme.async.half.blocking"]["extra"]
     assert half["arena_bytes_max"] <= half["max_bytes_per_rank"] and half["live_bytes_rank0"] > 0
     for key in ("engine.threads.save", "engine.threads.load", "engine.uring.save", "engine.uring.load",
