@@ -318,8 +318,7 @@ class PosixEngine(PicklesAsConfig):
         def run(request: ReadRequest) -> None:
             source = handle(request.file)
             try:
-                if source.direct or any(a is None for d, _, _ in request.pieces if d != SCRATCH
-                                        for a in [dest_arrays[d]]):
+                if source.direct or any(addresses[d] is None for d, _, _ in request.pieces if d != SCRATCH):
                     self._read_planned(source, request, dests, addresses, stats)
                 else:
                     self._read_scattered(source.fd, request, dest_arrays, stats)
