@@ -62,6 +62,7 @@ class DataPathRows(BenchCore):
                 self._check(load, self._dest_local)
                 self._drop(path)
             save.bytes = load.bytes = self.total_bytes
+            self._bounce_share(load, reader.last_stats or {})
             for row in (save, load):
                 self._cpu_per_gb(row)
                 row.note = "cpu_seconds_per_gb: user+sys of the saving/loading processes per GB"
