@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hostile_kit import reseal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import ChecksumMismatchError, ManifestError, NVMeReader, NVMeWriter
 from dcp_nvme.manifest import MANIFEST, read_manifest
 from dcp_nvme.store import LocalStore
-from hostile_kit import reseal
 
 
 @pytest.fixture
