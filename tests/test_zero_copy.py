@@ -239,6 +239,42 @@ def test_o_direct_refusing_tensor_memory_falls_back_to_bouncing(tmp_path, monkey
     assert verify_checkpoint(tmp_path).ok
 
 
+def test_every_io_thread_refused_at_once_still_finishes(tmp_path, monkeypatch):
+    """All queue_depth I/O threads refused together: each must hand its bounce buffer back
+    before writing its window again, or every thread waits for a buffer none will return."""
+    import threading
+
+    from dcp_nvme.engines import posix
+
+    depth = 2
+    real = os.pwritev
+    together = threading.Barrier(depth)
+
+    def refuse_all_at_once(fd, views, offset):
+        if any(ctypes.addressof(ctypes.c_char.from_buffer(v)) % 4096 for v in views):
+            try:
+                together.wait(timeout=5)  # both threads hold a buffer here
+            except threading.BrokenBarrierError:
+                pass
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(posix.os, "pwritev", refuse_all_at_once)
+    state = model_like_state()
+    writer = NVMeWriter(tmp_path, engine="posix", direct_io=True, block_size="1MiB", queue_depth=depth)
+    saving = threading.Thread(target=dcp.save, args=(state,), kwargs={"storage_writer": writer, "no_dist": True},
+                              daemon=True)
+    saving.start()
+    saving.join(timeout=60)
+    assert not saving.is_alive(), "the save deadlocked waiting for a bounce buffer"
+    monkeypatch.undo()
+    if not writer.last_stats["io"]["direct_io"]:
+        pytest.skip("no O_DIRECT on this filesystem")
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=NVMeReader(tmp_path), no_dist=True)
+    assert all(_same(back[k], v) for k, v in state.items())
+
+
 def test_uring_resubmits_the_rest_of_a_short_vectored_write():
     from dcp_nvme.engines.uring import _remaining
 

@@ -438,25 +438,29 @@ class ContainerWrite:
 
     def write_host_window(self, window: Window) -> None:
         """Write one window from host memory in one vectored write: direct spans from their own
-        memory, the rest through a bounce buffer (``prepare``)."""
+        memory, the rest through a bounce buffer (``prepare``). When O_DIRECT refuses the
+        sources' memory, the window is written again with every byte bounced, after its first
+        buffer went back to the pool: with every I/O thread retrying at once, none may hold a
+        buffer while waiting for another."""
         pool = self.engine._bounce()
-        prepared = self.prepare(window, pool.free.get, pool.free.put)
-        try:
-            begun = self.stats.begin()
+        while True:
+            prepared = self.prepare(window, pool.free.get, pool.free.put)
             try:
-                pwritev_all(self.fd, [_memory_at(a, n) for a, n in prepared.spans],
-                            self.data_start + window.offset)
-            except OSError as exc:
-                if not self.refused_direct_memory(exc, prepared):
-                    raise
-                self.stats.end(begun, 0)
-                self.write_host_window(window)  # again, every byte through the bounce buffer
+                begun = self.stats.begin()
+                try:
+                    pwritev_all(self.fd, [_memory_at(a, n) for a, n in prepared.spans],
+                                self.data_start + window.offset)
+                except OSError as exc:
+                    if not self.refused_direct_memory(exc, prepared):
+                        raise
+                    self.stats.end(begun, 0)
+                    continue  # again, every byte through a bounce buffer
+                self.stats.end(begun, window.length, prepared.copied)
+                self.finish(prepared)
                 return
-            self.stats.end(begun, window.length, prepared.copied)
-            self.finish(prepared)
-        finally:
-            if prepared.buffer >= 0:
-                pool.free.put(prepared.buffer)
+            finally:
+                if prepared.buffer >= 0:
+                    pool.free.put(prepared.buffer)
 
     def refused_direct_memory(self, exc: OSError, prepared: PreparedWindow) -> bool:
         """Whether O_DIRECT refused a write from the sources' own memory (EINVAL: the alignment
