@@ -203,6 +203,7 @@ def test_auto_decides_from_codec_and_link():
     assert pays(fast, 50e6)[0]
     assert not pays(fast, 2e9)[0]                     # the link outruns the codec
     assert not pays(Measure(800e6, 1.0), 50e6)[0]     # nothing to gain
+    assert not pays(Measure(800e6, 1.005), 50e6)[0]  # too little to be worth the CPU
     go, why = pays(fast, None)
     assert not go and "unknown" in why
 
