@@ -184,10 +184,6 @@ class Encoder:
         self.peak = 0
         """Most windows alive at once: the memory bound (tests check it)."""
 
-    def code(self, data: bytes, chunks: list[codec.Chunk], origin: int,
-             base: bytes | None = None) -> list[tuple[bytes, int]]:
-        return [future.result() for future in self._submit(data, chunks, origin, base)]
-
     def _submit(self, data: bytes, chunks: list[codec.Chunk], origin: int,
                 base: bytes | None) -> list[Future[tuple[bytes, int]]]:
         view = memoryview(data)
