@@ -266,6 +266,39 @@ def plan_segments(
     return segments
 
 
+def plan_read_segments(
+    offset: int, pieces: Sequence[tuple[int, int | None]], lo: int, hi: int, align: int = 1, *,
+    min_direct: int = ALIGN, max_segments: int = 1024,
+) -> list[Segment]:
+    """Cut one read of file bytes ``[lo, hi)`` into segments, the mirror of ``plan_segments``:
+    the ``align``-aligned bulk of each piece whose destination address is congruent to its file
+    offset is read straight into that memory, the rest (edges, bytes nobody wants, pieces with
+    no host address, the rounding out to ``[lo, hi)``) into the bounce buffer at the same offset
+    from ``lo``, so the whole list is one vectored O_DIRECT read.
+
+    ``pieces``: ``(length, address)`` of the request's bytes from file offset ``offset`` on, in
+    order (address None: not host memory, or scratch). Each segment's ``pieces`` name them by
+    index as ``source`` (``src_offset`` within the piece, ``dst_offset`` from ``lo``); source
+    ``len(pieces)`` is the rounding, which goes nowhere.
+    """
+    end = offset + sum(length for length, _ in pieces)
+    if not lo <= offset <= end <= hi:
+        raise ValueError(f"read range [{lo}, {hi}) does not hold the request [{offset}, {end})")
+    rounding = len(pieces)
+    spans, position = [], offset - lo
+    if position:
+        spans.append(SourceSpan(rounding, 0, position, 0))
+    for source, (length, _) in enumerate(pieces):
+        if length:
+            spans.append(SourceSpan(source, 0, length, position))
+            position += length
+    if position < hi - lo:
+        spans.append(SourceSpan(rounding, 0, hi - lo - position, position))
+    addresses = [address for _, address in pieces] + [None]
+    return plan_segments(Window(lo, hi - lo, tuple(spans)), addresses, align, min_direct=min_direct,
+                         max_segments=max_segments)
+
+
 # --------------------------------------------------------------------------- tensor slices
 
 

@@ -67,7 +67,11 @@ from .format import (  # noqa: F401  (names re-exported: the manifest is where c
 from .store import fsync_dir
 
 FORMAT = "dcp_nvme"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: a container's data may be preceded by ``__pad__.N`` padding entries (zero-copy placement).
+A reader before 2 would call such a file damaged; the bump makes it ask for an upgrade instead.
+This reader loads 1 and 2 alike (padding is dropped by ``format.parse_header``)."""
+OLDEST_FORMAT_VERSION = 1
 
 
 def new_save_key() -> str:
@@ -539,7 +543,10 @@ def read_manifest(store, location: str) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError(f"{location}/{MANIFEST} is not a dcp_nvme manifest")
     version = doc.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if type(version) is not int or version < OLDEST_FORMAT_VERSION:
+        raise ManifestError(f"{location}/{MANIFEST} has format version {version!r}, not a version "
+                            f"number from {OLDEST_FORMAT_VERSION}: the manifest is damaged")
+    if version > FORMAT_VERSION:
         raise ManifestError(
             f"{location} uses format version {version!r}; this dcp_nvme reads up to "
             f"{FORMAT_VERSION}: upgrade dcp_nvme"

@@ -126,7 +126,17 @@ def test_fio_sequential_parses_write_and_read(tmp_path):
     for op in ("write", "read"):
         assert measured[op]["bytes"] == 4 << 20 and measured[op]["seconds"] > 0
         assert f"--rw={op}" in measured[op]["command"] and "--iodepth=2" in measured[op]["command"]
+        cpu = measured[op]["cpu_seconds_per_gb"]
+        assert cpu is None or cpu >= 0  # fio's own CPU per GB: the floor beside our engines' rows
     assert not os.listdir(tmp_path)  # fio's files are removed
+
+
+def test_fio_cpu_per_gb_is_its_cpu_share_of_the_run_time():
+    from dcp_nvme.bench.device import _fio_cpu_per_gb
+
+    job = {"usr_cpu": 5.0, "sys_cpu": 15.0, "job_runtime": 1000}  # 20 % of 1 s = 0.2 CPU s
+    assert _fio_cpu_per_gb(job, 2 * 10**9) == 0.1
+    assert _fio_cpu_per_gb({"usr_cpu": "x"}, 10**9) is None and _fio_cpu_per_gb(job, 0) is None
 
 
 # --------------------------------------------------------------------------- a real run
@@ -176,6 +186,9 @@ def test_bench_cli_smoke(tmp_path):
     assert rows["dcp_nvme.save"]["extra"]["max_inflight"] >= 1
     assert "latency_p99_ms" in rows["dcp_nvme.load"]["extra"]
     assert 0 <= rows["dcp_nvme.save"]["extra"]["bounce_share"] <= 1
+    assert 0 <= rows["dcp_nvme.load"]["extra"]["bounce_share"] <= 1
+    if not rows["dcp_nvme.load.direct"]["skipped"]:  # what the O_DIRECT load copied out of bounce buffers
+        assert 0 <= rows["dcp_nvme.load.direct"]["extra"]["bounce_share"] <= 1
     half = rows["dcp_nvme.async.half.blocking"]["extra"]
     assert half["arena_bytes_max"] <= half["max_bytes_per_rank"] and half["live_bytes_rank0"] > 0
     for key in ("engine.threads.save", "engine.threads.load", "engine.uring.save", "engine.uring.load",

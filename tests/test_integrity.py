@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hostile_kit import reseal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import ChecksumMismatchError, ManifestError, NVMeReader, NVMeWriter
@@ -99,6 +100,27 @@ def test_newer_format_version_asks_for_an_upgrade(checkpoint):
     (path / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(ManifestError, match="upgrade dcp_nvme"):
         NVMeReader(path).read_metadata()
+
+
+@pytest.mark.parametrize("version", [0, -1, True, "2", 2.0, None])
+def test_nonsense_format_version_is_refused(checkpoint, version):
+    path, _ = checkpoint
+    doc = json.loads((path / MANIFEST).read_text())
+    doc["format_version"] = version
+    reseal(path, doc)
+    with pytest.raises(ManifestError, match="format version .* damaged"):
+        NVMeReader(path).read_metadata()
+
+
+def test_format_version_1_checkpoints_still_load(checkpoint):
+    """Version 2 only added padding entries; a version-1 manifest (no pads) loads as before."""
+    path, state = checkpoint
+    doc = json.loads((path / MANIFEST).read_text())
+    doc["format_version"] = 1
+    reseal(path, doc)
+    dest = _dest(state)
+    dcp.load(dest, storage_reader=NVMeReader(path), no_dist=True)
+    assert all(torch.equal(dest[k], state[k]) for k in state)
 
 
 def test_no_pickle_on_the_load_path(checkpoint, monkeypatch):

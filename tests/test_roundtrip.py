@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from dcp_nvme import NVMeReader, NVMeWriter
-from dcp_nvme.manifest import MANIFEST
+from dcp_nvme.manifest import FORMAT_VERSION, MANIFEST
 
 
 def _dcp_can_plan(dtype):
@@ -190,6 +190,6 @@ def test_manifest_records_planner_data_and_stats(tmp_path):
     path = tmp_path / "ckpt"
     dcp.save(state, storage_writer=NVMeWriter(path), no_dist=True)
     doc = json.loads((path / MANIFEST).read_text())
-    assert doc["format_version"] == 1 and doc["world_size"] == 1
+    assert doc["format_version"] == FORMAT_VERSION and doc["world_size"] == 1
     assert doc["planner_data"]["model.layer"] == {"__tuple__": ["model", "layer"]}
     assert doc["ranks"][0]["io"]["bytes"] > 0

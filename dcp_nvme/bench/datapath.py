@@ -62,6 +62,7 @@ class DataPathRows(BenchCore):
                 self._check(load, self._dest_local)
                 self._drop(path)
             save.bytes = load.bytes = self.total_bytes
+            self._bounce_share(load, reader.last_stats or {})
             for row in (save, load):
                 self._cpu_per_gb(row)
                 row.note = "cpu_seconds_per_gb: user+sys of the saving/loading processes per GB"
@@ -101,8 +102,18 @@ class DataPathRows(BenchCore):
                 self._check(row, self._dest_local)
             row.bytes = self.total_bytes
             self._cpu_per_gb(row)
-            row.note = ("O_DIRECT into bounce buffers" if mode == "direct" else
+            self._bounce_share(row, reader.last_stats or {})
+            row.note = ("O_DIRECT straight into tensors congruent to the file, the rest via bounce buffers"
+                        if mode == "direct" else
                         "page cache, POSIX_FADV_SEQUENTIAL readahead, block_size preads into the tensors")
+
+    def _bounce_share(self, row: Row, stats: dict[str, Any]) -> None:
+        """The share of the bytes the last load read that it copied out of bounce buffers,
+        over all ranks."""
+        copied, read = (sum(values) for values in zip(*self.group.gather(
+            (stats.get("copied_bytes", 0), stats.get("bytes", 0)))))
+        if read:
+            row.extra["bounce_share"] = round(copied / read, 4)
 
     def bounded_async(self) -> None:
         """Async save with ``NVMeStager(max_bytes=half the rank's state)``: what bounding host

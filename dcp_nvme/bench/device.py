@@ -45,6 +45,7 @@ def fio_sequential(directory: str, nbytes_per_job: int, jobs: int, config: IOCon
                 raise RuntimeError(f"fio reported no {op} bandwidth")
             results[op] = {"bytes": stats["io_bytes"], "seconds": stats["io_bytes"] / stats["bw_bytes"],
                            "command": " ".join(command), "version": doc.get("fio version"),
+                           "cpu_seconds_per_gb": _fio_cpu_per_gb(doc["jobs"][0], stats["io_bytes"]),
                            "lat_p50_ms": _fio_percentile(stats, "50.000000"),
                            "lat_p99_ms": _fio_percentile(stats, "99.000000")}
     finally:
@@ -52,6 +53,16 @@ def fio_sequential(directory: str, nbytes_per_job: int, jobs: int, config: IOCon
             if os.path.basename(path).startswith(name):
                 os.unlink(path)
     return results
+
+
+def _fio_cpu_per_gb(job: dict[str, Any], nbytes: int) -> float | None:
+    """fio's user+sys CPU over the job's run time, per GB moved: the kernel's own cost of the
+    I/O, the floor any engine of ours pays too (fio reports CPU as a percentage of run time)."""
+    try:
+        seconds = (float(job["usr_cpu"]) + float(job["sys_cpu"])) / 100 * float(job["job_runtime"]) / 1000
+    except (KeyError, TypeError, ValueError):
+        return None
+    return round(seconds / (nbytes / 1e9), 4) if nbytes > 0 and seconds >= 0 else None
 
 
 def _fio_percentile(stats: dict[str, Any], key: str) -> float | None:

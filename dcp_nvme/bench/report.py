@@ -98,8 +98,10 @@ def _row_line(row: dict[str, Any], ours: dict[str, Any] | None, limit: dict[str,
     if ours and not ours["skipped"] and row["gbps"] and row["role"] != "ours":
         ours_ratio = ours["gbps"] / row["gbps"]
     cpu = row["extra"].get("cpu_seconds_per_gb")
+    bounce = row["extra"].get("bounce_share") if row["op"] == "read" else None  # a load's copies
     return (f"  {label:<52} {row['gbps']:>7.2f} {row['median_seconds']:>8.3f} {_x(versus_device):>9} "
-            f"{_x(ours_ratio):>16}" + (f"  CPU {cpu:.3f} s/GB" if cpu is not None else ""))
+            f"{_x(ours_ratio):>16}" + (f"  CPU {cpu:.3f} s/GB" if cpu is not None else "")
+            + (f"  {bounce:.0%} bounced" if bounce is not None else ""))
 
 
 def _internals(extra: dict[str, Any], io: dict[str, Any]) -> str:

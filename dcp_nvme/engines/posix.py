@@ -30,7 +30,17 @@ from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
 from ..dio import DioAlignment, dio_alignment
 from ..errors import DCPNVMeError
-from ..layout import SCRATCH, ReadRequest, Window, align_down, align_up, plan_segments, plan_windows
+from ..layout import (
+    SCRATCH,
+    ReadRequest,
+    Segment,
+    Window,
+    align_down,
+    align_up,
+    plan_read_segments,
+    plan_segments,
+    plan_windows,
+)
 from ..memory import aligned_buffer
 from ..stats import IOStats
 from ..store import open_regular
@@ -291,56 +301,62 @@ class PosixEngine(PicklesAsConfig):
     def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
         stats = IOStats("read")
         started = time.perf_counter()
-        handles: dict[str, tuple[int, bool]] = {}
+        handles: dict[str, ReadSource] = {}
         handles_lock = threading.Lock()
         dest_arrays = [d.numpy() if d.device.type == "cpu" else None for d in dests]
+        addresses = [host_address(d) for d in dests]
 
-        def handle(path: str) -> tuple[int, bool]:
+        def handle(path: str) -> ReadSource:
             with handles_lock:
                 if path not in handles:
                     try:
-                        handles[path] = open_for_reading(path, self.config)
+                        handles[path] = ReadSource.open(path, self.config)
                     except OSError as exc:
                         raise with_path(exc, path) from exc
                 return handles[path]
 
         def run(request: ReadRequest) -> None:
-            fd, direct = handle(request.file)
+            source = handle(request.file)
             try:
-                if direct or any(a is None for d, _, _ in request.pieces if d != SCRATCH
-                                 for a in [dest_arrays[d]]):
-                    self._read_bounced(fd, direct, request, dests, stats)
+                if source.direct or any(addresses[d] is None for d, _, _ in request.pieces if d != SCRATCH):
+                    self._read_planned(source, request, dests, addresses, stats)
                 else:
-                    self._read_scattered(fd, request, dest_arrays, stats)
+                    self._read_scattered(source.fd, request, dest_arrays, stats)
             except OSError as exc:
                 raise with_path(exc, request.file) from exc
 
         try:
             run_bounded(self.config.queue_depth, requests, run)
         finally:
-            for fd, direct in handles.values():
-                stats.direct_io = stats.direct_io or direct
-                os.close(fd)
+            for source in handles.values():
+                stats.direct_io = stats.direct_io or source.direct
+                os.close(source.fd)
         stats.seconds = time.perf_counter() - started
         return stats
 
-    def _read_bounced(self, fd, direct, request, dests, stats) -> None:
-        lo = align_down(request.file_offset) if direct else request.file_offset
-        hi = align_up(request.file_offset + request.length) if direct else request.file_offset + request.length
+    def _read_planned(self, source: ReadSource, request: ReadRequest, dests: Sequence[torch.Tensor],
+                      addresses: Sequence[int | None], stats: IOStats) -> None:
+        """One preadv of the request's range: straight into host destinations where their
+        memory is congruent to the file, the rest into a bounce buffer (``prepare_read``)."""
         pool = self._bounce()
-        if hi - lo > pool.size:
-            raise ValueError(f"read request of {hi - lo} bytes exceeds the {pool.size}-byte buffer")
-        index = pool.free.get()
+        prepared = prepare_read(request, source, addresses, pool, pool.free.get)
         try:
-            buffer = pool.buffers[index]
-            view = buffer.numpy()[: hi - lo].data
             begun = stats.begin()
-            got = _pread_into(fd, [view], lo)
-            stats.end(begun, request.length, request.length)
-            check_length(request, lo + got)
-            deliver_bounced(request, buffer, view, request.file_offset - lo, dests)
+            try:
+                got = _pread_into(source.fd, [_memory_at(a, n) for a, n in prepared.spans], prepared.lo)
+            except OSError as exc:
+                if not source.refused_direct_memory(exc, prepared):
+                    raise
+                stats.end(begun, 0)
+                got = -1  # read again below, once this buffer is back: every byte bounces now
+            else:
+                stats.end(begun, request.length, prepared.copied)
+                finish_read(prepared, got, pool, dests)
         finally:
-            pool.free.put(index)
+            if prepared.buffer >= 0:
+                pool.free.put(prepared.buffer)
+        if got < 0:
+            self._read_planned(source, request, dests, addresses, stats)
 
     def _read_scattered(self, fd, request, dest_arrays, stats) -> None:
         scratch_len = sum(n for d, _, n in request.pieces if d == SCRATCH)
@@ -515,16 +531,127 @@ def check_length(request: ReadRequest, end_read: int) -> None:
         )
 
 
-def deliver_bounced(request: ReadRequest, buffer: torch.Tensor, view: memoryview, base: int,
-                    dests: Sequence[torch.Tensor]) -> None:
-    """A request read into a bounce buffer (its bytes from ``base``): checked against its block
-    crcs, then each wanted piece copied out to its destination (scratch pieces are skipped)."""
-    check_host(request.file, request.file_offset, request.checks, [view[base : base + request.length]])
-    position = base
-    for dest, dest_offset, length in request.pieces:
-        if dest != SCRATCH:
-            copy_bytes(dests[dest][dest_offset : dest_offset + length], buffer[position : position + length])
-        position += length
+_warned_read_memory: set[str] = set()
+
+
+@dataclass
+class ReadSource:
+    """A container open for reading: its fd, whether O_DIRECT is on, and the alignment a span
+    read straight into destination memory needs (1 when buffered)."""
+
+    path: str
+    fd: int
+    direct: bool
+    align: int
+    zero_copy: bool = True
+    """False once O_DIRECT refused destination memory: every later read of the file bounces."""
+
+    @classmethod
+    def open(cls, path: str, config: IOConfig) -> ReadSource:
+        fd, direct = open_for_reading(path, config)
+        try:
+            dio = dio_alignment(fd) if direct else None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, direct, max(dio.memory, dio.offset) if dio else 1)
+
+    def refused_direct_memory(self, exc: OSError, prepared: PreparedRead) -> bool:
+        """Whether O_DIRECT refused a read into destination memory (EINVAL: the reported
+        alignment was not enough); if so this read and every later one of the file bounce
+        through page-aligned buffers, as writes do (``ContainerWrite.refused_direct_memory``)."""
+        if not self.direct or exc.errno != errno.EINVAL or not prepared.direct_bytes:
+            return False  # a buffered read, or one bounced already: a real error
+        if self.path not in _warned_read_memory:
+            _warned_read_memory.add(self.path)
+            log.warning("dcp_nvme: O_DIRECT refused a read into tensor memory aligned to %d for %s; "
+                        "bouncing every read of this file", self.align, self.path)
+        self.zero_copy = False
+        return True
+
+
+@dataclass(frozen=True)
+class PreparedRead:
+    """A request ready to read from file offset ``lo``: ``spans`` of host memory in file order
+    (destination memory, or the bounce buffer ``buffer``, -1: none taken)."""
+
+    request: ReadRequest
+    lo: int
+    segments: list[Segment]
+    spans: list[tuple[int, int]]
+    buffer: int
+    copied: int
+    """Bytes to copy out of the bounce buffer into destinations once read."""
+    direct_bytes: int
+    """Bytes read straight into destination memory."""
+
+
+def read_range(request: ReadRequest, direct: bool) -> tuple[int, int]:
+    """The file bytes a request reads: rounded out to pages under O_DIRECT."""
+    end = request.file_offset + request.length
+    return (align_down(request.file_offset), align_up(end)) if direct else (request.file_offset, end)
+
+
+def prepare_read(request: ReadRequest, source: ReadSource, addresses: Sequence[int | None],
+                 pool: _BouncePool, take: Callable[[], int]) -> PreparedRead:
+    """Plan one request's read (``layout.plan_read_segments``) into host destinations
+    (``addresses``: each destination's, None for device memory) and the bounce buffer ``take()``
+    hands out, taken only when something bounces."""
+    lo, hi = read_range(request, source.direct)
+    if hi - lo > pool.size:
+        raise ValueError(f"read request of {hi - lo} bytes exceeds the {pool.size}-byte buffer")
+    pieces = [(length, None if dest == SCRATCH or addresses[dest] is None or not source.zero_copy
+               else addresses[dest] + dest_offset) for dest, dest_offset, length in request.pieces]
+    segments = plan_read_segments(request.file_offset, pieces, lo, hi, source.align, max_segments=_IOV_MAX)
+    bounced = [s for s in segments if s.address is None]
+    index = take() if bounced else -1
+    base = pool.buffers[index].data_ptr() if index >= 0 else 0
+    spans = [(s.address, s.length) if s.address is not None else (base + s.offset, s.length)
+             for s in segments]
+    copied = sum(p.length for s in bounced for p in s.pieces
+                 if p.source < len(request.pieces) and request.pieces[p.source][0] != SCRATCH)
+    return PreparedRead(request, lo, segments, spans, index, copied, hi - lo - sum(s.length for s in bounced))
+
+
+def finish_read(prepared: PreparedRead, got: int, pool: _BouncePool, dests: Sequence[torch.Tensor]) -> None:
+    """A request's bytes landed (``got`` of them from ``prepared.lo``): its length and block
+    crcs checked across the direct and bounced spans in file order, then the bounced pieces
+    copied out of the bounce buffer to their destinations."""
+    request = prepared.request
+    check_length(request, prepared.lo + got)
+    views = _clip_views([_memory_at(a, n) for a, n in prepared.spans], request.file_offset - prepared.lo,
+                        request.length)
+    check_host(request.file, request.file_offset, request.checks, views)
+    if prepared.buffer < 0:
+        return
+    buffer = pool.buffers[prepared.buffer]
+    for segment in prepared.segments:
+        if segment.address is not None:
+            continue
+        for piece in segment.pieces:
+            if piece.source == len(request.pieces):
+                continue  # the O_DIRECT rounding
+            dest, dest_offset, _ = request.pieces[piece.source]
+            if dest != SCRATCH:
+                start = dest_offset + piece.src_offset
+                copy_bytes(dests[dest][start : start + piece.length],
+                           buffer[piece.dst_offset : piece.dst_offset + piece.length])
+
+
+def _clip_views(views: Sequence[memoryview], start: int, length: int) -> list[memoryview]:
+    """Bytes ``[start, start + length)`` of ``views`` taken back to back, as views."""
+    out = []
+    for view in views:
+        if start >= len(view):
+            start -= len(view)
+            continue
+        take = view[start : start + length]
+        out.append(take)
+        length -= len(take)
+        start = 0
+        if not length:
+            break
+    return out
 
 
 def with_path(exc: OSError, path: str) -> OSError:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 SYS_SETUP, SYS_ENTER, SYS_REGISTER = 425, 426, 427
 _MACHINES = ("x86_64",)
 
-OP_NOP, OP_WRITEV, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE = 0, 2, 4, 5, 22, 23
+OP_NOP, OP_READV, OP_WRITEV, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE = 0, 1, 2, 4, 5, 22, 23
 _ENTER_GETEVENTS = 1
 _REGISTER_BUFFERS, _UNREGISTER_BUFFERS = 0, 1
 _FEAT_SINGLE_MMAP = 1
@@ -57,8 +57,8 @@ class _Iovec(ctypes.Structure):
 
 
 def iovec_array(spans: Sequence[tuple[int, int]]) -> ctypes.Array:
-    """``(address, length)`` spans as a ``struct iovec`` array, for OP_WRITEV (whose SQE takes its
-    address and count); the caller keeps it alive until the write completes."""
+    """``(address, length)`` spans as a ``struct iovec`` array, for OP_READV/OP_WRITEV (whose SQE
+    takes its address and count); the caller keeps it alive until the transfer completes."""
     return (_Iovec * len(spans))(*[_Iovec(address, length) for address, length in spans])
 
 

@@ -22,17 +22,19 @@ from dataclasses import dataclass
 import torch
 
 from ..config import IOConfig
-from ..layout import ReadRequest, Window, align_down, align_up
+from ..layout import ReadRequest, Window
 from ..stats import IOStats
 from . import ring as uring
 from .base import FileWriteResult
 from .posix import (
     PosixEngine,
     PrefixTracker,
+    PreparedRead,
     PreparedWindow,
-    check_length,
-    deliver_bounced,
-    open_for_reading,
+    ReadSource,
+    finish_read,
+    host_address,
+    prepare_read,
     with_path,
 )
 
@@ -58,7 +60,7 @@ def reset_probe() -> None:
 @dataclass
 class _Op:
     """One request in flight: ``length`` bytes at ``address`` <-> file offset ``offset``; a
-    vectored write has its ``spans`` (``(address, length)``) instead of an address."""
+    vectored read or write has its ``spans`` (``(address, length)``) instead of an address."""
 
     task: object
     address: int
@@ -67,11 +69,11 @@ class _Op:
     buffer: int  # bounce buffer index, or -1 when the request uses the caller's memory
     done: int = 0
     spans: list[tuple[int, int]] | None = None
-    iovecs: object = None  # the iovec array of the vectored write in flight: alive until it completes
+    iovecs: object = None  # the iovec array of the vectored transfer in flight: alive until it completes
 
 
 def _remaining(spans: Sequence[tuple[int, int]], done: int) -> list[tuple[int, int]]:
-    """The spans still to write once the first ``done`` bytes are."""
+    """The spans still to transfer once the first ``done`` bytes are."""
     out = []
     for address, length in spans:
         if done >= length:
@@ -131,7 +133,7 @@ class UringEngine(PosixEngine):
         def submit(slot: int, op: _Op) -> None:
             if op.spans is not None:
                 op.iovecs = uring.iovec_array(_remaining(op.spans, op.done))
-                ring.prepare(uring.OP_WRITEV, fd, ctypes.addressof(op.iovecs), len(op.iovecs),
+                ring.prepare(uring.OP_WRITEV if write else uring.OP_READV, fd, ctypes.addressof(op.iovecs), len(op.iovecs),
                              op.offset + op.done, slot)
                 return
             fixed = op.buffer >= 0 and ring.registered
@@ -243,12 +245,15 @@ class UringEngine(PosixEngine):
     # ------------------------------------------------------------------ read
 
     def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
-        """Every request lands in a (registered) bounce buffer, is verified there and copied out."""
+        """Each request is one read through the ring: straight into host destinations where
+        their memory is congruent to the file, the rest into a (registered) bounce buffer,
+        verified across both and the bounced pieces copied out (``posix.prepare_read``)."""
         stats = IOStats("read")
         started = time.perf_counter()
-        handles: dict[str, tuple[int, bool]] = {}
+        sources: list[ReadSource] = []
         pool = self._bounce()
         free_buffers = list(range(len(pool.buffers)))
+        addresses = [host_address(d) for d in dests]
         begun: dict[int, float] = {}
         try:
             by_file: dict[str, list[ReadRequest]] = {}
@@ -256,43 +261,50 @@ class UringEngine(PosixEngine):
                 by_file.setdefault(request.file, []).append(request)
             for path, group in by_file.items():
                 try:
-                    handles[path] = open_for_reading(path, self.config)
+                    source = ReadSource.open(path, self.config)
                 except OSError as exc:
                     raise with_path(exc, path) from exc
-                fd, direct = handles[path]
+                sources.append(source)
 
-                def start(request: ReadRequest, direct=direct) -> _Op:
-                    lo = align_down(request.file_offset) if direct else request.file_offset
-                    end = request.file_offset + request.length
-                    hi = align_up(end) if direct else end
-                    if hi - lo > pool.size:
-                        raise ValueError(f"read request of {hi - lo} bytes exceeds the "
-                                         f"{pool.size}-byte buffer")
-                    index = free_buffers.pop()
-                    op = _Op(request, pool.buffers[index].data_ptr(), hi - lo, lo, index)
+                def start(request: ReadRequest, source=source) -> _Op:
+                    prepared = prepare_read(request, source, addresses, pool, free_buffers.pop)
+                    length = sum(n for _, n in prepared.spans)
+                    if len(prepared.spans) == 1:  # one span: a plain (or fixed-buffer) read
+                        op = _Op(prepared, prepared.spans[0][0], length, prepared.lo, prepared.buffer)
+                    else:
+                        op = _Op(prepared, 0, length, prepared.lo, prepared.buffer, spans=prepared.spans)
                     begun[id(op)] = stats.begin()
                     return op
 
                 def finish(op: _Op) -> None:
-                    request: ReadRequest = op.task
+                    prepared: PreparedRead = op.task
                     try:
-                        stats.end(begun.pop(id(op)), request.length, request.length)
-                        check_length(request, op.offset + op.done)
-                        buffer = pool.buffers[op.buffer]
-                        deliver_bounced(request, buffer, buffer.numpy().data, request.file_offset - op.offset,
-                                        dests)
+                        stats.end(begun.pop(id(op)), prepared.request.length, prepared.copied)
+                        finish_read(prepared, op.done, pool, dests)
                     finally:
+                        if op.buffer >= 0:
+                            free_buffers.append(op.buffer)
+
+                def retry(op: _Op, code: int, source=source) -> _Op | None:
+                    prepared: PreparedRead = op.task
+                    if not source.refused_direct_memory(OSError(code, os.strerror(code)), prepared):
+                        return None
+                    stats.end(begun.pop(id(op)), 0)
+                    if op.buffer >= 0:
                         free_buffers.append(op.buffer)
+                    try:
+                        return start(prepared.request)  # again, every byte through a bounce buffer
+                    except BaseException:  # noqa: BLE001 - the original error is the one to raise
+                        return None
 
                 try:
                     with self._ring_lock:
-                        self._drive(fd, group, start, finish, False)
+                        self._drive(source.fd, group, start, finish, False, retry)
                 except OSError as exc:
                     raise with_path(exc, path) from exc
         finally:
-            for fd, direct in handles.values():
-                stats.direct_io = stats.direct_io or direct
-                os.close(fd)
+            for source in sources:
+                stats.direct_io = stats.direct_io or source.direct
+                os.close(source.fd)
         stats.seconds = time.perf_counter() - started
         return stats
-
