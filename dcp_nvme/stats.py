@@ -29,6 +29,10 @@ class IOStats:
     """Bytes that went through a bounce buffer rather than straight from/to the caller's memory."""
     direct_io: bool = False
     fsync_seconds: float = 0.0
+    decoded_bytes: int = 0
+    """Bytes decoded from a compressed mirror's chunks (reads of a plain checkpoint: 0)."""
+    decode_seconds: float = 0.0
+    """CPU time of that decoding (thread time, summed over the threads that decoded)."""
     latencies: list[float] = field(default_factory=list, repr=False)
     _inflight: int = field(default=0, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -48,12 +52,25 @@ class IOStats:
             self.copied_bytes += copied
             self.latencies.append(elapsed)
 
+    def decoded(self, nbytes: int, seconds: float) -> None:
+        """Count ``nbytes`` decoded in ``seconds`` of a thread's CPU time."""
+        with self._lock:
+            self.decoded_bytes += nbytes
+            self.decode_seconds += seconds
+
+    @property
+    def decode_mbps(self) -> float:
+        """Decoded MB per CPU second of decoding (one core's rate)."""
+        return self.decoded_bytes / self.decode_seconds / 1e6 if self.decode_seconds > 0 else 0.0
+
     def merge(self, other: IOStats) -> None:
         self.bytes += other.bytes
         self.requests += other.requests
         self.seconds += other.seconds
         self.copied_bytes += other.copied_bytes
         self.fsync_seconds += other.fsync_seconds
+        self.decoded_bytes += other.decoded_bytes
+        self.decode_seconds += other.decode_seconds
         self.max_inflight = max(self.max_inflight, other.max_inflight)
         self.direct_io = self.direct_io or other.direct_io
         self.latencies.extend(other.latencies)
@@ -63,6 +80,9 @@ class IOStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        decode = {} if not self.decoded_bytes else {
+            "decoded_bytes": self.decoded_bytes, "decode_cpu_seconds": round(self.decode_seconds, 6),
+            "decode_MBps_per_core": round(self.decode_mbps, 1)}
         return {
             "op": self.op,
             "bytes": self.bytes,
@@ -75,6 +95,7 @@ class IOStats:
             "fsync_seconds": round(self.fsync_seconds, 6),
             "latency_p50_ms": round(percentile(self.latencies, 50) * 1e3, 3),
             "latency_p99_ms": round(percentile(self.latencies, 99) * 1e3, 3),
+            **decode,
         }
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 from dcp_nvme.bench.compression import (
@@ -11,6 +14,9 @@ from dcp_nvme.bench.compression import (
     stdlib_text,
     train,
 )
+from dcp_nvme.cli import main as cli_main
+
+TINY = ["--train-steps", "3", "--gap", "1", "--model-dim", "32", "--layers", "1", "--seq", "16", "--batch", "2"]
 
 
 def test_stdlib_text_is_real_text():
@@ -26,10 +32,47 @@ def test_tiny_training_run_and_rows():
     assert late["weights_bf16"].dtype == torch.bfloat16 and late["exp_avg_fp32"].dtype == torch.float32
     assert not torch.equal(late["exp_avg_fp32"], early["exp_avg_fp32"])  # two different checkpoints
     data = late["exp_avg_sq_fp32"].view(torch.uint8).numpy().tobytes()
-    row = measure_group(data, "float32", options)
+    row = measure_group(data, "float32", 3, 2)
     assert row["bytes"] == len(data) and row["bytegroup_ratio"] > 1 and row["zstd_ratio"] > 0
     base = early["exp_avg_sq_fp32"].view(torch.uint8).numpy().tobytes()
-    delta = measure_group(data, "float32", options, base=base)
-    doc = {"training": facts, "level": 3, "codec_threads": 2,
-           "groups": {"exp_avg_sq_fp32": row}, "delta": {"exp_avg_sq_fp32": {**delta, "vs_full": 1.0}}}
+    delta = measure_group(data, "float32", 3, 2, base=base)
+    doc = {"training": facts, "levels": [3], "codec_threads": 2,
+           "groups": {"exp_avg_sq_fp32": {"3": row}}, "delta": {"exp_avg_sq_fp32": {"3": {**delta, "vs_full": 1.0}}}}
     assert "exp_avg_sq_fp32" in format_compress_report(doc)
+
+
+def test_bench_compress_levels_and_delta_drain(tmp_path, capsys):
+    """The command at a tiny size: every group at each level, and the drains of the later
+    checkpoint (off, bytegroup, auto, delta against the earlier one) with their loads."""
+    out = tmp_path / "z.json"
+    assert cli_main(["bench", "--compress", *TINY, "--levels", "1,3", "--codec-threads", "1",
+                     "--drain-to", str(tmp_path / "pfs"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["levels"] == [1, 3] and doc["level"] == 1
+    for section in ("groups", "delta"):
+        for group, levels in doc[section].items():
+            assert set(levels) == {"1", "3"}, (section, group)
+            for row in levels.values():
+                assert row["bytegroup_ratio"] > 0 and row["zstd_ratio"] > 0 and row["bytegroup_decode_MBps"] > 0
+    drain = doc["drain"]
+    assert drain["level"] == 1
+    assert drain["delta_base"]["mode"] == "delta" and "no earlier mirrored" in drain["delta_base"]["base"]
+    assert "delta against" in drain["delta"]["base"] and drain["delta"]["ratio"] > 0
+    assert "codec" not in drain["off"] and drain["off"]["bytes_sent"] > drain["delta"]["bytes_sent"]
+    assert drain["speedup_delta"] > 0 and drain["speedup_bytegroup"] > 0
+    for mode in ("bytegroup", "delta"):
+        load = drain[mode]["load"]
+        assert load["bitwise_equal"] is True and load["decoded_bytes"] > 0 and load["decode_MBps_per_core"] > 0
+    mirrored = json.loads((tmp_path / "pfs" / "delta" / "manifest.json").read_text())["compression"]
+    assert mirrored["delta"]["base"] == str(tmp_path / "pfs" / "delta_base") and mirrored["level"] == 1
+    assert "delta against the earlier checkpoint" in text and "decode alone" in text
+    assert text.count("load from the") == 2
+
+
+@pytest.mark.parametrize("argv", [["--levels", "1,x"], ["--levels", "3,3"], ["--levels", "0"],
+                                  ["--level", "1,3"], ["--level", "3", "--levels", "1,3"]])
+def test_bench_compress_refuses_bad_levels(argv, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--compress", *TINY, *argv])
+    assert "level" in capsys.readouterr().err

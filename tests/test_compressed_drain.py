@@ -203,6 +203,7 @@ def test_auto_decides_from_codec_and_link():
     assert pays(fast, 50e6)[0]
     assert not pays(fast, 2e9)[0]                     # the link outruns the codec
     assert not pays(Measure(800e6, 1.0), 50e6)[0]     # nothing to gain
+    assert not pays(Measure(800e6, 1.005), 50e6)[0]  # too little to be worth the CPU
     go, why = pays(fast, None)
     assert not go and "unknown" in why
 
@@ -308,9 +309,12 @@ def test_delta_chain_loads_through_its_bases_and_a_missing_base_is_refused(tmp_p
     assert docs[2]["delta"]["base"] == str(tmp_path / "pfs" / "step_2") and docs[2]["delta"]["depth"] == 2
     assert "delta" not in docs[3] and "coding full" in results[3].compression["base"]  # full every 3
     assert docs[1]["ratio"] > docs[0]["ratio"]  # a small update codes smaller against its base
-    for i in (2, 3):  # step_3 reads step_2, which reads step_1
-        assert_same(load(NVMeReader(str(tmp_path / "pfs" / f"step_{i}"), block_size="1MiB"), states[i - 1]),
-                    states[i - 1])
+    decoded = {}
+    for i in (1, 2, 3):  # step_3 reads step_2, which reads step_1
+        reader = NVMeReader(str(tmp_path / "pfs" / f"step_{i}"), block_size="1MiB")
+        assert_same(load(reader, states[i - 1]), states[i - 1])
+        decoded[i] = reader.last_stats["decoded_bytes"]
+    assert decoded[2] == 2 * decoded[1] and decoded[3] == 3 * decoded[1]  # each base's chunks decoded too
     assert verify_mirror(str(tmp_path / "run" / "step_3"), str(tmp_path / "pfs" / "step_3")).bytes_verified_remote
     os.remove(tmp_path / "pfs" / "step_1" / MANIFEST)  # the chain's full base is gone
     with pytest.raises(CheckpointException) as caught:

@@ -255,6 +255,16 @@ def test_small_requests_fetch_and_decode_each_chunk_once(tmp_path, monkeypatch):
     stored = mirror_doc(target)["compression"]["files"]
     (info,) = stored.values()
     assert sum(fetched.values()) <= info["stored_size"] + 2 * codec.DEFAULT_CHUNK  # not 8x
+    # the load's decoding is counted apart from its I/O: every chunk it decoded, once
+    assert reader.last_stats["decoded_bytes"] == sum(length for _, length in decoded)
+    assert reader.last_stats["decode_cpu_seconds"] > 0 and reader.last_stats["decode_MBps_per_core"] > 0
+
+
+def test_a_plain_load_reports_no_decoding(tmp_path):
+    sd = make_state(30)
+    reader = NVMeReader(save(tmp_path / "plain", sd))
+    assert_same(load(reader, sd), sd)
+    assert reader.last_stats["bytes"] > 0 and "decoded_bytes" not in reader.last_stats
 
 
 def _load_rows(rank: int, world: int, mirror: str, expected: dict) -> None:

@@ -64,10 +64,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--layers", type=int, default=4, help="layers of the trained transformer")
     group.add_argument("--seq", type=int, default=128, help="training sequence length (bytes)")
     group.add_argument("--batch", type=int, default=16, help="training batch size")
-    group.add_argument("--level", type=int, default=3, help="zstd level (codec and plain zstd)")
+    levels = group.add_mutually_exclusive_group()
+    levels.add_argument("--level", type=_level, default=None,
+                        help="zstd level for the codec, plain zstd and the drains (default: the codec's, 3)")
+    levels.add_argument("--levels", type=_levels, default=None,
+                        help="zstd levels to compare, e.g. 1,3: each group measured at each, back to back "
+                             "(the drains use the first)")
     group.add_argument("--codec-threads", type=int, default=2, help="threads that code and decode chunks")
     group.add_argument("--drain-to", default=None,
-                       help="also drain the state there (URL, directory, or s3-loopback) off/bytegroup/auto")
+                       help="also drain the later checkpoint there (URL, directory, or s3-loopback) off/bytegroup/auto "
+                             "and as a delta against the earlier one; load the coded mirrors back")
     group.add_argument("--drain-storage-options", default=None, help="JSON fsspec options for --drain-to")
     group.add_argument("--bandwidth", type=parse_size, default=parse_size("200MB"),
                        help="the drain's cap (default 200MB = 200e6 bytes/s)")
@@ -98,11 +104,36 @@ def _command(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_LEVEL = 22
+"""zstd's highest level (zstandard.MAX_COMPRESSION_LEVEL; not imported here: the CLI starts fast)."""
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    """``--levels 1,3`` (or ``--level 3``): zstd levels 1..22, none twice."""
+    try:
+        levels = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,3, got {text!r}") from None
+    if any(not 1 <= level <= MAX_LEVEL for level in levels) or len(set(levels)) != len(levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: zstd levels from 1 to {MAX_LEVEL}, none twice")
+    return levels
+
+
+def _level(text: str) -> int:
+    """``--level 3``: one zstd level."""
+    levels = _levels(text)
+    if len(levels) != 1:
+        raise argparse.ArgumentTypeError(f"one zstd level, got {text!r} (for several: --levels)")
+    return levels[0]
+
+
 def _compress(args: argparse.Namespace) -> int:
+    from ..codec import DEFAULT_LEVEL
     from .compression import CompressOptions, dump, format_compress_report, run_compress_bench
 
     options = CompressOptions(
-        steps=args.train_steps, gap=args.gap, dim=args.model_dim, layers=args.layers, level=args.level,
+        steps=args.train_steps, gap=args.gap, dim=args.model_dim, layers=args.layers,
+        levels=args.levels or (args.level if args.level is not None else DEFAULT_LEVEL,),
         seq=args.seq, batch=args.batch,
         codec_threads=args.codec_threads, drain_to=args.drain_to, bandwidth=args.bandwidth,
         storage_options=json.loads(args.drain_storage_options) if args.drain_storage_options else None,

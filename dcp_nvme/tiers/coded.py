@@ -107,13 +107,21 @@ def open_base(store: Any, doc: dict[str, Any], location: str) -> Any:
     return decoded_view(base)
 
 
-def _base_reader(view: Any, name: str, where: str) -> Callable[[int, int], bytes]:
-    def read(start: int, end: int) -> bytes:
-        buffer = bytearray(end - start)
-        got = view.read_into(name, start, memoryview(buffer))
-        if got != end - start:
-            raise codec.CodecError(f"{where}: its base file {name} ends at {start + got}, before {end}")
-        return bytes(buffer)
+BaseRead = Callable[[int, int, "IOStats | None"], bytes]
+"""(start, end, stats) -> a delta's base file's decoded bytes [start, end), its decoding
+counted in ``stats`` when the base is itself coded."""
+
+
+def _base_reader(view: Any, name: str, where: str) -> BaseRead:
+    def read(start: int, end: int, stats: IOStats | None = None) -> bytes:
+        if isinstance(view, DecodedStore) and name in view.files:
+            data = view._coded(name).read(start, end, stats)
+        else:
+            buffer = bytearray(end - start)
+            data = buffer[: view.read_into(name, start, memoryview(buffer))]
+        if len(data) != end - start:
+            raise codec.CodecError(f"{where}: its base file {name} ends at {start + len(data)}, before {end}")
+        return bytes(data)
 
     return read
 
@@ -122,7 +130,7 @@ class CodedFile:
     """One ``.dcz`` file of a mirror: header and chunk table read once, ranges decoded on demand."""
 
     def __init__(self, fetch: Fetch, stored: str, size: int, stored_size: int, where: str,
-                 base: Callable[[int, int], bytes] | None = None) -> None:
+                 base: BaseRead | None = None) -> None:
         self.fetch, self.stored, self.where, self.base = fetch, stored, where, base
         head = fetch(stored, 0, codec.HEADER_SIZE)
         _, count, decoded, table_crc = codec.parse_header(head, where)
@@ -134,28 +142,33 @@ class CodedFile:
         if base is None and any(e.flags & codec.DELTA for e in self.entries):
             raise codec.CodecError(f"{where} holds delta chunks but the manifest names no base for it")
 
-    def read(self, start: int, end: int) -> bytes:
+    def read(self, start: int, end: int, stats: IOStats | None = None) -> bytes:
         """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk."""
         end = min(end, self.size)
         needed = codec.overlapping(self.entries, start, end)
         if not needed:
             return b""
         out = []
-        for entry, data in zip(needed, self.decode_run(needed), strict=True):
+        for entry, data in zip(needed, self.decode_run(needed, stats), strict=True):
             out.append(memoryview(data)[max(0, start - entry.offset): min(entry.length, end - entry.offset)])
         return b"".join(out)
 
-    def decode_run(self, run: Sequence[codec.Entry]) -> list[bytes]:
+    def decode_run(self, run: Sequence[codec.Entry], stats: IOStats | None = None) -> list[bytes]:
         """The decoded bytes of consecutive chunks, fetched with one ranged read, each checked
-        against its crc32c (CodecError naming the file and the chunk's decoded bytes)."""
+        against its crc32c (CodecError naming the file and the chunk's decoded bytes). With
+        ``stats``, the CPU time of the decoding alone (not the fetches) is counted there, a
+        delta base's decoding included."""
         first = run[0].stored_offset
         stored = memoryview(self.fetch(self.stored, first, run[-1].stored_offset + run[-1].stored_length))
         out = []
         for entry in run:
             lo = entry.stored_offset - first
             try:
-                basis = self.base(entry.offset, entry.end) if entry.flags & codec.DELTA else None
+                basis = self.base(entry.offset, entry.end, stats) if entry.flags & codec.DELTA else None
+                started = time.thread_time()
                 out.append(codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], basis))
+                if stats is not None:
+                    stats.decoded(entry.length, time.thread_time() - started)
             except codec.CodecError as exc:
                 raise codec.CodecError(f"{self.where}: {exc}") from None
         return out
@@ -213,9 +226,9 @@ class _ReadPlan:
         """Requests that need no chunk (past the end of the file): delivered short at once."""
         return [i for i, n in enumerate(self.needs) if not n]
 
-    def run(self, coded: CodedFile, run: list[codec.Entry]) -> list[int]:
-        """Fetch and decode one run; the requests it completes."""
-        decoded = coded.decode_run(run)
+    def run(self, coded: CodedFile, run: list[codec.Entry], stats: IOStats) -> list[int]:
+        """Fetch and decode one run (its decoding counted in ``stats``); the requests it completes."""
+        decoded = coded.decode_run(run, stats)
         ready = []
         with self.lock:
             for entry, data in zip(run, decoded, strict=True):
@@ -289,7 +302,7 @@ class CodedEngine:
             give(index)
 
         def run(task: tuple[CodedFile, list[codec.Entry]]) -> None:
-            for index in plan.run(*task):
+            for index in plan.run(*task, stats):
                 give(index)
 
         run_bounded(plan.depth, plan.runs, run, "dcp-nvme-dcz")
