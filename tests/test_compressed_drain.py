@@ -286,11 +286,13 @@ def _step(sd: dict, seed: int) -> dict:
     return out
 
 
-def test_delta_chain_loads_through_its_bases_and_a_missing_base_is_refused(tmp_path):
-    states, docs = [make_state(21)], []
-    for i in range(1, 4):
-        states.append(_step(states[-1], 21 + i))
-    opts = DrainOptions(**FAST, compress="delta", delta_every=3)
+def delta_chain(tmp_path, first: dict, steps: int, seed: int, every: int = 3) -> tuple[list[dict], list]:
+    """``first`` and ``steps`` - 1 small updates of it, saved to run/step_<i> and drained with
+    compress="delta" to pfs/step_<i>: the states and the drain results."""
+    states = [first]
+    for i in range(1, steps):
+        states.append(_step(states[-1], seed + i))
+    opts = DrainOptions(**FAST, compress="delta", delta_every=every)
     results = []
     # saved from live tensors updated in place, as training does: the container layout follows
     # the tensors' addresses (zero-copy placement), and a delta needs the base's layout
@@ -303,7 +305,12 @@ def test_delta_chain_loads_through_its_bases_and_a_missing_base_is_refused(tmp_p
                 live[key] = value
         local = save(tmp_path / "run" / f"step_{i}", live)
         results.append(drain(local, str(tmp_path / "pfs" / f"step_{i}"), options=opts))
-        docs.append(mirror_doc(tmp_path / "pfs" / f"step_{i}")["compression"])
+    return states, results
+
+
+def test_delta_chain_loads_through_its_bases_and_a_missing_base_is_refused(tmp_path):
+    states, results = delta_chain(tmp_path, make_state(21), 4, 21)
+    docs = [mirror_doc(tmp_path / "pfs" / f"step_{i}")["compression"] for i in range(1, 5)]
     assert "delta" not in docs[0] and "no earlier mirrored" in results[0].compression["base"]
     assert docs[1]["delta"]["base"] == str(tmp_path / "pfs" / "step_1") and docs[1]["delta"]["depth"] == 1
     assert docs[2]["delta"]["base"] == str(tmp_path / "pfs" / "step_2") and docs[2]["delta"]["depth"] == 2

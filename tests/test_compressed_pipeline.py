@@ -10,7 +10,16 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_compressed_drain import FAST, assert_same, blank_like, load, make_state, mirror_doc, save
+from test_compressed_drain import (
+    FAST,
+    assert_same,
+    blank_like,
+    delta_chain,
+    load,
+    make_state,
+    mirror_doc,
+    save,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import NVMeReader, codec
@@ -317,3 +326,89 @@ def test_a_corrupt_chunk_is_named_by_the_batched_path(tmp_path):
     error = error[0] if isinstance(error, tuple) else error
     assert isinstance(error, codec.CodecError)
     assert os.path.basename(path) in str(error) and f"bytes {victim.offset}-{victim.end}" in str(error)
+
+
+# -- the batched load of a delta chain
+
+
+def _big_state(seed: int) -> dict:
+    """24 MiB in one rank file: a dozen 2 MiB chunks, keys as ``_step`` updates them."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w_bf16": (torch.randn(2048, 3072, generator=g) * 0.02).to(torch.bfloat16),
+            "adam_fp32": torch.randn(3 * MiB + 1, generator=g) * 1e-3,
+            "meta": {"step": seed, "note": "compressed"}}
+
+
+def _count_fetches(monkeypatch) -> Counter:
+    """Ranged reads of chunk data (not header or table) per (mirror location, stored name),
+    the delta's bases included (their stores are made by the same ``store_fetch``)."""
+    reads: Counter = Counter()
+    store_fetch = coded_mod.store_fetch
+
+    def counting_fetch(store):
+        fetch = store_fetch(store)
+
+        def counted(name, start, end):
+            if start > codec.HEADER_SIZE:
+                reads[(store.location, name)] += 1
+            return fetch(name, start, end)
+
+        return counted
+
+    monkeypatch.setattr(coded_mod, "store_fetch", counting_fetch)
+    return reads
+
+
+@pytest.fixture(scope="module")
+def chain_of_two_bases(tmp_path_factory):
+    """pfs/step_3 is a delta against pfs/step_2, itself a delta against the full pfs/step_1."""
+    tmp_path = tmp_path_factory.mktemp("chain")
+    states, _ = delta_chain(tmp_path, _big_state(41), 3, 41)
+    docs = [mirror_doc(tmp_path / "pfs" / f"step_{i}")["compression"] for i in (1, 2, 3)]
+    assert "delta" not in docs[0] and docs[1]["delta"]["depth"] == 1 and docs[2]["delta"]["depth"] == 2
+    return tmp_path / "pfs", states
+
+
+@pytest.mark.parametrize("fetch", [coded_mod.FETCH, 3 * MiB])
+def test_a_delta_load_reads_its_bases_in_batched_runs_each_chunk_decoded_once(chain_of_two_bases,
+                                                                             monkeypatch, fetch):
+    pfs, states = chain_of_two_bases
+    monkeypatch.setattr(coded_mod, "FETCH", fetch)  # 3 MiB: several runs per file, and per base read
+    monkeypatch.setattr(coded_mod, "RUN_DECODED", 2 * fetch)
+    reads = _count_fetches(monkeypatch)
+    reader = NVMeReader(str(pfs / "step_3"), block_size="1MiB", queue_depth=4)
+    assert_same(load(reader, states[2]), states[2])
+    (size,) = [info["size"] for info in mirror_doc(pfs / "step_3")["compression"]["files"].values()]
+    assert size > 10 * codec.DEFAULT_CHUNK
+    # every chunk of the file and of its two bases must be decoded for a bitwise load: this many
+    # decoded bytes means each was decoded exactly once (not once per request or per reader)
+    assert reader.last_stats["decoded_bytes"] == size * 3
+    runs = -(-size // (2 * fetch))  # the delta's runs, bounded by their decoded bytes
+    for step in (1, 2):
+        files = mirror_doc(pfs / f"step_{step}")["compression"]["files"]
+        (stored,) = [info["stored_size"] for info in files.values()]
+        of_base = sum(n for (where, _), n in reads.items() if where == str(pfs / f"step_{step}"))
+        # a read per run of the delta (each split by the base's own stored bound), and one for
+        # the header's chunk, read before the load; one read per 2 MiB chunk would be 12 or more
+        assert 1 <= of_base <= runs + -(-stored // fetch) + 1, (step, of_base, reads)
+
+
+def test_resharded_ranged_loads_of_a_delta_chain_are_bitwise(chain_of_two_bases):
+    from dist_utils import run_ranks
+
+    pfs, states = chain_of_two_bases
+    run_ranks(3, _load_rows, str(pfs / "step_3"), {k: states[2][k] for k in ("w_bf16", "adam_fp32")})
+
+
+def test_one_item_of_a_delta_decodes_only_its_part_of_the_chain(chain_of_two_bases, monkeypatch):
+    pfs, states = chain_of_two_bases
+    reads = _count_fetches(monkeypatch)
+    out = {"adam_fp32": torch.zeros_like(states[2]["adam_fp32"])}
+    reader = NVMeReader(str(pfs / "step_3"), block_size="256KiB")
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert torch.equal(out["adam_fp32"], states[2]["adam_fp32"])
+    (size,) = [info["size"] for info in mirror_doc(pfs / "step_3")["compression"]["files"].values()]
+    # its chunks and the bases' under them (a chunk may straddle into the next tensor), not all
+    assert 3 * out["adam_fp32"].nbytes <= reader.last_stats["decoded_bytes"] < 3 * size * 0.75
+    assert {where for where, _ in reads} == {str(pfs / f"step_{i}") for i in (1, 2, 3)}
+    assert all(n <= 2 for n in reads.values()), reads  # one run each, and the header's chunk

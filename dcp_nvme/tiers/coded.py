@@ -34,6 +34,10 @@ FETCH = 32 << 20
 ranged GETs much faster than many small ones (each pays a round trip)."""
 IN_FLIGHT = 128 << 20
 """Stored bytes a load fetches at once (runs in flight x their size): bounds its memory."""
+RUN_DECODED = 64 << 20
+"""Decoded bytes per run (at most, or one chunk): a run's decoded chunks, and a delta run's base
+bytes, are held until delivered, and a delta codes far smaller than a full checkpoint (an
+unchanged tensor, to almost nothing), so the stored bound alone would not bound them."""
 
 Fetch = Callable[[str, int, int], bytes]
 """(name, start, end) -> the stored bytes [start, end) of a file of the mirror."""
@@ -109,7 +113,7 @@ def open_base(store: Any, doc: dict[str, Any], location: str) -> Any:
 
 BaseRead = Callable[[int, int, "IOStats | None"], bytes]
 """(start, end, stats) -> a delta's base file's decoded bytes [start, end), its decoding
-counted in ``stats`` when the base is itself coded."""
+counted in ``stats`` when the base is itself coded (read in batched runs, as a load reads)."""
 
 
 def _base_reader(view: Any, name: str, where: str) -> BaseRead:
@@ -143,52 +147,69 @@ class CodedFile:
             raise codec.CodecError(f"{where} holds delta chunks but the manifest names no base for it")
 
     def read(self, start: int, end: int, stats: IOStats | None = None) -> bytes:
-        """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk."""
+        """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk; fetched
+        in runs (``fetch_runs``), so a long range is a few large ranged reads."""
         end = min(end, self.size)
         needed = codec.overlapping(self.entries, start, end)
-        if not needed:
-            return b""
         out = []
-        for entry, data in zip(needed, self.decode_run(needed, stats), strict=True):
-            out.append(memoryview(data)[max(0, start - entry.offset): min(entry.length, end - entry.offset)])
+        for run in fetch_runs(needed, FETCH):
+            for entry, data in zip(run, self.decode_run(run, stats), strict=True):
+                out.append(memoryview(data)[max(0, start - entry.offset): min(entry.length, end - entry.offset)])
         return b"".join(out)
 
     def decode_run(self, run: Sequence[codec.Entry], stats: IOStats | None = None) -> list[bytes]:
         """The decoded bytes of consecutive chunks, fetched with one ranged read, each checked
-        against its crc32c (CodecError naming the file and the chunk's decoded bytes). With
-        ``stats``, the CPU time of the decoding alone (not the fetches) is counted there, a
+        against its crc32c (CodecError naming the file and the chunk's decoded bytes). A delta
+        run's base bytes are read for the whole run at once (each base chunk decoded once).
+        With ``stats``, the CPU time of the decoding alone (not the fetches) is counted there, a
         delta base's decoding included."""
         first = run[0].stored_offset
         stored = memoryview(self.fetch(self.stored, first, run[-1].stored_offset + run[-1].stored_length))
+        basis, origin = self._basis(run, stats)
         out = []
         for entry in run:
             lo = entry.stored_offset - first
             try:
-                basis = self.base(entry.offset, entry.end, stats) if entry.flags & codec.DELTA else None
+                base = basis[entry.offset - origin: entry.end - origin] if entry.flags & codec.DELTA else None
                 started = time.thread_time()
-                out.append(codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], basis))
+                out.append(codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], base))
                 if stats is not None:
                     stats.decoded(entry.length, time.thread_time() - started)
             except codec.CodecError as exc:
                 raise codec.CodecError(f"{self.where}: {exc}") from None
         return out
 
+    def _basis(self, run: Sequence[codec.Entry], stats: IOStats | None) -> tuple[memoryview, int]:
+        """The base's decoded bytes under a run's delta chunks, in one read (empty when none
+        is a delta), and the file offset they start at."""
+        deltas = [e for e in run if e.flags & codec.DELTA]
+        if not deltas:
+            return memoryview(b""), 0
+        start = min(e.offset for e in deltas)
+        try:
+            return memoryview(self.base(start, max(e.end for e in deltas), stats)), start
+        except codec.CodecError as exc:
+            raise codec.CodecError(f"{self.where}: {exc}") from None
+
 
 def fetch_runs(entries: Sequence[codec.Entry], limit: int) -> list[list[codec.Entry]]:
     """Chunks (sorted, unique) cut into runs that are adjacent in the file, each fetched with one
-    ranged read of at most ``limit`` stored bytes (or one chunk): few round trips, and runs
-    enough to decode in parallel."""
+    ranged read of at most ``limit`` stored bytes and decoding to at most ``max(limit,
+    RUN_DECODED)`` bytes (or one chunk): few round trips, bounded memory, and runs enough to
+    decode in parallel."""
+    decoded_limit = max(limit, RUN_DECODED)
     runs: list[list[codec.Entry]] = []
-    size = 0
+    size = decoded = 0
     for entry in entries:
         last = runs[-1][-1] if runs else None
         adjacent = last is not None and last.stored_offset + last.stored_length == entry.stored_offset
-        if adjacent and size + entry.stored_length <= limit:
+        if adjacent and size + entry.stored_length <= limit and decoded + entry.length <= decoded_limit:
             runs[-1].append(entry)
             size += entry.stored_length
+            decoded += entry.length
         else:
             runs.append([entry])
-            size = entry.stored_length
+            size, decoded = entry.stored_length, entry.length
     return runs
 
 
