@@ -111,23 +111,36 @@ def open_base(store: Any, doc: dict[str, Any], location: str) -> Any:
     return decoded_view(base)
 
 
-BaseRead = Callable[[int, int, "IOStats | None"], bytes]
-"""(start, end, stats) -> a delta's base file's decoded bytes [start, end), its decoding
-counted in ``stats`` when the base is itself coded (read in batched runs, as a load reads)."""
+Pieces = list[tuple[int, "bytes | bytearray | memoryview"]]
+"""Decoded bytes of a file as (file offset, bytes) pieces in order, adjacent: a range is handed
+on as the chunks it was decoded in, not joined into one buffer."""
+
+BaseRead = Callable[[int, int, "IOStats | None"], Pieces]
+"""(start, end, stats) -> a delta's base file's decoded bytes [start, end) as pieces, read in
+batched runs as a load reads, its decoding counted in ``stats`` when the base is itself coded."""
 
 
 def _base_reader(view: Any, name: str, where: str) -> BaseRead:
-    def read(start: int, end: int, stats: IOStats | None = None) -> bytes:
+    def read(start: int, end: int, stats: IOStats | None = None) -> Pieces:
         if isinstance(view, DecodedStore) and name in view.files:
-            data = view._coded(name).read(start, end, stats)
+            pieces = view._coded(name).pieces(start, end, stats)
         else:
             buffer = bytearray(end - start)
-            data = buffer[: view.read_into(name, start, memoryview(buffer))]
-        if len(data) != end - start:
-            raise codec.CodecError(f"{where}: its base file {name} ends at {start + len(data)}, before {end}")
-        return bytes(data)
+            pieces = [(start, memoryview(buffer)[: view.read_into(name, start, memoryview(buffer))])]
+        got = pieces[-1][0] + len(pieces[-1][1]) if pieces else start
+        if got != end:
+            raise codec.CodecError(f"{where}: its base file {name} ends at {got}, before {end}")
+        return pieces
 
     return read
+
+
+def cut(pieces: Pieces, start: int, end: int) -> bytes | memoryview:
+    """Bytes [start, end) of adjacent pieces covering them: a view when one piece holds them
+    (a base chunked as its delta is), else joined."""
+    parts = [memoryview(data)[max(0, start - at): end - at] for at, data in pieces
+             if at < end and at + len(data) > start]
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class CodedFile:
@@ -147,15 +160,19 @@ class CodedFile:
             raise codec.CodecError(f"{where} holds delta chunks but the manifest names no base for it")
 
     def read(self, start: int, end: int, stats: IOStats | None = None) -> bytes:
-        """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk; fetched
-        in runs (``fetch_runs``), so a long range is a few large ranged reads."""
+        """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk."""
+        return b"".join(data for _, data in self.pieces(start, end, stats))
+
+    def pieces(self, start: int, end: int, stats: IOStats | None = None) -> Pieces:
+        """Decoded bytes [start, end) (fewer at the end of the file) as one piece per chunk,
+        fetched in runs (``fetch_runs``): a long range is a few large ranged reads."""
         end = min(end, self.size)
-        needed = codec.overlapping(self.entries, start, end)
-        out = []
-        for run in fetch_runs(needed, FETCH):
+        out: Pieces = []
+        for run in fetch_runs(codec.overlapping(self.entries, start, end), FETCH):
             for entry, data in zip(run, self.decode_run(run, stats), strict=True):
-                out.append(memoryview(data)[max(0, start - entry.offset): min(entry.length, end - entry.offset)])
-        return b"".join(out)
+                lo = max(start, entry.offset)
+                out.append((lo, memoryview(data)[lo - entry.offset: min(entry.length, end - entry.offset)]))
+        return out
 
     def decode_run(self, run: Sequence[codec.Entry], stats: IOStats | None = None) -> list[bytes]:
         """The decoded bytes of consecutive chunks, fetched with one ranged read, each checked
@@ -165,12 +182,12 @@ class CodedFile:
         delta base's decoding included."""
         first = run[0].stored_offset
         stored = memoryview(self.fetch(self.stored, first, run[-1].stored_offset + run[-1].stored_length))
-        basis, origin = self._basis(run, stats)
+        basis = self._basis(run, stats)
         out = []
         for entry in run:
             lo = entry.stored_offset - first
             try:
-                base = basis[entry.offset - origin: entry.end - origin] if entry.flags & codec.DELTA else None
+                base = cut(basis, entry.offset, entry.end) if entry.flags & codec.DELTA else None
                 started = time.thread_time()
                 out.append(codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], base))
                 if stats is not None:
@@ -179,15 +196,14 @@ class CodedFile:
                 raise codec.CodecError(f"{self.where}: {exc}") from None
         return out
 
-    def _basis(self, run: Sequence[codec.Entry], stats: IOStats | None) -> tuple[memoryview, int]:
-        """The base's decoded bytes under a run's delta chunks, in one read (empty when none
-        is a delta), and the file offset they start at."""
+    def _basis(self, run: Sequence[codec.Entry], stats: IOStats | None) -> Pieces:
+        """The base's decoded bytes under a run's delta chunks, read at once (none when no
+        chunk is a delta)."""
         deltas = [e for e in run if e.flags & codec.DELTA]
         if not deltas:
-            return memoryview(b""), 0
-        start = min(e.offset for e in deltas)
+            return []
         try:
-            return memoryview(self.base(start, max(e.end for e in deltas), stats)), start
+            return self.base(min(e.offset for e in deltas), max(e.end for e in deltas), stats)
         except codec.CodecError as exc:
             raise codec.CodecError(f"{self.where}: {exc}") from None
 
