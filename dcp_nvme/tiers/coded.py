@@ -3,7 +3,8 @@
 A mirror drained with compression holds, per rank file, ``<rank file>.dcz`` (see
 ``dcp_nvme.codec``) and a manifest whose ``compression`` section names it. ``CodedFile``
 serves any byte range of the original file by fetching only the stored bytes of the chunks it
-overlaps (one ranged read) and decoding them, each chunk checked against its crc32c.
+overlaps (in runs of adjacent chunks, one ranged read each) and decoding them, each chunk checked
+against its crc32c; a delta run reads its base's bytes under it the same way, at once.
 ``CodedEngine`` is the read half of the engine protocol on top of it, so ``NVMeReader`` plans,
 reshards and verifies (blocks table of the original) exactly as for a plain checkpoint; one
 read call fetches and decodes each chunk its requests overlap once (``_ReadPlan``).
