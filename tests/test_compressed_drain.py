@@ -286,9 +286,12 @@ def _step(sd: dict, seed: int) -> dict:
     return out
 
 
-def delta_chain(tmp_path, first: dict, steps: int, seed: int, every: int = 3) -> tuple[list[dict], list]:
+def delta_chain(tmp_path, first: dict, steps: int, seed: int, every: int = 3, mirror: str | None = None,
+                filesystem=None) -> tuple[list[dict], list]:
     """``first`` and ``steps`` - 1 small updates of it, saved to run/step_<i> and drained with
-    compress="delta" to pfs/step_<i>: the states and the drain results."""
+    compress="delta" to <mirror>/step_<i> (default: pfs/ beside run/): the states and the drain
+    results."""
+    mirror = mirror or str(tmp_path / "pfs")
     states = [first]
     for i in range(1, steps):
         states.append(_step(states[-1], seed + i))
@@ -304,7 +307,7 @@ def delta_chain(tmp_path, first: dict, steps: int, seed: int, every: int = 3) ->
             else:
                 live[key] = value
         local = save(tmp_path / "run" / f"step_{i}", live)
-        results.append(drain(local, str(tmp_path / "pfs" / f"step_{i}"), options=opts))
+        results.append(drain(local, f"{mirror}/step_{i}", filesystem=filesystem, options=opts))
     return states, results
 
 

@@ -3,6 +3,7 @@ batched load (each chunk fetched and decoded once per read call)."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import Counter
@@ -10,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 from test_compressed_drain import (
     FAST,
     assert_same,
@@ -412,3 +414,23 @@ def test_one_item_of_a_delta_decodes_only_its_part_of_the_chain(chain_of_two_bas
     assert 3 * out["adam_fp32"].nbytes <= reader.last_stats["decoded_bytes"] < 3 * size * 0.75
     assert {where for where, _ in reads} == {str(pfs / f"step_{i}") for i in (1, 2, 3)}
     assert all(n <= 2 for n in reads.values()), reads  # one run each, and the header's chunk
+
+
+def test_a_delta_on_s3_reads_its_base_in_one_ranged_get_per_run(tmp_path, s3_server, s3_bucket, s3_fs,
+                                                                 monkeypatch):
+    mirror = f"s3://{s3_bucket}/pfs"
+    states, _ = delta_chain(tmp_path, make_state(43), 2, 43, mirror=mirror, filesystem=s3_fs)
+    assert mirror_doc_s3(s3_fs, f"{mirror}/step_2")["compression"]["delta"]["base"] == f"{mirror}/step_1"
+    reads = _count_fetches(monkeypatch)
+    reader = NVMeReader(f"{mirror}/step_2", storage_options=s3_server.storage_options(retries=1),
+                        block_size="256KiB")
+    assert_same(load(reader, states[1]), states[1])
+    (entry,) = mirror_doc_s3(s3_fs, f"{mirror}/step_1")["compression"]["files"].values()
+    of_base = sum(n for (where, _), n in reads.items() if where == f"{mirror}/step_1")
+    assert entry["size"] > 2 * codec.DEFAULT_CHUNK  # several chunks: one GET each before
+    assert 1 <= of_base <= 2, reads  # the load's one run, and the header's chunk read before it
+    assert reader.last_stats["decoded_bytes"] == 2 * entry["size"]
+
+
+def mirror_doc_s3(fs, url: str) -> dict:
+    return json.loads(fs.cat_file(f"{url}/{MANIFEST}"))
