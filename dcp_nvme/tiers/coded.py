@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -112,44 +112,53 @@ def open_base(store: Any, doc: dict[str, Any], location: str) -> Any:
     return decoded_view(base)
 
 
-Pieces = list[tuple[int, "bytes | bytearray | memoryview"]]
-"""Decoded bytes of a file as (file offset, bytes) pieces in order, adjacent: a range is handed
-on as the chunks it was decoded in, not joined into one buffer."""
+Piece = tuple[int, "bytes | bytearray | memoryview"]
+"""(file offset, decoded bytes) of a file: ranges are handed on chunk by chunk, not joined."""
 
-BaseRead = Callable[[int, int, "IOStats | None"], Pieces]
-"""(start, end, stats) -> a delta's base file's decoded bytes [start, end) as pieces, read in
-batched runs as a load reads, its decoding counted in ``stats`` when the base is itself coded."""
+BaseRead = Callable[[int, int, "IOStats | None"], Iterator[Piece]]
+"""(start, end, stats) -> a delta's base file's decoded bytes [start, end) as adjacent pieces,
+fetched in batched runs as a load fetches but decoded only as they are taken (so a base chunk is
+decoded just before the delta chunk it is XORed into, while it is in cache), its decoding
+counted in ``stats`` when the base is itself coded."""
 
 
-def _base_reader(view: Any, name: str, where: str) -> BaseRead:
-    def read(start: int, end: int, stats: IOStats | None = None) -> Pieces:
+def _base_reader(view: Any, name: str) -> BaseRead:
+    def read(start: int, end: int, stats: IOStats | None = None) -> Iterator[Piece]:
         if isinstance(view, DecodedStore) and name in view.files:
-            pieces = view._coded(name).pieces(start, end, stats)
-        else:
-            buffer = bytearray(end - start)
-            pieces = [(start, memoryview(buffer)[: view.read_into(name, start, memoryview(buffer))])]
-        got = pieces[-1][0] + len(pieces[-1][1]) if pieces else start
-        if got != end:
-            raise codec.CodecError(f"{where}: its base file {name} ends at {got}, before {end}")
-        return pieces
+            return view._coded(name).pieces(start, end, stats)
+        buffer = bytearray(end - start)
+        return iter([(start, memoryview(buffer)[: view.read_into(name, start, memoryview(buffer))])])
 
     return read
 
 
-def cut(pieces: Pieces, start: int, end: int) -> bytes | memoryview:
-    """Bytes [start, end) of adjacent pieces covering them: a view when one piece holds them
-    (a base chunked as its delta is), else joined."""
-    parts = [memoryview(data)[max(0, start - at): end - at] for at, data in pieces
-             if at < end and at + len(data) > start]
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+class _Cursor:
+    """Walks a base's adjacent pieces in order, handing out the ranges of a run's delta chunks
+    (ascending): a view of one piece when the base is chunked as its delta is, else joined."""
+
+    def __init__(self, pieces: Iterator[Piece], name: str) -> None:
+        self.pieces, self.name = pieces, name
+        self.held: list[Piece] = []
+
+    def take(self, start: int, end: int) -> bytes | memoryview:
+        self.held = [(at, data) for at, data in self.held if at + len(data) > start]
+        while not self.held or self.held[-1][0] + len(self.held[-1][1]) < end:
+            piece = next(self.pieces, None)
+            if piece is None:
+                got = self.held[-1][0] + len(self.held[-1][1]) if self.held else start
+                raise codec.CodecError(f"its base file {self.name} ends at {got}, before {end}")
+            self.held.append(piece)
+        parts = [memoryview(data)[max(0, start - at): end - at] for at, data in self.held
+                 if at < end and at + len(data) > start]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class CodedFile:
     """One ``.dcz`` file of a mirror: header and chunk table read once, ranges decoded on demand."""
 
     def __init__(self, fetch: Fetch, stored: str, size: int, stored_size: int, where: str,
-                 base: BaseRead | None = None) -> None:
-        self.fetch, self.stored, self.where, self.base = fetch, stored, where, base
+                 base: BaseRead | None = None, base_name: str = "") -> None:
+        self.fetch, self.stored, self.where, self.base, self.base_name = fetch, stored, where, base, base_name
         head = fetch(stored, 0, codec.HEADER_SIZE)
         _, count, decoded, table_crc = codec.parse_header(head, where)
         if decoded != size:
@@ -164,49 +173,40 @@ class CodedFile:
         """Decoded bytes [start, end) (fewer at the end of the file), checked per chunk."""
         return b"".join(data for _, data in self.pieces(start, end, stats))
 
-    def pieces(self, start: int, end: int, stats: IOStats | None = None) -> Pieces:
-        """Decoded bytes [start, end) (fewer at the end of the file) as one piece per chunk,
-        fetched in runs (``fetch_runs``): a long range is a few large ranged reads."""
+    def pieces(self, start: int, end: int, stats: IOStats | None = None) -> Iterator[Piece]:
+        """Decoded bytes [start, end) (fewer at the end of the file), one piece per chunk,
+        fetched in runs (``fetch_runs``: a long range is a few large ranged reads) and decoded
+        as they are taken."""
         end = min(end, self.size)
-        out: Pieces = []
         for run in fetch_runs(codec.overlapping(self.entries, start, end), FETCH):
-            for entry, data in zip(run, self.decode_run(run, stats), strict=True):
+            for entry, data in self._decoding(run, stats):
                 lo = max(start, entry.offset)
-                out.append((lo, memoryview(data)[lo - entry.offset: min(entry.length, end - entry.offset)]))
-        return out
+                yield lo, memoryview(data)[lo - entry.offset: min(entry.length, end - entry.offset)]
 
     def decode_run(self, run: Sequence[codec.Entry], stats: IOStats | None = None) -> list[bytes]:
         """The decoded bytes of consecutive chunks, fetched with one ranged read, each checked
         against its crc32c (CodecError naming the file and the chunk's decoded bytes). A delta
-        run's base bytes are read for the whole run at once (each base chunk decoded once).
-        With ``stats``, the CPU time of the decoding alone (not the fetches) is counted there, a
+        run's base is fetched for the whole run at once (each base chunk decoded once). With
+        ``stats``, the CPU time of the decoding alone (not the fetches) is counted there, a
         delta base's decoding included."""
+        return [data for _, data in self._decoding(run, stats)]
+
+    def _decoding(self, run: Sequence[codec.Entry], stats: IOStats | None) -> Iterator[tuple[codec.Entry, bytes]]:
         first = run[0].stored_offset
         stored = memoryview(self.fetch(self.stored, first, run[-1].stored_offset + run[-1].stored_length))
-        basis = self._basis(run, stats)
-        out = []
+        deltas = [e for e in run if e.flags & codec.DELTA]
+        basis = _Cursor(self.base(deltas[0].offset, deltas[-1].end, stats), self.base_name) if deltas else None
         for entry in run:
             lo = entry.stored_offset - first
             try:
-                base = cut(basis, entry.offset, entry.end) if entry.flags & codec.DELTA else None
+                base = basis.take(entry.offset, entry.end) if basis and entry.flags & codec.DELTA else None
                 started = time.thread_time()
-                out.append(codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], base))
+                data = codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], base)
                 if stats is not None:
                     stats.decoded(entry.length, time.thread_time() - started)
             except codec.CodecError as exc:
                 raise codec.CodecError(f"{self.where}: {exc}") from None
-        return out
-
-    def _basis(self, run: Sequence[codec.Entry], stats: IOStats | None) -> Pieces:
-        """The base's decoded bytes under a run's delta chunks, read at once (none when no
-        chunk is a delta)."""
-        deltas = [e for e in run if e.flags & codec.DELTA]
-        if not deltas:
-            return []
-        try:
-            return self.base(min(e.offset for e in deltas), max(e.end for e in deltas), stats)
-        except codec.CodecError as exc:
-            raise codec.CodecError(f"{self.where}: {exc}") from None
+            yield entry, data
 
 
 def fetch_runs(entries: Sequence[codec.Entry], limit: int) -> list[list[codec.Entry]]:
@@ -317,8 +317,8 @@ class CodedEngine:
         if opened is None:
             stored, size, stored_size, base = self.paths[os.path.normpath(path)]
             where = f"{self.location}/{stored}"
-            reader = _base_reader(self.base(), base, where) if base and self.base else None
-            opened = CodedFile(self.fetch, stored, size, stored_size, where, reader)
+            reader = _base_reader(self.base(), base) if base and self.base else None
+            opened = CodedFile(self.fetch, stored, size, stored_size, where, reader, base or "")
             with self._lock:
                 self._files[path] = opened
         return opened
@@ -425,7 +425,7 @@ class DecodedStore:
             stored, size, stored_size, base = self.files[name]
             where = f"{self.location}/{stored}"
             opened = CodedFile(self._fetch, stored, size, stored_size, where,
-                               _base_reader(self._base(), base, where) if base else None)
+                               _base_reader(self._base(), base) if base else None, base or "")
             with self._lock:
                 self._open[name] = opened
         return opened
