@@ -434,3 +434,11 @@ def test_a_delta_on_s3_reads_its_base_in_one_ranged_get_per_run(tmp_path, s3_ser
 
 def mirror_doc_s3(fs, url: str) -> dict:
     return json.loads(fs.cat_file(f"{url}/{MANIFEST}"))
+
+
+def test_a_base_cursor_hands_out_ranges_across_pieces_and_refuses_a_short_base():
+    cursor = coded_mod._Cursor(iter([(0, b"abc"), (3, b"defg")]), "base.safetensors")
+    assert bytes(cursor.take(1, 2)) == b"b" and isinstance(cursor.take(1, 3), memoryview)  # one piece: a view
+    assert bytes(cursor.take(2, 5)) == b"cde" and bytes(cursor.take(5, 7)) == b"fg"  # joined across pieces
+    with pytest.raises(codec.CodecError, match="base file base.safetensors ends at 7, before 9"):
+        cursor.take(6, 9)
