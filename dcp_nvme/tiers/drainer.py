@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any
 
+from ..codec import DEFAULT_LEVEL
 from ..concurrency import run_bounded
 from ..errors import CheckpointNotFoundError, DrainError, ManifestError
 from ..manifest import MANIFEST, FileRecord, save_key_of
@@ -104,7 +105,7 @@ class DrainOptions:
     """"off", "bytegroup" (send byte-grouped .dcz files), or "auto" (bytegroup when the codec,
     measured on a sample, makes the drain finish sooner over a link of ``bandwidth`` or
     ``link_rate`` bytes/s). See docs/tiers.md."""
-    level: int = 3
+    level: int = DEFAULT_LEVEL
     codec_threads: int | None = None
     """Threads coding for the drain (None: half the cores, at most 2)."""
     link_rate: float | None = None
