@@ -76,3 +76,31 @@ def test_bench_compress_refuses_bad_levels(argv, capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "--compress", *TINY, *argv])
     assert "level" in capsys.readouterr().err
+
+
+def test_delta_gap_curve_script_measures_every_gap(tmp_path):
+    """benchmarks/delta_gaps.py: one training run, the delta ratio at each gap beside the full
+    ratio (every round trip checked bit for bit inside measure_group), written as JSON."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "delta_gaps.py"
+    spec = importlib.util.spec_from_file_location("delta_gaps", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "gaps.json"
+    doc = module.main(["--steps", "6", "--gaps", "1,3", "--dim", "32", "--layers", "1", "--seq", "16",
+                       "--batch", "2", "--json", str(out)])
+    assert json.loads(out.read_text())["configuration"]["gaps"] == [1, 3]
+    for row in doc["groups"].values():
+        assert row["full"] > 0 and set(row["delta"]) == {1, 3} and all(r > 0 for r in row["delta"].values())
+    from dcp_nvme import codec
+
+    assert [codec.planes_for(module.group_dtype(g)) for g in doc["groups"]] == [2, 4, 4]  # byte-grouped
+    snapshots = module.train_with_snapshots(6, [1, 3], 32, 1, 16, 2)
+    assert set(snapshots) == {0, 1, 3}
+    assert not torch.equal(snapshots[0]["weights_bf16"], snapshots[3]["weights_bf16"])  # training moved
+    with pytest.raises(SystemExit, match="--gaps"):
+        module.parse_gaps("0,2", 6)
+    with pytest.raises(SystemExit, match="--gaps"):
+        module.parse_gaps("6", 6)

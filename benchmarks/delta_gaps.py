@@ -1,0 +1,107 @@
+"""How much does delta coding gain as checkpoints grow further apart?
+
+Trains the same small byte-level transformer as `dcp-nvme bench --compress` (AdamW, on the
+standard library's own sources), keeps the state at the last step and at ``--gaps`` steps
+before it, and reports per group (bf16 weights, fp32 exp_avg, fp32 exp_avg_sq) the byte-grouped
+codec's full ratio and its XOR-delta ratio against each earlier state (each round trip checked
+bit for bit), so the curve over the step gap is measured in one run.
+
+    python benchmarks/delta_gaps.py --steps 300 --gaps 1,5,20,50,100 --dim 512 --layers 8 \
+        --seq 64 --batch 4 --json gaps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from dcp_nvme import codec
+from dcp_nvme.bench.compression import GROUPS, TinyLM, _bytes, _groups, measure_group, stdlib_text
+
+
+def parse_gaps(text: str, steps: int) -> list[int]:
+    gaps = sorted({int(g) for g in text.split(",") if g.strip()})
+    if not gaps or gaps[0] < 1 or gaps[-1] >= steps:
+        raise SystemExit(f"--gaps: whole numbers from 1 to {steps - 1} (--steps - 1), got {text!r}")
+    return gaps
+
+
+def group_dtype(group: str) -> str:
+    """The codec's dtype name for a group (its byte-plane count follows it)."""
+    return "bfloat16" if group.endswith("bf16") else "float32"
+
+
+def train_with_snapshots(steps: int, gaps: list[int], dim: int, layers: int, seq: int, batch: int,
+                         seed: int = 0) -> dict[int, dict[str, torch.Tensor]]:
+    """The groups' state at the last step (gap 0) and ``gap`` steps before it."""
+    torch.manual_seed(seed)
+    text = torch.frombuffer(bytearray(stdlib_text()), dtype=torch.uint8).long()
+    model = TinyLM(dim, layers, seq)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    wanted = {steps - g: g for g in [0, *gaps]}
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(1, steps + 1):
+        starts = torch.randint(0, len(text) - seq - 1, (batch,))
+        window = torch.stack([text[s: s + seq + 1] for s in starts.tolist()])
+        loss = torch.nn.functional.cross_entropy(model(window[:, :-1]).reshape(-1, 256), window[:, 1:].reshape(-1))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        if step in wanted:
+            snapshots[wanted[step]] = {k: v.clone() for k, v in _groups(model, optim).items()}
+    return snapshots
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--gaps", default="1,5,20,50,100")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--level", type=int, default=codec.DEFAULT_LEVEL)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        raise SystemExit("--steps: at least 2")
+    gaps = parse_gaps(args.gaps, args.steps)
+    config = {"steps": args.steps, "gaps": gaps, "dim": args.dim, "layers": args.layers, "seq": args.seq,
+              "batch": args.batch, "level": args.level, "threads": args.threads, "torch": torch.__version__,
+              "python": platform.python_version()}
+    print("configuration:", json.dumps(config), flush=True)
+    started = time.perf_counter()
+    snapshots = train_with_snapshots(args.steps, gaps, args.dim, args.layers, args.seq, args.batch)
+    config["train_seconds"] = round(time.perf_counter() - started, 2)
+    late = snapshots[0]
+    results: dict[str, dict] = {}
+    for group in GROUPS:
+        dtype = group_dtype(group)
+        data = _bytes(late[group])
+        full = measure_group(data, dtype, args.level, args.threads)["bytegroup_ratio"]
+        deltas = {g: measure_group(data, dtype, args.level, args.threads, base=_bytes(snapshots[g][group]))
+                  ["bytegroup_ratio"] for g in gaps}
+        results[group] = {"bytes": len(data), "full": full, "delta": deltas}
+    print(f"{'group':<17}{'full':>8}" + "".join(f"{'gap ' + str(g):>10}" for g in gaps))
+    for group, row in results.items():
+        print(f"{group:<17}{row['full']:>7.3f}x" + "".join(f"{row['delta'][g]:>9.3f}x" for g in gaps))
+    total = sum(r["bytes"] for r in results.values())
+    whole = {g: total / sum(r["bytes"] / r["delta"][g] for r in results.values()) for g in gaps}
+    whole_full = total / sum(r["bytes"] / r["full"] for r in results.values())
+    print(f"{'whole state':<17}{whole_full:>7.3f}x" + "".join(f"{whole[g]:>9.3f}x" for g in gaps))
+    doc = {"configuration": config, "groups": results, "whole": {"full": whole_full, "delta": whole}}
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(doc, handle, indent=1)
+        print("wrote", args.json)
+    return doc
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
