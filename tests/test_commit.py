@@ -187,3 +187,64 @@ def test_enospc_in_tables_or_manifest_names_the_file_and_leaves_nothing(
             NVMeReader(path).read_metadata()
     _save(path, 3, overwrite=True)  # and the lock was released
     assert _load(path) == 3
+
+
+def test_o_direct_containers_are_preallocated_then_cut_to_size(tmp_path, monkeypatch):
+    """The O_DIRECT container is reserved at its page-rounded size before the data is written
+    (extending O_DIRECT writes serialise on the inode lock), then cut back to its real size."""
+    from dcp_nvme.engines import posix
+
+    calls = []
+    real = posix.preallocate
+    monkeypatch.setattr(posix, "preallocate", lambda fd, size: calls.append(size) or real(fd, size))
+    path = tmp_path / "c"
+    state = {"w": torch.arange(100_003, dtype=torch.float32)}  # an odd size
+    writer = NVMeWriter(path, direct_io=True)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    if not writer.last_stats["io"]["direct_io"]:
+        pytest.skip("no O_DIRECT on this filesystem")
+    (container,) = [p for p in path.iterdir() if p.suffix == ".safetensors"]
+    assert calls == [-(-container.stat().st_size // 4096) * 4096]  # reserved page-rounded
+    assert container.stat().st_size % 4096  # ... and cut back to the real, unaligned size
+    dest = {"w": torch.zeros(100_003)}
+    dcp.load(dest, storage_reader=NVMeReader(path), no_dist=True)
+    assert torch.equal(dest["w"], state["w"])
+
+
+@pytest.mark.parametrize("code", [95, 38])  # EOPNOTSUPP, ENOSYS: a filesystem that cannot reserve
+def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch, code):
+    import ctypes
+
+    from dcp_nvme.engines import posix
+
+    def refuse(fd, mode, offset, length):
+        ctypes.set_errno(code)
+        return -1
+
+    monkeypatch.setattr(posix, "_fallocate", refuse)
+    _save(tmp_path / "c", 5, direct_io=True)
+    assert _load(tmp_path / "c") == 5
+
+
+def test_a_full_disk_at_preallocation_names_the_file_and_commits_nothing(tmp_path, monkeypatch):
+    import ctypes
+
+    from dcp_nvme.engines import posix
+
+    def full(fd, mode, offset, length):
+        ctypes.set_errno(28)
+        return -1
+
+    monkeypatch.setattr(posix, "_fallocate", full)
+    writer = NVMeWriter(tmp_path / "c", direct_io=True)
+    if not writer.config.direct_io:
+        pytest.skip("O_DIRECT off")
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(1000)}, storage_writer=writer, no_dist=True)
+    monkeypatch.undo()
+    message = str(info.value)
+    if "No space left on device" not in message:
+        pytest.skip("the filesystem refused O_DIRECT, so nothing was preallocated")
+    assert ".safetensors" in message  # the rank file it was reserving
+    assert not os.path.exists(tmp_path / "c" / MANIFEST)
+    assert not [n for n in os.listdir(tmp_path / "c") if n.endswith(".safetensors")]

@@ -167,6 +167,40 @@ def write_header(path: str, fd: int, direct: bool, view: memoryview) -> tuple[in
     return fd, direct
 
 
+_FALLOCATE_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def _libc_fallocate():
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    function.restype = ctypes.c_int
+    return function
+
+
+_fallocate = _libc_fallocate()
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve ``size`` bytes of the new file before O_DIRECT writes fill it. Why: ext4 (and
+    others) serialise O_DIRECT writes that extend a file under the inode's exclusive lock, held
+    through the I/O when the write is synchronous, so depth-8 threaded pwrites past the end of
+    the file run one at a time; into reserved blocks they run in parallel (8 threads x 8 MiB,
+    1 GiB: 1.67-1.83 GB/s fresh vs 1.79-2.11 GB/s preallocated, interleaved). Plain fallocate,
+    not posix_fallocate, which writes zeros where the filesystem cannot reserve. Returns False
+    where unsupported; a full disk raises ENOSPC here, before any data is written."""
+    if _fallocate is None or size <= 0:
+        return False
+    if _fallocate(fd, 0, 0, size) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _FALLOCATE_UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code))
+
+
 def finish_file(fd: int, size: int, stats: IOStats) -> None:
     """Cut the O_DIRECT tail padding back to the real size, then fsync (timed into ``stats``)."""
     if os.fstat(fd).st_size != size:
@@ -269,6 +303,8 @@ class PosixEngine(PicklesAsConfig):
             fd, direct = self._write_header(path, fd, direct, header)
             stats.direct_io = direct
             container = ContainerWrite(self, path, fd, direct, len(header), sources, checksum_block, stats)
+            if direct:
+                preallocate(fd, align_up(container.size))  # cut back to size by finish_file
             yield container
             finish_file(fd, container.size, stats)
         except OSError as exc:
