@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +72,15 @@ class _Op:
     iovecs: object = None  # the iovec array of the vectored transfer in flight: alive until it completes
 
 
+def _op_for(task: object, spans: list[tuple[int, int]], offset: int, buffer: int) -> _Op:
+    """The op moving ``spans`` of host memory at file ``offset``: one span is a plain (or
+    fixed-buffer) transfer, several a vectored one."""
+    length = sum(n for _, n in spans)
+    if len(spans) == 1:
+        return _Op(task, spans[0][0], length, offset, buffer)
+    return _Op(task, 0, length, offset, buffer, spans=spans)
+
+
 def _remaining(spans: Sequence[tuple[int, int]], done: int) -> list[tuple[int, int]]:
     """The spans still to transfer once the first ``done`` bytes are."""
     out = []
@@ -82,6 +91,22 @@ def _remaining(spans: Sequence[tuple[int, int]], done: int) -> list[tuple[int, i
         out.append((address + done, length - done))
         done = 0
     return out
+
+
+def _again_bounced(op: _Op, refused: bool, stats: IOStats, begun: dict[int, float], free_buffers: list[int],
+                   restart: Callable[[], _Op]) -> _Op | None:
+    """After EINVAL: when O_DIRECT ``refused`` the op's memory (from now on its file bounces every
+    byte), its timing and bounce buffer are given back and ``restart()`` starts the same work
+    again, bounced; None (the original error is raised) for a real error or a failed restart."""
+    if not refused:
+        return None
+    stats.end(begun.pop(id(op)), 0)
+    if op.buffer >= 0:
+        free_buffers.append(op.buffer)
+    try:
+        return restart()
+    except BaseException:  # noqa: BLE001 - the original error is the one to raise
+        return None
 
 
 class UringEngine(PosixEngine):
@@ -126,6 +151,7 @@ class UringEngine(PosixEngine):
         ring = self._get_ring()
         fixed_op = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
         plain_op = uring.OP_WRITE if write else uring.OP_READ
+        vector_op = uring.OP_WRITEV if write else uring.OP_READV
         slots: dict[int, _Op] = {}
         free = list(range(self.config.queue_depth))
         failure: list[BaseException] = []
@@ -133,8 +159,7 @@ class UringEngine(PosixEngine):
         def submit(slot: int, op: _Op) -> None:
             if op.spans is not None:
                 op.iovecs = uring.iovec_array(_remaining(op.spans, op.done))
-                ring.prepare(uring.OP_WRITEV if write else uring.OP_READV, fd, ctypes.addressof(op.iovecs), len(op.iovecs),
-                             op.offset + op.done, slot)
+                ring.prepare(vector_op, fd, ctypes.addressof(op.iovecs), len(op.iovecs), op.offset + op.done, slot)
                 return
             fixed = op.buffer >= 0 and ring.registered
             ring.prepare(fixed_op if fixed else plain_op, fd, op.address + op.done,
@@ -206,12 +231,7 @@ class UringEngine(PosixEngine):
 
             def start(window: Window) -> _Op:
                 prepared = container.prepare(window, free_buffers.pop, free_buffers.append)
-                offset = container.data_start + window.offset
-                length = sum(n for _, n in prepared.spans)
-                if len(prepared.spans) == 1:  # one span: a plain (or fixed-buffer) write
-                    op = _Op(prepared, prepared.spans[0][0], length, offset, prepared.buffer)
-                else:
-                    op = _Op(prepared, 0, length, offset, prepared.buffer, spans=prepared.spans)
+                op = _op_for(prepared, prepared.spans, container.data_start + window.offset, prepared.buffer)
                 begun[id(op)] = stats.begin()
                 return op
 
@@ -229,15 +249,8 @@ class UringEngine(PosixEngine):
 
             def retry(op: _Op, code: int) -> _Op | None:
                 prepared: PreparedWindow = op.task
-                if not container.refused_direct_memory(OSError(code, os.strerror(code)), prepared):
-                    return None
-                stats.end(begun.pop(id(op)), 0)
-                if op.buffer >= 0:
-                    free_buffers.append(op.buffer)
-                try:
-                    return start(prepared.window)  # again, every byte through a bounce buffer
-                except BaseException:  # noqa: BLE001 - the original error is the one to raise
-                    return None
+                refused = container.refused_direct_memory(OSError(code, os.strerror(code)), prepared)
+                return _again_bounced(op, refused, stats, begun, free_buffers, lambda: start(prepared.window))
 
             self._drive(container.fd, container.windows(), start, finish, True, retry)
         return container.result
@@ -268,11 +281,7 @@ class UringEngine(PosixEngine):
 
                 def start(request: ReadRequest, source=source) -> _Op:
                     prepared = prepare_read(request, source, addresses, pool, free_buffers.pop)
-                    length = sum(n for _, n in prepared.spans)
-                    if len(prepared.spans) == 1:  # one span: a plain (or fixed-buffer) read
-                        op = _Op(prepared, prepared.spans[0][0], length, prepared.lo, prepared.buffer)
-                    else:
-                        op = _Op(prepared, 0, length, prepared.lo, prepared.buffer, spans=prepared.spans)
+                    op = _op_for(prepared, prepared.spans, prepared.lo, prepared.buffer)
                     begun[id(op)] = stats.begin()
                     return op
 
@@ -285,17 +294,11 @@ class UringEngine(PosixEngine):
                         if op.buffer >= 0:
                             free_buffers.append(op.buffer)
 
-                def retry(op: _Op, code: int, source=source) -> _Op | None:
+                def retry(op: _Op, code: int, source=source, start=start) -> _Op | None:
                     prepared: PreparedRead = op.task
-                    if not source.refused_direct_memory(OSError(code, os.strerror(code)), prepared):
-                        return None
-                    stats.end(begun.pop(id(op)), 0)
-                    if op.buffer >= 0:
-                        free_buffers.append(op.buffer)
-                    try:
-                        return start(prepared.request)  # again, every byte through a bounce buffer
-                    except BaseException:  # noqa: BLE001 - the original error is the one to raise
-                        return None
+                    refused = source.refused_direct_memory(OSError(code, os.strerror(code)), prepared)
+                    return _again_bounced(op, refused, stats, begun, free_buffers,
+                                          lambda: start(prepared.request))
 
                 try:
                     with self._ring_lock:
