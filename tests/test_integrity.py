@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hostile_kit import reseal
+from hostile_kit import doc_of, reseal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import ChecksumMismatchError, ManifestError, NVMeReader, NVMeWriter
@@ -93,11 +93,16 @@ def test_garbled_manifest_is_refused(checkpoint):
         NVMeReader(path).read_metadata()
 
 
+def _with_format_version(path, version) -> None:
+    """The checkpoint's manifest rewritten with ``version``, resealed (its own crc still holds)."""
+    doc = doc_of(path)
+    doc["format_version"] = version
+    reseal(path, doc)
+
+
 def test_newer_format_version_asks_for_an_upgrade(checkpoint):
     path, _ = checkpoint
-    doc = json.loads((path / MANIFEST).read_text())
-    doc["format_version"] = 99
-    (path / MANIFEST).write_text(json.dumps(doc))
+    _with_format_version(path, 99)
     with pytest.raises(ManifestError, match="upgrade dcp_nvme"):
         NVMeReader(path).read_metadata()
 
@@ -105,9 +110,7 @@ def test_newer_format_version_asks_for_an_upgrade(checkpoint):
 @pytest.mark.parametrize("version", [0, -1, True, "2", 2.0, None])
 def test_nonsense_format_version_is_refused(checkpoint, version):
     path, _ = checkpoint
-    doc = json.loads((path / MANIFEST).read_text())
-    doc["format_version"] = version
-    reseal(path, doc)
+    _with_format_version(path, version)
     with pytest.raises(ManifestError, match="format version .* damaged"):
         NVMeReader(path).read_metadata()
 
@@ -115,9 +118,7 @@ def test_nonsense_format_version_is_refused(checkpoint, version):
 def test_format_version_1_checkpoints_still_load(checkpoint):
     """Version 2 only added padding entries; a version-1 manifest (no pads) loads as before."""
     path, state = checkpoint
-    doc = json.loads((path / MANIFEST).read_text())
-    doc["format_version"] = 1
-    reseal(path, doc)
+    _with_format_version(path, 1)
     dest = _dest(state)
     dcp.load(dest, storage_reader=NVMeReader(path), no_dist=True)
     assert all(torch.equal(dest[k], state[k]) for k in state)

@@ -167,16 +167,23 @@ def _whole_items(sizes):
     return [(offset, size) for offset, size in zip(offsets, sizes)], cursor - DATA_START
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_congruent_destinations_are_read_without_a_copy(tmp_path, engine):
+def _read_whole_items(tmp_path, engine: str, shift: int):
+    """Every item of a file of SIZES read into destinations ``shift`` bytes off congruence,
+    checked byte for byte; the read's stats and the data size."""
     items, size = _whole_items(SIZES)
     path, data, blocks = _data_file(tmp_path, size)
-    dests = _dests_at(items, 0)
+    dests = _dests_at(items, shift)
     needs = [Need(offset, length, index, 0) for index, (offset, length) in enumerate(items)]
     stats = _read(_engine(engine), path, needs, blocks, dests)
     _skip_unless_direct(stats.direct_io)
     for (offset, length), dest in zip(items, dests):
         assert dest.numpy().tobytes() == data[offset - DATA_START : offset - DATA_START + length]
+    return stats, size
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_congruent_destinations_are_read_without_a_copy(tmp_path, engine):
+    stats, size = _read_whole_items(tmp_path, engine, 0)
     # only edges and items too small for a direct span bounce: a few pages per item at most
     assert 0 < stats.copied_bytes <= sum(min(n, 6 * ALIGN) for n in SIZES)
     assert stats.copied_bytes < 0.15 * size, stats
@@ -184,14 +191,7 @@ def test_congruent_destinations_are_read_without_a_copy(tmp_path, engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_destinations_off_by_64_bytes_are_all_bounced_and_correct(tmp_path, engine):
-    items, size = _whole_items(SIZES)
-    path, data, blocks = _data_file(tmp_path, size)
-    dests = _dests_at(items, 64)
-    needs = [Need(offset, length, index, 0) for index, (offset, length) in enumerate(items)]
-    stats = _read(_engine(engine), path, needs, blocks, dests)
-    _skip_unless_direct(stats.direct_io)
-    for (offset, length), dest in zip(items, dests):
-        assert dest.numpy().tobytes() == data[offset - DATA_START : offset - DATA_START + length]
+    stats, size = _read_whole_items(tmp_path, engine, 64)
     assert stats.copied_bytes == size  # every wanted byte, copied out of a bounce buffer
 
 
