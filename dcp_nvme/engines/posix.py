@@ -373,26 +373,27 @@ class PosixEngine(PicklesAsConfig):
     def _read_planned(self, source: ReadSource, request: ReadRequest, dests: Sequence[torch.Tensor],
                       addresses: Sequence[int | None], stats: IOStats) -> None:
         """One preadv of the request's range: straight into host destinations where their
-        memory is congruent to the file, the rest into a bounce buffer (``prepare_read``)."""
+        memory is congruent to the file, the rest into a bounce buffer (``prepare_read``). When
+        O_DIRECT refuses the destinations' memory, the request is read again with every byte
+        bounced, after its first buffer went back to the pool (as ``write_host_window``)."""
         pool = self._bounce()
-        prepared = prepare_read(request, source, addresses, pool, pool.free.get)
-        try:
-            begun = stats.begin()
+        while True:
+            prepared = prepare_read(request, source, addresses, pool, pool.free.get)
             try:
-                got = _pread_into(source.fd, [_memory_at(a, n) for a, n in prepared.spans], prepared.lo)
-            except OSError as exc:
-                if not source.refused_direct_memory(exc, prepared):
-                    raise
-                stats.end(begun, 0)
-                got = -1  # read again below, once this buffer is back: every byte bounces now
-            else:
+                begun = stats.begin()
+                try:
+                    got = _pread_into(source.fd, [_memory_at(a, n) for a, n in prepared.spans], prepared.lo)
+                except OSError as exc:
+                    if not source.refused_direct_memory(exc, prepared):
+                        raise
+                    stats.end(begun, 0)
+                    continue  # again, every byte through a bounce buffer
                 stats.end(begun, request.length, prepared.copied)
                 finish_read(prepared, got, pool, dests)
-        finally:
-            if prepared.buffer >= 0:
-                pool.free.put(prepared.buffer)
-        if got < 0:
-            self._read_planned(source, request, dests, addresses, stats)
+                return
+            finally:
+                if prepared.buffer >= 0:
+                    pool.free.put(prepared.buffer)
 
     def _read_scattered(self, fd, request, dest_arrays, stats) -> None:
         scratch_len = sum(n for d, _, n in request.pieces if d == SCRATCH)
