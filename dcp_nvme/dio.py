@@ -30,6 +30,12 @@ class DioAlignment:
     source: str
     """Where the figures came from: ``statx``, ``logical_block_size`` or ``default``."""
 
+    @property
+    def span(self) -> int:
+        """What a span of host memory moved straight to or from the file must start and end on:
+        its address and its file offset alike (the larger of the two alignments)."""
+        return max(self.memory, self.offset)
+
 
 DEFAULT_DIO = DioAlignment(ALIGN, ALIGN, "default")
 

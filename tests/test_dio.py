@@ -37,6 +37,12 @@ def test_dio_alignment_of_a_file(tmp_path):
         assert found == DEFAULT_DIO
 
 
+def test_a_direct_span_meets_both_alignments():
+    from dcp_nvme.dio import DioAlignment
+
+    assert DioAlignment(4, 512, "statx").span == 512 and DioAlignment(4096, 512, "statx").span == 4096
+
+
 def test_statx_refusal_falls_back(monkeypatch, tmp_path):
     import dcp_nvme.dio as dio
 

@@ -427,7 +427,7 @@ class ContainerWrite:
         self.addresses = [host_address(s) for s in sources]
         self.dio: DioAlignment | None = dio_alignment(fd) if direct else None
         """What O_DIRECT needs on this file (statx, else the device's logical block size)."""
-        self.align = max(self.dio.memory, self.dio.offset) if self.dio else 1
+        self.align = self.dio.span if self.dio else 1
         """Where a segment may start and end; 1 when buffered (any address will do)."""
         self.result: FileWriteResult | None = None
 
@@ -595,7 +595,7 @@ class ReadSource:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, direct, max(dio.memory, dio.offset) if dio else 1)
+        return cls(path, fd, direct, dio.span if dio else 1)
 
     def refused_direct_memory(self, exc: OSError, prepared: PreparedRead) -> bool:
         """Whether O_DIRECT refused a read into destination memory (EINVAL: the reported
