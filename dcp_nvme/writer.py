@@ -35,7 +35,7 @@ from .engines import shared_engine
 from .errors import CheckpointExistsError, CheckpointLockedError
 from .format import stored_as, table_name
 from .health import DriveWatch
-from .layout import ITEMSIZE_GAP, ItemSpec, plan_container
+from .layout import ITEMSIZE_GAP, ContainerLayout, ItemSpec, plan_container
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -111,15 +111,17 @@ def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, Ch
     return spec, source, record
 
 
-def with_pads(sources: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
-    """The data region's sources in order: the items' and, for each gap before an item, its pad."""
+def with_pads(sources: Sequence[torch.Tensor], layout: ContainerLayout) -> list[torch.Tensor]:
+    """The data region's sources in order: the items' and, before the first item after each of
+    the layout's pads, the pad's bytes."""
+    gap_before = {offset + size: size for offset, size in layout.pads}  # keyed by where it ends
     out: list[torch.Tensor] = []
-    end, previous = 0, None
-    for source, offset in zip(sources, offsets):
-        if offset > end:
-            out.append(_pad_source(previous, source, offset - end))
+    previous = None
+    for source, offset in zip(sources, layout.offsets):
+        size = gap_before.pop(offset, 0)  # an empty item at that offset takes the pad first
+        if size:
+            out.append(_pad_source(previous, source, size))
         out.append(source)
-        end = offset + source.numel()
         previous = source if source.numel() else previous
     return out
 
@@ -298,7 +300,7 @@ class NVMeWriter(StorageWriter):
                 "format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "rank": str(target.rank), "save_key": target.save_key,
             }, addresses=addresses)
-            data = with_pads(sources, layout.offsets)
+            data = with_pads(sources, layout)
         has_device = any(s.device.type != "cpu" for s in sources)
         on_node = local_ranks(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
         config = budgeted(self.config, on_node)
