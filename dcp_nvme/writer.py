@@ -32,6 +32,7 @@ from . import savelock, waves
 from .blockdev import warn_once
 from .config import IOConfig, check_option, resolve_config
 from .engines import shared_engine
+from .engines.posix import host_address
 from .errors import CheckpointExistsError, CheckpointLockedError
 from .format import stored_as, table_name
 from .health import DriveWatch
@@ -295,11 +296,10 @@ class NVMeWriter(StorageWriter):
         name = data_file_name(target.rank, target.save_key)
         with timer.span("plan"):
             # host tensors are placed congruent to their addresses: written from their memory
-            addresses = [s.data_ptr() if s.device.type == "cpu" and s.numel() else None for s in sources]
             layout = plan_container(specs, {
                 "format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "rank": str(target.rank), "save_key": target.save_key,
-            }, addresses=addresses)
+            }, addresses=[host_address(s) for s in sources])
             data = with_pads(sources, layout)
         has_device = any(s.device.type != "cpu" for s in sources)
         on_node = local_ranks(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
