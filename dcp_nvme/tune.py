@@ -118,6 +118,10 @@ def engine_probe(directory: str, nbytes: int, config: IOConfig, buffer=None, kee
 # --------------------------------------------------------------------------- sweep
 
 
+CHOSEN_BY = ("queue_depth", "block_size", "direct_io", "write_gbps", "read_gbps")
+"""pick_best copies these from the winning point: together they find it again among the points."""
+
+
 def pick_best(points: list[dict[str, Any]]) -> dict[str, Any]:
     """The point with the best geometric mean of write and read GB/s; near-ties go to the
     smallest write window (less memory, less queueing behind a checkpoint)."""
@@ -129,8 +133,7 @@ def pick_best(points: list[dict[str, Any]]) -> dict[str, Any]:
     top = max(score(p) for p in points)
     near = [p for p in points if score(p) >= (1 - TIE_TOLERANCE) * top]
     best = min(near, key=lambda p: (p["queue_depth"] * p["block_size"], -score(p)))
-    return {k: best[k] for k in ("queue_depth", "block_size", "direct_io")} | {
-        "write_gbps": best["write_gbps"], "read_gbps": best["read_gbps"], "score_gbps": round(score(best), 3)}
+    return {k: best[k] for k in CHOSEN_BY} | {"score_gbps": round(score(best), 3)}
 
 
 def _median_point(runs: list[ProbeResult]) -> dict[str, Any]:
@@ -253,8 +256,7 @@ def format_curve(doc: dict[str, Any]) -> str:
     lines = [(f"{'node qd':>7} {'order':>9} " if node else "") + f"{'direct':>6} {'queue_depth':>11} {'block_size':>10} "
              f"{'write GB/s':>10} {'read GB/s':>9} {'w p99 ms':>8} {'depth':>5}"]
     for p in doc["points"]:
-        chosen = all(p.get(k) == best.get(k) for k in ("queue_depth", "block_size", "direct_io", "write_gbps",
-                                                       "read_gbps", "node_write_order"))
+        chosen = all(p.get(k) == best.get(k) for k in (*CHOSEN_BY, "node_write_order"))
         lines.append(
             (f"{p['node_queue_depth']:>7} {p.get('node_write_order', 'together'):>9} " if node else "") +
             f"{('yes' if p['direct_io'] else 'no'):>6} {p['queue_depth']:>11} {format_size(p['block_size']):>10} "

@@ -24,11 +24,9 @@ from .config import ALIGN, IOConfig
 from .display import format_size, progress_bar
 from .host import machine_info
 from .node import effective_queue_depth, node_turn
-from .tune import engine_probe, pick_best
+from .tune import CHOSEN_BY, engine_probe, pick_best
 
 BARRIER_SECONDS = 3600.0
-CHOSEN_BY = ("queue_depth", "block_size", "direct_io", "write_gbps", "read_gbps")
-"""pick_best copies these from the winning point: together they find it again among the points."""
 
 
 def _worker(index: int, directory: str, nbytes: int, tasks, results, barrier) -> None:
