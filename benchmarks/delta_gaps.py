@@ -21,7 +21,7 @@ import time
 import torch
 
 from dcp_nvme import codec
-from dcp_nvme.bench.compression import GROUPS, TinyLM, _bytes, _groups, measure_group, stdlib_text
+from dcp_nvme.bench.compression import GROUPS, CompressOptions, _bytes, measure_group, train_snapshots
 
 
 def parse_gaps(text: str, steps: int) -> list[int]:
@@ -39,22 +39,9 @@ def group_dtype(group: str) -> str:
 def train_with_snapshots(steps: int, gaps: list[int], dim: int, layers: int, seq: int, batch: int,
                          seed: int = 0) -> dict[int, dict[str, torch.Tensor]]:
     """The groups' state at the last step (gap 0) and ``gap`` steps before it."""
-    torch.manual_seed(seed)
-    text = torch.frombuffer(bytearray(stdlib_text()), dtype=torch.uint8).long()
-    model = TinyLM(dim, layers, seq)
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    wanted = {steps - g: g for g in [0, *gaps]}
-    snapshots: dict[int, dict[str, torch.Tensor]] = {}
-    for step in range(1, steps + 1):
-        starts = torch.randint(0, len(text) - seq - 1, (batch,))
-        window = torch.stack([text[s: s + seq + 1] for s in starts.tolist()])
-        loss = torch.nn.functional.cross_entropy(model(window[:, :-1]).reshape(-1, 256), window[:, 1:].reshape(-1))
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        if step in wanted:
-            snapshots[wanted[step]] = {k: v.clone() for k, v in _groups(model, optim).items()}
-    return snapshots
+    options = CompressOptions(steps=steps, dim=dim, layers=layers, seq=seq, batch=batch, seed=seed)
+    snapshots, _ = train_snapshots(options, {steps - g for g in [0, *gaps]})
+    return {g: snapshots[steps - g] for g in [0, *gaps]}
 
 
 def main(argv: list[str] | None = None) -> dict:

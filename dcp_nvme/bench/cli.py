@@ -66,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--batch", type=int, default=16, help="training batch size")
     levels = group.add_mutually_exclusive_group()
     levels.add_argument("--level", type=_level, default=None,
-                        help="zstd level for the codec, plain zstd and the drains (default: the codec's, 3)")
+                        help="zstd level for the codec, plain zstd and the drains (default: the codec's default level)")
     levels.add_argument("--levels", type=_levels, default=None,
                         help="zstd levels to compare, e.g. 1,3: each group measured at each, back to back "
                              "(the drains use the first)")

@@ -91,15 +91,14 @@ class TinyLM(torch.nn.Module):
         return self.head(self.blocks(x, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True))
 
 
-def train(options: CompressOptions) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-    """Train; return {"early": groups, "late": groups} (``gap`` steps apart) and run facts."""
+def train_snapshots(options: CompressOptions, at_steps: set[int]) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Train ``options.steps`` steps; the groups' state after each step in ``at_steps``, and run facts."""
     torch.manual_seed(options.seed)
     text = torch.frombuffer(bytearray(stdlib_text()), dtype=torch.uint8).long()
     model = TinyLM(options.dim, options.layers, options.seq)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    snapshots: dict[str, dict[str, torch.Tensor]] = {}
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
     started, loss = time.perf_counter(), float("nan")
-    early = max(1, options.steps - options.gap)
     for step in range(1, options.steps + 1):
         starts = torch.randint(0, len(text) - options.seq - 1, (options.batch,))
         window = torch.stack([text[s: s + options.seq + 1] for s in starts.tolist()])
@@ -109,13 +108,19 @@ def train(options: CompressOptions) -> tuple[dict[str, dict[str, torch.Tensor]],
         loss_t.backward()
         optim.step()
         loss = loss_t.item()
-        if step in (early, options.steps):
-            snapshots["early" if step == early and step != options.steps else "late"] = _groups(model, optim)
-    snapshots.setdefault("early", snapshots["late"])
-    facts = {"steps": options.steps, "gap": options.steps - early, "final_loss": round(loss, 4),
-             "params": sum(p.numel() for p in model.parameters()),
+        if step in at_steps:
+            snapshots[step] = _groups(model, optim)  # fresh tensors: later steps leave them be
+    facts = {"final_loss": round(loss, 4), "params": sum(p.numel() for p in model.parameters()),
              "train_seconds": round(time.perf_counter() - started, 2), "text_bytes": len(text)}
     return snapshots, facts
+
+
+def train(options: CompressOptions) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Train; return {"early": groups, "late": groups} (``gap`` steps apart) and run facts."""
+    early = max(1, options.steps - options.gap)
+    snapshots, facts = train_snapshots(options, {early, options.steps})
+    return ({"early": snapshots[early], "late": snapshots[options.steps]},
+            {"steps": options.steps, "gap": options.steps - early, **facts})
 
 
 def _groups(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
