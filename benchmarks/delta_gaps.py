@@ -21,7 +21,14 @@ import time
 import torch
 
 from dcp_nvme import codec
-from dcp_nvme.bench.compression import GROUPS, CompressOptions, _bytes, measure_group, train_snapshots
+from dcp_nvme.bench.compression import (
+    GROUPS,
+    CompressOptions,
+    _bytes,
+    group_dtype,
+    measure_group,
+    train_snapshots,
+)
 
 
 def parse_gaps(text: str, steps: int) -> list[int]:
@@ -29,11 +36,6 @@ def parse_gaps(text: str, steps: int) -> list[int]:
     if not gaps or gaps[0] < 1 or gaps[-1] >= steps:
         raise SystemExit(f"--gaps: whole numbers from 1 to {steps - 1} (--steps - 1), got {text!r}")
     return gaps
-
-
-def group_dtype(group: str) -> str:
-    """The codec's dtype name for a group (its byte-plane count follows it)."""
-    return "bfloat16" if group.endswith("bf16") else "float32"
 
 
 def train_with_snapshots(steps: int, gaps: list[int], dim: int, layers: int, seq: int, batch: int,

@@ -134,6 +134,11 @@ def _groups(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, t
     }
 
 
+def group_dtype(group: str) -> str:
+    """The codec's dtype name for a group (its byte-plane count follows it)."""
+    return "bfloat16" if group.endswith("bf16") else "float32"
+
+
 def _bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -181,7 +186,7 @@ def run_compress_bench(options: CompressOptions) -> dict[str, Any]:
     doc: dict[str, Any] = {"training": facts, "levels": list(options.levels), "level": options.levels[0],
                            "codec_threads": options.codec_threads, "groups": {}, "delta": {}}
     for group in GROUPS:
-        dtype = "bfloat16" if group.endswith("bf16") else "float32"
+        dtype = group_dtype(group)
         late, early = _bytes(snapshots["late"][group]), _bytes(snapshots["early"][group])
         full, delta = doc["groups"].setdefault(group, {}), doc["delta"].setdefault(group, {})
         for level in options.levels:  # back to back on the same bytes: the levels compare fairly
