@@ -33,7 +33,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_nvme import NVMeStager, NVMeWriter
 from dcp_nvme.config import parse_size
-from dcp_nvme.memory import aligned_buffer
+from dcp_nvme.engines.buffers import aligned_buffer
 
 
 def make_state(total: int, count: int) -> dict[str, dict[str, torch.Tensor]]:

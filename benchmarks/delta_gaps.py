@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from dcp_nvme import codec
 from dcp_nvme.bench.compression import (
     GROUPS,
     CompressOptions,
@@ -29,6 +28,7 @@ from dcp_nvme.bench.compression import (
     measure_group,
     train_snapshots,
 )
+from dcp_nvme.format import codec
 
 
 def parse_gaps(text: str, steps: int) -> list[int]:

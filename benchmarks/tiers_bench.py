@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from dcp_nvme import NVMeWriter  # noqa: E402
-from dcp_nvme.config import parse_size  # noqa: E402
-from dcp_nvme.tiers import Drainer, DrainOptions, drain, set_default_drainer  # noqa: E402
+from dcp_nvme import NVMeWriter
+from dcp_nvme.config import parse_size
+from dcp_nvme.tiers import Drainer, DrainOptions, drain, set_default_drainer
 
 
 def make_state(nbytes: int, tensors: int = 8) -> dict:

@@ -8,40 +8,70 @@
 
 from .config import IOConfig
 from .errors import (
+    BenchError,
+    BucketMissingError,
     CheckpointExistsError,
     CheckpointLockedError,
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    CodecError,
     DCPNVMeError,
+    DrainError,
     EngineUnavailableError,
+    InvalidInputError,
+    ItemKindError,
     ManifestError,
+    MissingItemError,
+    SaveError,
+    ShapeMismatchError,
+    StagingBusyError,
+    StorageError,
+    TableError,
+    UnknownOptionError,
+    UnsafeItemError,
+    UnsupportedItemError,
 )
-from .lazy import lazy_names
-from .rundir import CheckpointDir, checkpoints, latest
+from .lazy_imports import lazy_names
+from .storage.run_dir import CheckpointDir, checkpoints, latest
 
 # The torch-backed classes load on first use, so that `dcp-nvme --help` and tools that only need
 # the light modules start without importing torch.
-_LAZY = {"NVMeReader": ".reader", "NVMeStager": ".staging", "NVMeWriter": ".writer"}
+_LAZY = {"NVMeReader": ".load.reader", "NVMeStager": ".save.stager", "NVMeWriter": ".save.writer"}
 
 
 __getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)
 
 
 __all__ = [
+    "BenchError",
+    "BucketMissingError",
     "CheckpointDir",
     "CheckpointExistsError",
     "CheckpointLockedError",
     "CheckpointNotCommittedError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "CodecError",
     "DCPNVMeError",
+    "DrainError",
     "EngineUnavailableError",
     "IOConfig",
+    "InvalidInputError",
+    "ItemKindError",
     "ManifestError",
+    "MissingItemError",
     "NVMeReader",
     "NVMeStager",
     "NVMeWriter",
+    "SaveError",
+    "ShapeMismatchError",
+    "StagingBusyError",
+    "StorageError",
+    "TableError",
+    "UnknownOptionError",
+    "UnsafeItemError",
+    "UnsupportedItemError",
     "checkpoints",
     "latest",
 ]

@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("dcp_nvme.tools.commands", "to and from DCP's stock layout and torch.save files"),
     "drain": ("dcp_nvme.tiers", "copy a committed checkpoint to its mirror (resumes an interrupted drain)"),
     "status": ("dcp_nvme.tiers", "drain state of a checkpoint, or of every checkpoint in a run directory"),
-    "tune": ("dcp_nvme.tune", "sweep queue depth x block size on a directory; save the best for the plugin"),
+    "tune": ("dcp_nvme.tune.command", "sweep queue depth x block size on a directory; save the best for the plugin"),
     "bench": ("dcp_nvme.bench", "measure dcp_nvme against the device limit, DCP FileSystemWriter, "
                                 "torch.save, safetensors"),
     "unlock": ("dcp_nvme.tools.commands", "remove a checkpoint directory's save lock left by a dead save"),

@@ -18,7 +18,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .display import format_size
+from .errors import InvalidInputError, UnknownOptionError
+from .humanize import format_size
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +61,20 @@ def parse_size(value: int | str) -> int:
     A whole number of bytes only: floats, booleans and fractional results are refused.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"not a size: {value!r} (use an integer number of bytes, or e.g. '8MiB' or '5GB')")
+        raise InvalidInputError(f"not a size: {value!r} (use an integer number of bytes, or e.g. '8MiB' or '5GB')")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"not a size: {value!r} (negative)")
+            raise InvalidInputError(f"not a size: {value!r} (negative)")
         return value
     match = _SIZE_RE.match(value)
     if not match:
-        raise ValueError(f"not a size: {value!r} (use e.g. 8388608, '8MiB' or '5GB')")
+        raise InvalidInputError(f"not a size: {value!r} (use e.g. 8388608, '8MiB' or '5GB')")
     number, unit, binary, byte = match.groups()
     power = "kmgt".index(unit.lower()) + 1 if unit else 0
     decimal = bool(unit) and bool(byte) and not binary
     exact = Fraction(number) * (1000 if decimal else 1024) ** power
     if exact.denominator != 1:
-        raise ValueError(f"not a size: {value!r} is not a whole number of bytes")
+        raise InvalidInputError(f"not a size: {value!r} is not a whole number of bytes")
     return int(exact)
 
 
@@ -93,8 +94,8 @@ NODE_QUEUE_DEPTH_RANGE = (1, 65536)
 """A node's shared budget: an NVMe queue holds at most 64 Ki entries, more is a typo."""
 
 
-def _invalid(name: str, value: Any, source: str, problem: str) -> ValueError:
-    return ValueError(f"{name}={value!r} from {source} is not valid: {problem}")
+def _invalid(name: str, value: Any, source: str, problem: str) -> InvalidInputError:
+    return InvalidInputError(f"{name}={value!r} from {source} is not valid: {problem}")
 
 
 def check_bool(name: str, value: Any, source: str = "the argument") -> bool:
@@ -177,7 +178,7 @@ _CHECKS: dict[str, Any] = {
 
 
 def check_option(name: str, value: Any, source: str = "the argument") -> Any:
-    """``value`` of option ``name`` in its canonical form, or ValueError naming option, value and source."""
+    """``value`` of option ``name`` in its canonical form, or InvalidInputError naming option, value and source."""
     return _CHECKS[name](name, value, source)
 
 
@@ -261,7 +262,7 @@ def resolve_config(**explicit: Any) -> IOConfig:
     """
     unknown = set(explicit) - set(_FIELDS)
     if unknown:
-        raise TypeError(f"unknown I/O option(s): {sorted(unknown)}")
+        raise UnknownOptionError(f"unknown I/O option(s): {sorted(unknown)}")
     values: dict[str, Any] = {}
     values.update(_from_tune_file())
     values.update(_from_env())

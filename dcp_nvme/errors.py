@@ -82,3 +82,47 @@ class UnsafeItemError(DCPNVMeError, pickle.UnpicklingError):
 
 class ItemKindError(DCPNVMeError, TypeError):
     """The checkpoint holds an item of another kind (tensor vs object) than the destination."""
+
+
+class InvalidInputError(DCPNVMeError, ValueError):
+    """An argument, option, environment value or input file that cannot be used as given; the
+    message names it, the value, and what would work."""
+
+
+class UnknownOptionError(DCPNVMeError, TypeError):
+    """An option name that the call does not take; the message lists the ones it does."""
+
+
+class UnsupportedItemError(DCPNVMeError, TypeError):
+    """A state-dict item that cannot be saved (a sparse or meta tensor, a planner's non-tensor
+    where a tensor was planned); the message names the item."""
+
+
+class MissingItemError(DCPNVMeError, KeyError):
+    """A load asked for an item (or a chunk of one) that the checkpoint does not hold."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(DCPNVMeError, ValueError):
+    """A destination tensor whose shape or dtype disagrees with what the checkpoint holds."""
+
+
+class CodecError(ManifestError):
+    """Coded (compressed) checkpoint bytes that cannot be decoded: damaged, truncated, or of a
+    codec or version this dcp_nvme does not read."""
+
+
+class StorageError(DCPNVMeError, OSError):
+    """A file operation of a save failed (full disk, permissions, a read-only mount): the
+    message names the file and the step; ``errno`` is the system's."""
+
+
+class SaveError(DCPNVMeError, RuntimeError):
+    """A save that cannot commit because what the ranks wrote does not match the plan."""
+
+
+class BenchError(DCPNVMeError, RuntimeError):
+    """A measurement of ``dcp-nvme bench`` or ``dcp-nvme tune`` failed (fio, a worker process,
+    a loaded state that differs from the saved one)."""

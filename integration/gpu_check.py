@@ -71,7 +71,7 @@ def fs_type(path: Path) -> str:
 
 def drop_cache(directory: Path) -> None:
     """Evict a checkpoint's pages so a load reads the disk (clean pages after fsync)."""
-    from dcp_nvme.host import evict_from_page_cache
+    from dcp_nvme.observe.machine import evict_from_page_cache
 
     evict_from_page_cache([str(f) for f in directory.rglob("*") if f.is_file()])
 
@@ -124,12 +124,13 @@ def main() -> int:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     from dcp_nvme import NVMeReader, NVMeWriter
-    from dcp_nvme.checksums import device_crc32c
     from dcp_nvme.config import IOConfig
     from dcp_nvme.engines import kvikio_unavailable_reason, shared_engine
     from dcp_nvme.engines.kvikio import KvikioEngine
     from dcp_nvme.engines.posix import PosixEngine
-    from dcp_nvme.layout import FileBlocks, ItemSpec, Need, plan_container, plan_reads
+    from dcp_nvme.format.checksums import device_crc32c
+    from dcp_nvme.format.placement import ItemSpec, plan_container
+    from dcp_nvme.load.planning import FileBlocks, Need, plan_reads
 
     work = Path(args.dir).resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -266,9 +267,9 @@ def main() -> int:
 
     def async_save():
         try:
-            from dcp_nvme.staging import NVMeStager
+            from dcp_nvme.save.stager import NVMeStager
         except ImportError as exc:
-            return "skip", f"dcp_nvme.staging not available ({exc})"
+            return "skip", f"dcp_nvme.save.stager not available ({exc})"
         torch.cuda.synchronize()
         started = time.perf_counter()
         plain = {k: v.to("cpu") for k, v in state.items()}

@@ -53,7 +53,7 @@ def _check(ckpt, torch, dist_checkpointing, CheckpointingException, get_default_
     else:
         raise AssertionError("Megatron resolved backend dcp_nvme before the import registered it")
 
-    import dcp_nvme.integrations.megatron as nv  # the one documented import
+    import dcp_nvme.integrations.megatron as nv
 
     assert isinstance(get_default_load_sharded_strategy(str(ckpt)), nv.NVMeLoadShardedStrategy)
     keys = set(dist_checkpointing.load_tensors_metadata(str(ckpt)))

@@ -49,8 +49,8 @@ def test_remove_items_rewrites_without_prefix(tmp_path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from dcp_nvme import NVMeReader, NVMeWriter
+    from dcp_nvme.format.names import save_key_of
     from dcp_nvme.integrations._prune import remove_items
-    from dcp_nvme.manifest import save_key_of
 
     ckpt = tmp_path / "iter_1"
     saved = {"model.w": torch.randn(6, 4), "model.b": torch.arange(5, dtype=torch.bfloat16),

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dcp_nvme import bench
+from dcp_nvme.bench.synthetic import build_state, llama_spec, shard_rows
 from dcp_nvme.config import IOConfig
-from dcp_nvme.host import cached_fraction, evict_from_page_cache
-from dcp_nvme.synthetic import build_state, llama_spec, shard_rows
+from dcp_nvme.observe.machine import cached_fraction, evict_from_page_cache
 
 SINGLE_RANK_ROWS = {
     "memory.copy", "device.write", "device.read", "dcp_nvme.save", "dcp_nvme.async.blocking",

@@ -36,7 +36,7 @@ def test_bench_two_ranks_with_a_node_budget(tmp_path, monkeypatch):
         rows["dcp_nvme.save"]["gbps"] / replaced["gbps"], abs=1e-3)
     assert [t["value"] is not None for t in layers["targets"]] == [True, True]
     report = bench.format_report(doc)
-    assert "LAYERS (issue 16)" in report and "node_queue_depth 4 over 2 rank(s) = 2 per rank" in report
+    assert "LAYERS" in report and "node_queue_depth 4 over 2 rank(s) = 2 per rank" in report
     assert "write order: together; staggered / together = " in report
     assert "save telemetry: node " in report and "slowest rank" in report
     if layers["block_layer"]["device"]:

@@ -7,7 +7,7 @@ import os
 import pytest
 from fake_sysfs import add_disk, add_loop, add_partition, add_virtual, link_dev, majmin
 
-from dcp_nvme.blockdev import check_queues, device_of, format_device
+from dcp_nvme.observe.blockdev import check_queues, device_of, format_device
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_this_machine(tmp_path):
 def test_warn_once_logs_each_setting_once_and_only_on_local_rank_zero(tmp_path, data, monkeypatch, caplog):
     import logging
 
-    from dcp_nvme import blockdev
+    from dcp_nvme.observe import blockdev
 
     monkeypatch.setattr(blockdev, "_WARNED", set())
     sysfs = tmp_path / "sys"

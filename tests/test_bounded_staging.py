@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeReader, NVMeStager, NVMeWriter
-from dcp_nvme.engines.posix import ContainerWrite
 from dcp_nvme.engines.uring import uring_unavailable_reason
+from dcp_nvme.engines.windows import ContainerWrite
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import ChecksumMismatchError, NVMeWriter
-from dcp_nvme.checksums import (
+from dcp_nvme.config import IOConfig
+from dcp_nvme.engines.fsspec import FsspecEngine
+from dcp_nvme.engines.posix import PosixEngine
+from dcp_nvme.errors import TableError
+from dcp_nvme.format.checksums import (
     check_device,
     check_host,
     check_table,
@@ -22,14 +26,10 @@ from dcp_nvme.checksums import (
     items_in,
     mismatches,
 )
-from dcp_nvme.config import IOConfig
-from dcp_nvme.engines.fsspec import FsspecEngine
-from dcp_nvme.engines.posix import PosixEngine
-from dcp_nvme.errors import TableError
-from dcp_nvme.layout import FileBlocks, Need, plan_reads
-from dcp_nvme.manifest import read_files, read_manifest
-from dcp_nvme.store import LocalStore
-from dcp_nvme.tiers.transfer import verify_piece
+from dcp_nvme.format.manifest import read_files, read_manifest
+from dcp_nvme.format.pieces import verify_piece
+from dcp_nvme.load.planning import FileBlocks, Need, plan_reads
+from dcp_nvme.storage.local_dir import LocalStore
 from dcp_nvme.tools.verify import verify_checkpoint
 
 BLOCK = 64 << 10

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcp_nvme import codec
+from dcp_nvme.format import codec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128]

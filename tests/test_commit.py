@@ -20,7 +20,7 @@ from dcp_nvme import (
     NVMeReader,
     NVMeWriter,
 )
-from dcp_nvme.manifest import MANIFEST
+from dcp_nvme.format.names import MANIFEST
 
 
 def _save(path, value, **kw):
@@ -79,12 +79,12 @@ def test_uncommitted_data_is_refused(tmp_path):
 CRASHING_SAVE = textwrap.dedent("""
     import sys, time, torch, torch.distributed.checkpoint as dcp
     from dcp_nvme import NVMeWriter
-    from dcp_nvme.engines import posix
-    real = posix.pwrite_all
+    from dcp_nvme.engines import files
+    real = files.pwrite_all
     def slow(fd, buffer, offset):  # a slow drive: the parent kills us mid-write
         real(fd, buffer, offset)
         time.sleep(0.05)
-    posix.pwrite_all = slow
+    files.pwrite_all = slow
     state = {"w": torch.full((1000,), 2.0), "big": torch.randn(16 << 20 >> 2)}
     dcp.save(state, storage_writer=NVMeWriter(sys.argv[1], overwrite=True, block_size=65536), no_dist=True)
     print("finished", flush=True)
@@ -113,12 +113,12 @@ def test_killed_save_leaves_earlier_checkpoint_loadable(tmp_path):
 
 
 def test_failed_write_commits_nothing_and_removes_its_data(tmp_path, monkeypatch):
-    from dcp_nvme.engines import posix
+    from dcp_nvme.engines import files
 
     def full_disk(fd, buffer, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(posix, "pwrite_all", full_disk)
+    monkeypatch.setattr(files, "pwrite_all", full_disk)
     with pytest.raises(CheckpointException) as info:
         _save(tmp_path / "c", 1)
     assert "No space left on device" in str(info.value)
@@ -215,13 +215,13 @@ def test_o_direct_containers_are_preallocated_then_cut_to_size(tmp_path, monkeyp
 def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch, code):
     import ctypes
 
-    from dcp_nvme.engines import posix
+    from dcp_nvme.engines import files
 
     def refuse(fd, mode, offset, length):
         ctypes.set_errno(code)
         return -1
 
-    monkeypatch.setattr(posix, "_fallocate", refuse)
+    monkeypatch.setattr(files, "_fallocate", refuse)
     _save(tmp_path / "c", 5, direct_io=True)
     assert _load(tmp_path / "c") == 5
 
@@ -229,13 +229,13 @@ def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch, code)
 def test_a_full_disk_at_preallocation_names_the_file_and_commits_nothing(tmp_path, monkeypatch):
     import ctypes
 
-    from dcp_nvme.engines import posix
+    from dcp_nvme.engines import files
 
     def full(fd, mode, offset, length):
         ctypes.set_errno(28)
         return -1
 
-    monkeypatch.setattr(posix, "_fallocate", full)
+    monkeypatch.setattr(files, "_fallocate", full)
     writer = NVMeWriter(tmp_path / "c", direct_io=True)
     if not writer.config.direct_io:
         pytest.skip("O_DIRECT off")

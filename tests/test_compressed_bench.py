@@ -94,8 +94,8 @@ def test_delta_gap_curve_script_measures_every_gap(tmp_path):
     assert json.loads(out.read_text())["configuration"]["gaps"] == [1, 3]
     for row in doc["groups"].values():
         assert row["full"] > 0 and set(row["delta"]) == {1, 3} and all(r > 0 for r in row["delta"].values())
-    from dcp_nvme import codec
     from dcp_nvme.bench.compression import group_dtype
+    from dcp_nvme.format import codec
 
     assert [codec.planes_for(group_dtype(g)) for g in doc["groups"]] == [2, 4, 4]  # byte-grouped
     snapshots = module.train_with_snapshots(6, [1, 3], 32, 1, 16, 2)

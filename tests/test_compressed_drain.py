@@ -13,11 +13,12 @@ from dist_utils import run_ranks
 from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_nvme import NVMeReader, NVMeWriter, codec
+from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
-from dcp_nvme.manifest import MANIFEST
+from dcp_nvme.format import codec
+from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.tiers import MIRRORED, Drainer, DrainError, DrainOptions, drain, drain_state, verify_mirror
-from dcp_nvme.tiers.compress import Measure, pays
+from dcp_nvme.tiers.compress_sample import Measure, pays
 from dcp_nvme.tiers.drainer import set_drain_hook
 
 MiB = 1 << 20

@@ -24,10 +24,11 @@ from test_compressed_drain import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_nvme import NVMeReader, codec
-from dcp_nvme.manifest import MANIFEST
+from dcp_nvme import NVMeReader
+from dcp_nvme.format import codec
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.load import coded as coded_mod
 from dcp_nvme.tiers import MIRRORED, DrainError, DrainOptions, compress, drain, drain_state
-from dcp_nvme.tiers import coded as coded_mod
 from dcp_nvme.tiers.drainer import set_drain_hook
 from dcp_nvme.tiers.sinks import LocalSink
 from dcp_nvme.tiers.source import DrainSource

@@ -7,10 +7,12 @@ import pytest
 import torch
 from test_compressed_drain import FAST, assert_same, load, save
 
-from dcp_nvme import NVMeReader, codec
-from dcp_nvme.manifest import FileRecord
+from dcp_nvme import NVMeReader
+from dcp_nvme.format import codec
+from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.tiers import DrainOptions, drain
-from dcp_nvme.tiers.compress import SAMPLE, Encoder, SamplePick, measure, pays, plan_sample
+from dcp_nvme.tiers.compress_sample import SAMPLE, SamplePick, measure, pays, plan_sample
+from dcp_nvme.tiers.encoder import Encoder
 from dcp_nvme.tiers.source import DrainSource
 
 MiB = 1 << 20

@@ -173,8 +173,8 @@ def test_reader_block_size_is_independent_of_the_writers_checksum_block(tmp_path
     import torch.distributed.checkpoint as dcp
 
     from dcp_nvme import NVMeReader, NVMeWriter
-    from dcp_nvme.manifest import read_files, read_manifest
-    from dcp_nvme.store import LocalStore
+    from dcp_nvme.format.manifest import read_files, read_manifest
+    from dcp_nvme.storage.local_dir import LocalStore
 
     torch.manual_seed(0)
     state = {"big": torch.randn(300_000), "rows": torch.randn(64, 1000)}  # 1.2 MB: several 256 KiB blocks

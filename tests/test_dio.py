@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from dcp_nvme.config import ALIGN, IOConfig
-from dcp_nvme.dio import DEFAULT_DIO, _logical_block_size, _statx, dio_alignment
+from dcp_nvme.engines.buffers import DEFAULT_DIO, _logical_block_size, _statx, aligned_buffer, dio_alignment
 from dcp_nvme.engines.posix import PosixEngine
 from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
-from dcp_nvme.layout import ItemSpec, plan_container
-from dcp_nvme.memory import aligned_buffer
+from dcp_nvme.format.placement import ItemSpec, plan_container
 
 ENGINES = [PosixEngine] + ([UringEngine] if uring_unavailable_reason() is None else [])
 
@@ -38,13 +37,13 @@ def test_dio_alignment_of_a_file(tmp_path):
 
 
 def test_a_direct_span_meets_both_alignments():
-    from dcp_nvme.dio import DioAlignment
+    from dcp_nvme.engines.buffers import DioAlignment
 
     assert DioAlignment(4, 512, "statx").span == 512 and DioAlignment(4096, 512, "statx").span == 4096
 
 
 def test_statx_refusal_falls_back(monkeypatch, tmp_path):
-    import dcp_nvme.dio as dio
+    import dcp_nvme.engines.buffers as dio
 
     monkeypatch.setattr(dio, "_statx", lambda fd: None)
     monkeypatch.setattr(dio, "_logical_block_size", lambda fd: None)

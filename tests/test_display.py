@@ -1,7 +1,7 @@
 """One way to show a size and one way to draw a progress bar."""
 
 from dcp_nvme.config import parse_size
-from dcp_nvme.display import format_size, progress_bar
+from dcp_nvme.humanize import format_size, progress_bar
 
 
 def test_format_size_uses_the_units_parse_size_reads():

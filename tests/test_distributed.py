@@ -128,12 +128,12 @@ def test_fsdp2_save_two_ranks_load_one(tmp_path):
 
 
 def _one_rank_fails(rank, world, path):
-    from dcp_nvme.engines import posix
+    from dcp_nvme.engines import files
 
     if rank == 1:
         def broken(fd, buffer, offset):
             raise OSError(5, "Input/output error")
-        posix.pwrite_all = broken
+        files.pwrite_all = broken
     state = _sharded(full_state(), world, {"emb": Shard(0), "proj": Shard(0), "bias": Shard(0)})
     try:
         dcp.save(state, storage_writer=NVMeWriter(path))

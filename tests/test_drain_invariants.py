@@ -20,7 +20,8 @@ from test_tiers import FAST, assert_same, data_size, load, make_state, opts, par
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
-from dcp_nvme.manifest import MANIFEST
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.pieces import Piece, plan_pieces
 from dcp_nvme.tiers import (
     FAILED,
     LOCAL,
@@ -36,13 +37,11 @@ from dcp_nvme.tiers.drainer import set_drain_hook
 from dcp_nvme.tiers.transfer import (
     STEP,
     IncompleteOnTarget,
-    Piece,
     check_coverage,
     classify,
     matching_pieces,
     overlap,
     piece_entry,
-    plan_pieces,
 )
 
 MiB = 1 << 20

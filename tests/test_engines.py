@@ -23,15 +23,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import dcp_nvme.checksums as checksums
 import dcp_nvme.engines as engines
+import dcp_nvme.engines.buffers
+import dcp_nvme.engines.files as files
 import dcp_nvme.engines.kvikio as kv
 import dcp_nvme.engines.posix as posix
-import dcp_nvme.memory
+import dcp_nvme.engines.windows as windows
+import dcp_nvme.format.checksums as checksums
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import IOConfig
 from dcp_nvme.errors import ChecksumMismatchError, DCPNVMeError, EngineUnavailableError
-from dcp_nvme.layout import FileBlocks, ItemSpec, Need, plan_container, plan_reads
+from dcp_nvme.format.placement import ItemSpec, plan_container
+from dcp_nvme.load.planning import FileBlocks, Need, plan_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,7 +153,7 @@ class FakeDeviceEngine(kv.KvikioEngine):
 def fake_cuda(monkeypatch):
     """CUDA reported available, the probe buffer on the CPU, fresh caches."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(dcp_nvme.memory, "cuda_available", lambda: False)  # no pinned allocator here
+    monkeypatch.setattr(dcp_nvme.engines.buffers, "cuda_available", lambda: False)  # no pinned allocator here
     monkeypatch.setattr(kv, "_probe_tensor", lambda n: (torch.arange(n) % 251).to(torch.uint8))
     monkeypatch.setattr(engines, "_ENGINE_CACHE", {})
     engines.reset_probe_cache()
@@ -280,7 +283,7 @@ class Poison(types.ModuleType):
 sys.modules["kvikio"] = Poison("kvikio")
 import torch
 torch.cuda.is_available = lambda: (_ for _ in ()).throw(AssertionError("CUDA queried at import"))
-import dcp_nvme, dcp_nvme.engines, dcp_nvme.engines.kvikio, dcp_nvme.writer, dcp_nvme.reader
+import dcp_nvme, dcp_nvme.engines, dcp_nvme.engines.kvikio, dcp_nvme.save.writer, dcp_nvme.load.reader
 from dcp_nvme import NVMeWriter, NVMeReader
 NVMeWriter("/tmp/x", engine="kvikio"); NVMeReader("/tmp/x", engine="kvikio")
 print("imported")
@@ -529,7 +532,7 @@ def test_posix_device_bounce_overlaps_copy_and_write(monkeypatch, tmp_path):
     data_start = len(header)
     copy_of = {}  # window index -> Event set when its device copy starts
     overlapped = []
-    real_copy, real_pwrite = posix.copy_bytes, posix.pwritev_all
+    real_copy, real_pwrite = windows.copy_bytes, windows.pwritev_all
     copy_offsets = iter(range(0, sum(sizes), 65_536))
 
     def fake_device_copy(dst, src):  # stands in for a CUDA -> pinned copy_
@@ -545,9 +548,9 @@ def test_posix_device_bounce_overlaps_copy_and_write(monkeypatch, tmp_path):
                 overlapped.append(nxt.wait(timeout=5))
         real_pwrite(fd, view, offset)
 
-    monkeypatch.setattr(posix, "host_address", lambda tensor: None)  # as if on a device
-    monkeypatch.setattr(posix, "copy_bytes", fake_device_copy)
-    monkeypatch.setattr(posix, "pwritev_all", slow_pwrite)
+    monkeypatch.setattr(windows, "host_address", lambda tensor: None)  # as if on a device
+    monkeypatch.setattr(windows, "copy_bytes", fake_device_copy)
+    monkeypatch.setattr(windows, "pwritev_all", slow_pwrite)
     result = posix.PosixEngine(config).write_file(str(tmp_path / "dev.bin"), header, sources, 65_536)
     assert (tmp_path / "dev.bin").read_bytes() == (tmp_path / "ref.bin").read_bytes()
     assert result.crcs == reference.crcs
@@ -582,11 +585,11 @@ def test_open_for_reading_refuses_fifo_and_link(tmp_path: Path, direct: bool) ->
     fifo = tmp_path / "__0_0.distcp"
     os.mkfifo(fifo)
     with pytest.raises(ManifestError, match="regular"):
-        posix.open_for_reading(str(fifo), config)
+        files.open_for_reading(str(fifo), config)
     (tmp_path / "real").write_bytes(b"x" * 4096)
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "real")
     with pytest.raises(ManifestError, match="regular"):
-        posix.open_for_reading(str(link), config)
-    fd, _ = posix.open_for_reading(str(tmp_path / "real"), config)
+        files.open_for_reading(str(link), config)
+    fd, _ = files.open_for_reading(str(tmp_path / "real"), config)
     os.close(fd)

@@ -13,16 +13,15 @@ from safetensors import safe_open
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.errors import ManifestError
-from dcp_nvme.format import (
+from dcp_nvme.format.container import (
     MAX_HEADER,
     ST_DTYPES,
     build_header,
-    check_name,
     header_length,
     parse_header,
-    save_key_of,
     stored_as,
 )
+from dcp_nvme.format.names import check_name, save_key_of
 
 
 def test_dtype_table_is_safetensors_own():

@@ -9,8 +9,8 @@ import stat
 import pytest
 from fake_sysfs import add_disk, add_hwmon, link_dev, majmin
 
-from dcp_nvme import health
-from dcp_nvme.health import DriveWatch, parse_smart_log, read_health, throttle_reasons
+from dcp_nvme.observe import drive_health as health
+from dcp_nvme.observe.drive_health import DriveWatch, parse_smart_log, read_health, throttle_reasons
 
 SMART = {"critical_warning": 0, "temperature": 318, "avail_spare": 100, "warning_temp_time": 0,
          "critical_comp_time": 0, "thm_temp1_trans_count": 2, "thm_temp2_trans_count": 0,
@@ -101,7 +101,7 @@ def test_virtual_drive_says_unavailable_once_per_process(tmp_path, caplog):
     data = tmp_path / "ckpt"
     data.mkdir()
     link_dev(sysfs, majmin(data), add_disk(sysfs, "vda", driver="virtio_blk"))
-    caplog.set_level(logging.INFO, logger="dcp_nvme.health")
+    caplog.set_level(logging.INFO, logger="dcp_nvme.observe.drive_health")
     for _ in range(3):
         summary = DriveWatch(data, sysfs).finish()
     assert summary == {"available": False, "throttled": False, "disks": {"vda": {
@@ -118,7 +118,8 @@ def test_a_save_on_a_throttling_drive_warns_and_records_it(tmp_path, monkeypatch
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dcp_nvme import NVMeWriter, writer
+    from dcp_nvme import NVMeWriter
+    from dcp_nvme.save import writer
 
     sysfs = tmp_path / "sys"
     data = tmp_path / "ckpt"
@@ -130,7 +131,7 @@ def test_a_save_on_a_throttling_drive_warns_and_records_it(tmp_path, monkeypatch
                       'echo "{\\"temperature\\": 350, \\"critical_warning\\": 0, \\"thm_temp1_trans_count\\": $n}"\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(writer, "DriveWatch", functools.partial(DriveWatch, sysfs=sysfs, nvme=str(script)))
-    caplog.set_level(logging.WARNING, logger="dcp_nvme.writer")
+    caplog.set_level(logging.WARNING, logger="dcp_nvme.save.writer")
     saver = NVMeWriter(data, block_size=65536, direct_io=False)
     dcp.save({"w": torch.arange(100_000, dtype=torch.float32)}, storage_writer=saver, no_dist=True)
     drive = saver.last_stats["drive"]

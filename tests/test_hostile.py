@@ -30,8 +30,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import NVMeReader
 from dcp_nvme.errors import DCPNVMeError, ManifestError
-from dcp_nvme.manifest import ChunkRecord, check_chunks, read_manifest
-from dcp_nvme.store import LocalStore
+from dcp_nvme.format.manifest import read_manifest
+from dcp_nvme.format.tables import ChunkRecord
+from dcp_nvme.format.validation import check_chunks
+from dcp_nvme.storage.local_dir import LocalStore
 from dcp_nvme.tools import export_hf, inspect_checkpoint, list_checkpoints, verify_checkpoint
 
 
@@ -351,7 +353,7 @@ def test_fifo_data_file_fails_a_drain_instead_of_hanging(ckpt: Path, tmp_path: P
 def test_fsspec_store_opens_regular_files_only(ckpt: Path):
     import fsspec
 
-    from dcp_nvme.remote import FsspecStore
+    from dcp_nvme.storage.fsspec_dir import FsspecStore
 
     os.mkfifo(ckpt / "rank_00001.00000000.safetensors")
     store = FsspecStore(str(ckpt), fs=fsspec.filesystem("file"))

@@ -10,8 +10,9 @@ from hostile_kit import doc_of, reseal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import ChecksumMismatchError, ManifestError, NVMeReader, NVMeWriter
-from dcp_nvme.manifest import MANIFEST, read_manifest
-from dcp_nvme.store import LocalStore
+from dcp_nvme.format.manifest import read_manifest
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.storage.local_dir import LocalStore
 
 
 @pytest.fixture

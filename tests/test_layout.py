@@ -8,24 +8,17 @@ import struct
 import numpy as np
 import pytest
 
-from dcp_nvme.format import is_pad_key, parse_header
-from dcp_nvme.layout import (
+from dcp_nvme.engines.requests import SCRATCH, plan_segments, plan_windows
+from dcp_nvme.format.container import is_pad_key, parse_header
+from dcp_nvme.format.placement import (
     DIRECT_MIN,
     ITEMSIZE_GAP,
-    SCRATCH,
-    FileBlocks,
     ItemSpec,
-    Need,
-    count_runs,
-    covering_rows,
     place_back_to_back,
     place_congruent,
     plan_container,
-    plan_reads,
-    plan_segments,
-    plan_windows,
-    slice_runs,
 )
+from dcp_nvme.load.planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 
 
 def test_container_header_is_valid_safetensors_and_aligned():

@@ -18,8 +18,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import IOConfig, resolve_config
-from dcp_nvme.node import effective_queue_depth, local_ranks, node_turn, ranks_per_host, turn_file
-from dcp_nvme.telemetry import format_summary, layer_summary
+from dcp_nvme.observe.telemetry import format_summary, layer_summary
+from dcp_nvme.save.node_budget import effective_queue_depth, local_ranks, node_turn, ranks_per_host, turn_file
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import TUNE_FILE_ENV, IOConfig, resolve_config
 from dcp_nvme.engines.uring import uring_unavailable_reason
-from dcp_nvme.tune import pick_read_mode
+from dcp_nvme.tune.probe import pick_read_mode
 
 ENGINES = ["posix"] + (["uring"] if uring_unavailable_reason() is None else [])
 

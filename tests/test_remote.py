@@ -12,9 +12,9 @@ from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 
 from dcp_nvme import ChecksumMismatchError, DCPNVMeError, IOConfig
 from dcp_nvme.engines.fsspec import FsspecEngine
-from dcp_nvme.layout import SCRATCH, ReadRequest
-from dcp_nvme.remote import FsspecStore, is_remote_url, open_store
-from dcp_nvme.store import LocalStore
+from dcp_nvme.engines.requests import SCRATCH, ReadRequest
+from dcp_nvme.storage.fsspec_dir import FsspecStore, is_remote_url, open_store
+from dcp_nvme.storage.local_dir import LocalStore
 
 
 def test_is_remote_url():

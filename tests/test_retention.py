@@ -1,5 +1,5 @@
 """Retention deletes only real, committed, mirrored, old checkpoints of the run directory
-(issue 11, invariant 2): never through a symlink, never outside the run directory, never the
+(invariant 2 of docs/design.md): never through a symlink, never outside the run directory, never the
 newest, never an unconfirmed mirror or one mirrored onto itself, never while a save writes it;
 a broken sibling never stops it. Real saves, real drains to a second directory."""
 
@@ -11,10 +11,11 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_nvme import NVMeReader, NVMeWriter, savelock
-from dcp_nvme.manifest import MANIFEST
+from dcp_nvme import NVMeReader, NVMeWriter
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.storage import save_lock as savelock
 from dcp_nvme.tiers import MIRRORED, DrainOptions, apply_retention, drain, drain_state, plan_retention
-from dcp_nvme.tiers.state import JOURNAL
+from dcp_nvme.tiers.journal import JOURNAL
 
 OPTIONS = DrainOptions(retries=0, backoff=0.01)
 

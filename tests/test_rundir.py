@@ -7,7 +7,7 @@ import os
 import pytest
 
 import dcp_nvme
-from dcp_nvme.rundir import checkpoints, committed_kind, latest, parse_step
+from dcp_nvme.storage.run_dir import checkpoints, committed_kind, latest, parse_step
 
 
 @pytest.mark.parametrize(

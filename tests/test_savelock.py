@@ -1,4 +1,4 @@
-"""One save at a time per checkpoint directory (issue 11, invariant 3): real processes racing,
+"""One save at a time per checkpoint directory (invariant 3 of docs/design.md): real processes racing,
 a save of the same process, a SIGKILLed holder, a holder on another host. Deterministic: the
 holder is paused inside its write by an injected hook until the test lets it go."""
 
@@ -21,11 +21,12 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_nvme import CheckpointLockedError, NVMeReader, NVMeWriter, savelock
+from dcp_nvme import CheckpointLockedError, NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
-from dcp_nvme.manifest import MANIFEST
-from dcp_nvme.savelock import LOCK_NAME, STALE_AFTER_S, LockHolder
-from dcp_nvme.writer import POINTER
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.save.writer import POINTER
+from dcp_nvme.storage import save_lock as savelock
+from dcp_nvme.storage.save_lock import LOCK_NAME, STALE_AFTER_S, LockHolder
 
 
 def state(seed: int) -> dict:
@@ -67,9 +68,10 @@ PAUSED_SAVER = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed.checkpoint as dcp
     sys.path.insert(0, sys.argv[4])
     from test_savelock import state
-    from dcp_nvme import NVMeWriter, writer
-    from dcp_nvme.engines import posix
-    from dcp_nvme.manifest import MANIFEST
+    from dcp_nvme import NVMeWriter
+    from dcp_nvme.save import writer
+    from dcp_nvme.engines import files
+    from dcp_nvme.format.names import MANIFEST
     path, handshake, seed, point = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
     def pause():
         if not os.path.exists(os.path.join(handshake, "ready")):
@@ -83,7 +85,7 @@ PAUSED_SAVER = textwrap.dedent("""
             return real(*args)
         return hooked
     if point == "data":
-        posix.pwrite_all = paused_at(posix.pwrite_all, lambda *a: True)
+        files.pwrite_all = paused_at(files.pwrite_all, lambda *a: True)
     elif point == "manifest":
         writer.write_commit_file = paused_at(writer.write_commit_file, lambda d, name, *a: name == MANIFEST)
     elif point == "cleanup":
@@ -139,11 +141,11 @@ def test_two_processes_saving_into_one_directory_one_wins(tmp_path):
 
 
 def test_same_process_second_save_is_refused(tmp_path, monkeypatch):
-    from dcp_nvme.engines import posix
+    from dcp_nvme.engines import files
 
     path = tmp_path / "ck"
     writing, go = threading.Event(), threading.Event()
-    real = posix.pwrite_all
+    real = files.pwrite_all
 
     def paused(fd, buffer, offset):
         if not writing.is_set():
@@ -151,7 +153,7 @@ def test_same_process_second_save_is_refused(tmp_path, monkeypatch):
             assert go.wait(120)
         real(fd, buffer, offset)
 
-    monkeypatch.setattr(posix, "pwrite_all", paused)
+    monkeypatch.setattr(files, "pwrite_all", paused)
     errors = []
 
     def first_save():
@@ -288,7 +290,7 @@ def test_heartbeat_and_release_by_garbage_collection(tmp_path):
 
 
 def _ranks_lock_and_failure(rank, world, path):
-    from dcp_nvme.engines import posix
+    from dcp_nvme.engines import files
 
     sd = {f"r{rank}": torch.full((50_000,), float(rank + 1))}
     # 1. a live lock (another host's, fresh) refuses the save on every rank, none hangs
@@ -306,11 +308,11 @@ def _ranks_lock_and_failure(rank, world, path):
         os.unlink(os.path.join(path, LOCK_NAME))
     # 2. rank 1 fails with ENOSPC: every rank fails; the coordinator never sees finish, so its
     # writer keeps the lock until its next save, which releases it and commits
-    real = posix.pwrite_all
+    real = files.pwrite_all
     if rank == 1:
         def full(fd, buffer, offset):
             raise OSError(28, "No space left on device")
-        posix.pwrite_all = full
+        files.pwrite_all = full
     writer = NVMeWriter(path)
     dist.barrier()
     try:
@@ -319,7 +321,7 @@ def _ranks_lock_and_failure(rank, world, path):
         assert 1 in exc.failures and "No space left on device" in str(exc)
     else:
         raise AssertionError(f"rank {rank}: the save should have failed")
-    posix.pwrite_all = real
+    files.pwrite_all = real
     dist.barrier()
     if rank == 0:
         assert os.path.exists(os.path.join(path, LOCK_NAME))

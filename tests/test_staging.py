@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_nvme import NVMeReader, NVMeStager, NVMeWriter
 from dcp_nvme.engines.posix import PosixEngine
-from dcp_nvme.staging import StagingBusyError, TensorSpec, plan_arena
+from dcp_nvme.save.stager import StagingBusyError, TensorSpec, plan_arena
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

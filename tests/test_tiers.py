@@ -12,14 +12,10 @@ import torch.distributed.checkpoint as dcp
 from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_nvme import (
-    CheckpointNotCommittedError,
-    ChecksumMismatchError,
-    NVMeReader,
-    NVMeWriter,
-)
+from dcp_nvme import CheckpointNotCommittedError, ChecksumMismatchError, NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
-from dcp_nvme.manifest import MANIFEST
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.pieces import plan_pieces
 from dcp_nvme.tiers import (
     FAILED,
     LOCAL,
@@ -33,7 +29,6 @@ from dcp_nvme.tiers import (
     set_default_drainer,
     verify_mirror,
 )
-from dcp_nvme.tiers.transfer import plan_pieces
 
 MiB = 1 << 20
 FAST = dict(part_size=5 * MiB, retries=0, backoff=0.01, max_transfers=3)

@@ -17,9 +17,10 @@ from dist_utils import run_ranks
 from safetensors.torch import load_file
 
 from dcp_nvme import NVMeWriter
-from dcp_nvme.manifest import MANIFEST, read_files, read_manifest
-from dcp_nvme.rundir import parse_step
-from dcp_nvme.store import LocalStore
+from dcp_nvme.format.manifest import read_files, read_manifest
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.storage.local_dir import LocalStore
+from dcp_nvme.storage.run_dir import parse_step
 from dcp_nvme.tools import export_hf, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from dcp_nvme.tools.consolidate import chunk_needs, plan_shards
 
@@ -344,7 +345,7 @@ def test_verify_over_an_fsspec_url(ckpt: Path):
 
 
 def test_chunk_needs_place_a_column_shard(tmp_path: Path):
-    from dcp_nvme.manifest import ChunkRecord
+    from dcp_nvme.format.tables import ChunkRecord
 
     full = torch.arange(6 * 8, dtype=torch.int32).reshape(6, 8)
     part = full[:, 4:8].contiguous()  # a column shard: one run per row
@@ -523,8 +524,8 @@ def test_export_fsdp2_two_ranks_equals_unsharded(tmp_path: Path):
 
 _MEASURE = textwrap.dedent("""
     import json, sys
-    from dcp_nvme.manifest import read_files, read_manifest
-    from dcp_nvme.store import LocalStore
+    from dcp_nvme.format.manifest import read_files, read_manifest
+    from dcp_nvme.storage.local_dir import LocalStore
     from dcp_nvme.tools import export_hf
 
     def status(field):

@@ -9,7 +9,7 @@ import pytest
 
 from dcp_nvme.cli import main
 from dcp_nvme.config import TUNE_FILE_ENV, IOConfig, default_tune_file, resolve_config
-from dcp_nvme.tune import engine_probe, pick_best, pick_host_engine, pick_read_mode
+from dcp_nvme.tune.probe import engine_probe, pick_best, pick_host_engine, pick_read_mode
 
 
 def _point(qd, bs, direct, write, read):
@@ -94,7 +94,7 @@ def test_tune_rejects_bad_arguments(tmp_path, capsys):
 def test_engine_probe_reads_back_what_it_wrote(tmp_path):
     import torch
 
-    from dcp_nvme.memory import aligned_buffer
+    from dcp_nvme.engines.buffers import aligned_buffer
 
     buffer = aligned_buffer(3 << 20, pin=False)
     pattern = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)

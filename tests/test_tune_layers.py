@@ -9,8 +9,8 @@ import pytest
 
 from dcp_nvme.cli import main
 from dcp_nvme.config import TUNE_FILE_ENV, resolve_config
-from dcp_nvme.node import effective_queue_depth
-from dcp_nvme.tune_ranks import combine, node_grid, order_grid
+from dcp_nvme.save.node_budget import effective_queue_depth
+from dcp_nvme.tune.ranks import combine, node_grid, order_grid
 
 
 @pytest.fixture(autouse=True)

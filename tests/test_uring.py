@@ -16,11 +16,12 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import IOConfig
+from dcp_nvme.engines.buffers import aligned_buffer
 from dcp_nvme.engines.posix import PosixEngine
 from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
 from dcp_nvme.errors import DCPNVMeError
-from dcp_nvme.layout import FileBlocks, ItemSpec, Need, plan_container, plan_reads
-from dcp_nvme.memory import aligned_buffer
+from dcp_nvme.format.placement import ItemSpec, plan_container
+from dcp_nvme.load.planning import FileBlocks, Need, plan_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,7 +190,7 @@ def test_uring_is_refused_off_x86_64_with_the_reason(monkeypatch):
 
 
 def test_pick_host_engine_needs_throughput_and_less_cpu():
-    from dcp_nvme.tune import pick_host_engine
+    from dcp_nvme.tune.probe import pick_host_engine
 
     posix = {"write_gbps": 2.0, "cpu_seconds_per_gb": 0.30}
     assert pick_host_engine({"posix": posix, "uring": {"write_gbps": 2.0, "cpu_seconds_per_gb": 0.1}}) == "uring"

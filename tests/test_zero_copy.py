@@ -17,12 +17,11 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from dcp_nvme import NVMeReader, NVMeStager, NVMeWriter
-from dcp_nvme.dio import DioAlignment, dio_alignment
-from dcp_nvme.engines.posix import block_crcs
+from dcp_nvme.engines.buffers import DioAlignment, aligned_buffer, dio_alignment
 from dcp_nvme.engines.uring import uring_unavailable_reason
-from dcp_nvme.format import is_pad_key
-from dcp_nvme.layout import DIRECT_MIN
-from dcp_nvme.memory import aligned_buffer
+from dcp_nvme.engines.windows import block_crcs
+from dcp_nvme.format.container import is_pad_key
+from dcp_nvme.format.placement import DIRECT_MIN
 from dcp_nvme.tools import export_hf, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from dcp_nvme.tools.convert import convert
 
@@ -290,9 +289,9 @@ def test_uring_resubmits_the_rest_of_a_short_vectored_write():
 def test_an_alignment_the_kernel_refuses_falls_back_to_bouncing(tmp_path, monkeypatch, caplog, engine):
     """statx or the device claiming less alignment than O_DIRECT really needs: the kernel's
     EINVAL on a direct span makes that window and the rest of the file bounce, page-aligned."""
-    from dcp_nvme.engines import posix
+    from dcp_nvme.engines import windows
 
-    monkeypatch.setattr(posix, "dio_alignment", lambda fd: DioAlignment(64, 64, "test"))
+    monkeypatch.setattr(windows, "dio_alignment", lambda fd: DioAlignment(64, 64, "test"))
     state = model_like_state()
     writer = NVMeWriter(tmp_path, engine=engine, direct_io=True, block_size="1MiB")
     with caplog.at_level("WARNING"):

@@ -18,12 +18,13 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import ChecksumMismatchError, NVMeReader, NVMeWriter
 from dcp_nvme.config import ALIGN, IOConfig
-from dcp_nvme.dio import DioAlignment, dio_alignment
-from dcp_nvme.engines import posix
+from dcp_nvme.engines import posix, reads
+from dcp_nvme.engines.buffers import DioAlignment, aligned_buffer, dio_alignment
+from dcp_nvme.engines.requests import plan_read_segments
 from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
 from dcp_nvme.errors import DCPNVMeError
-from dcp_nvme.layout import FileBlocks, Need, align_down, align_up, plan_read_segments, plan_reads, slice_runs
-from dcp_nvme.memory import aligned_buffer
+from dcp_nvme.format.placement import align_down, align_up
+from dcp_nvme.load.planning import FileBlocks, Need, plan_reads, slice_runs
 
 ENGINES = ["posix", pytest.param("uring", marks=pytest.mark.skipif(
     uring_unavailable_reason() is not None, reason=f"io_uring: {uring_unavailable_reason()}"))]
@@ -261,7 +262,7 @@ def test_o_direct_refusing_destination_memory_falls_back_to_bouncing(tmp_path, m
     monkeypatch.setattr(posix.os, "preadv", refuse_once)
     dests = _dests_at(items, 0)
     needs = [Need(offset, length, index, 0) for index, (offset, length) in enumerate(items)]
-    posix._warned_read_memory.clear()
+    reads._warned_read_memory.clear()
     with caplog.at_level("WARNING"):
         stats = _read(_engine("posix", queue_depth=1), path, needs, blocks, dests)
     _skip_unless_direct(stats.direct_io)
@@ -277,10 +278,10 @@ def test_an_alignment_the_kernel_refuses_falls_back_to_bouncing(tmp_path, monkey
     direct span makes the reads bounce, through the ring too."""
     items, size = _whole_items(SIZES)
     path, data, blocks = _data_file(tmp_path, size)
-    monkeypatch.setattr(posix, "dio_alignment", lambda fd: DioAlignment(64, 64, "test"))
+    monkeypatch.setattr(reads, "dio_alignment", lambda fd: DioAlignment(64, 64, "test"))
     dests = _dests_at(items, 0)
     needs = [Need(offset, length, index, 0) for index, (offset, length) in enumerate(items)]
-    posix._warned_read_memory.clear()
+    reads._warned_read_memory.clear()
     with caplog.at_level("WARNING"):
         stats = _read(_engine(engine), path, needs, blocks, dests)
     _skip_unless_direct(stats.direct_io)

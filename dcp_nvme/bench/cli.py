@@ -7,6 +7,7 @@ import importlib.util
 import json
 
 from ..config import parse_size
+from ..errors import BenchError
 from .plot import plot
 from .records import BenchOptions
 from .report import format_report
@@ -84,7 +85,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.compress:
         return _compress(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise RuntimeError("--plot needs matplotlib: pip install 'dcp_nvme[bench]'")
+        raise BenchError("--plot needs matplotlib: pip install 'dcp_nvme[bench]'")
     options = BenchOptions(
         size=args.size, ranks=args.ranks, directory=args.dir, optim=args.optim,
         queue_depth=args.queue_depth, block_size=args.block_size,
@@ -128,7 +129,7 @@ def _level(text: str) -> int:
 
 
 def _compress(args: argparse.Namespace) -> int:
-    from ..codec import DEFAULT_LEVEL
+    from ..format.codec import DEFAULT_LEVEL
     from .compression import CompressOptions, dump, format_compress_report, run_compress_bench
 
     options = CompressOptions(

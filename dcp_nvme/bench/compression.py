@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import zstandard
 
-from .. import codec
+from ..errors import InvalidInputError
+from ..format import codec
 
 GROUPS = ("weights_bf16", "exp_avg_fp32", "exp_avg_sq_fp32")
 
@@ -56,7 +57,7 @@ class CompressOptions:
 
     def __post_init__(self) -> None:
         if not self.levels:
-            raise ValueError("levels: at least one zstd level")
+            raise InvalidInputError("levels: at least one zstd level")
 
 
 def stdlib_text(limit: int = 4 << 20) -> bytes:
@@ -245,7 +246,7 @@ def _save_pair(snapshots: dict[str, dict[str, torch.Tensor]], run_dir: str) -> t
     which follows the tensors' addresses)."""
     import torch.distributed.checkpoint as dcp
 
-    from ..writer import NVMeWriter
+    from ..save.writer import NVMeWriter
 
     live = {k: v.clone() for k, v in snapshots["early"].items()}
     paths = []
@@ -263,7 +264,7 @@ def load_row(where: str, storage: dict[str, Any] | None, state: dict[str, torch.
     and whether every byte came back."""
     import torch.distributed.checkpoint as dcp
 
-    from ..reader import NVMeReader
+    from ..load.reader import NVMeReader
 
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     reader = NVMeReader(where, storage_options=storage)

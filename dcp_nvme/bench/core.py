@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from ..config import resolve_config
-from ..host import cached_fraction, evict_from_page_cache, files_under
-from ..memory import tensor_bytes
-from ..node import budgeted
-from ..synthetic import ModelSpec, build_state, llama_spec
+from ..engines.buffers import tensor_bytes
+from ..errors import BenchError
+from ..observe.machine import cached_fraction, evict_from_page_cache, files_under
+from ..save.node_budget import budgeted
 from .group import Group
 from .records import BenchOptions, Row, Skip
+from .synthetic import ModelSpec, build_state, llama_spec
 
 
 class BenchCore:
@@ -142,7 +143,7 @@ class BenchCore:
         identical = all(self.group.gather(same_state(self.local, loaded)))
         row.extra["identical"] = identical
         if not identical:
-            raise RuntimeError(f"{row.label}: the loaded state differs from the saved one")
+            raise BenchError(f"{row.label}: the loaded state differs from the saved one")
 
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -10,7 +10,8 @@ import uuid
 from typing import Any
 
 from ..config import IOConfig
-from ..host import evict_from_page_cache, files_under
+from ..errors import BenchError
+from ..observe.machine import evict_from_page_cache, files_under
 
 
 def fio_version() -> str | None:
@@ -38,11 +39,11 @@ def fio_sequential(directory: str, nbytes_per_job: int, jobs: int, config: IOCon
             command = base + extra
             done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
             if done.returncode:
-                raise RuntimeError(f"fio failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+                raise BenchError(f"fio failed ({done.returncode}): {done.stderr.strip()[-300:]}")
             doc = json.loads(done.stdout[done.stdout.index("{"):])
             stats = doc["jobs"][0][op]
             if not stats["bw_bytes"]:
-                raise RuntimeError(f"fio reported no {op} bandwidth")
+                raise BenchError(f"fio reported no {op} bandwidth")
             results[op] = {"bytes": stats["io_bytes"], "seconds": stats["io_bytes"] / stats["bw_bytes"],
                            "command": " ".join(command), "version": doc.get("fio version"),
                            "cpu_seconds_per_gb": _fio_cpu_per_gb(doc["jobs"][0], stats["io_bytes"]),

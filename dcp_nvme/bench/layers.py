@@ -1,19 +1,19 @@
 """The bench's view of the three queue-depth layers: the block layer under the directory, the node
 budget against the per-rank depth it replaces, and drive health over the run; plus the save's
-per-rank/per-node telemetry and issue 16's targets."""
+per-rank/per-node telemetry and the node-budget targets."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..blockdev import check_queues, format_device
-from ..health import DriveWatch, format_drive
-from ..telemetry import format_summary, layer_summary
+from ..observe.blockdev import check_queues, format_device
+from ..observe.drive_health import DriveWatch, format_drive
+from ..observe.telemetry import format_summary, layer_summary
 from .core import BenchCore
 from .records import Row, Skip
 
 LAYER_TARGETS = (
-    # (name, ratio key, threshold) -- issue 16, checked when a node budget is set over 2+ ranks
+    # (name, ratio key, threshold), checked when a node budget is set over 2+ ranks
     ("node-budget save >= 0.9 x fio numjobs=ranks at the same total depth", "save_vs_device", 0.9),
     ("node-budget save >= the per-rank-depth save it replaces", "save_vs_per_rank_depth", 1.0),
 )
@@ -42,7 +42,7 @@ class LayerRows(BenchCore):
 
     def _writer_saves(self, row: Row, kind: str, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
         """The row's repeated sync saves through NVMeWriter(**kwargs); this rank's stats of each."""
-        from ..writer import NVMeWriter
+        from ..save.writer import NVMeWriter
 
         dcp = self._dcp()
 
@@ -104,11 +104,11 @@ def format_layers(layers: dict[str, Any] | None) -> list[str]:
     budget = (f"node_queue_depth {layers['node_queue_depth']} over {layers['local_ranks']} rank(s) = {depth} per rank"
               if layers["node_queue_depth"] else
               f"no node budget: {layers['local_ranks']} rank(s) x queue_depth {depth} = {layers['local_ranks'] * depth}")
-    lines = ["LAYERS (issue 16)", f"  framework: {budget}"]
+    lines = ["LAYERS", f"  framework: {budget}"]
     if layers.get("staggered_vs_together") is not None:
         lines.append(f"  write order: {layers.get('node_write_order')}; staggered / together = "
                      f"{layers['staggered_vs_together']:.2f} (same run; `dcp-nvme tune --ranks N` stores the faster)")
-    from ..blockdev import BlockDevice, DiskQueue
+    from ..observe.blockdev import BlockDevice, DiskQueue
 
     device = layers["block_layer"]["device"]
     if device is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..display import format_size
+from ..humanize import format_size
 
 
 def _x(value: float | None) -> str:
@@ -67,7 +67,7 @@ def format_report(doc: dict[str, Any]) -> str:
     if layer_lines:
         lines += layer_lines
     lines.append("")
-    lines.append("TARGETS (issue 4)")
+    lines.append("TARGETS")
     for target in doc["targets"]:
         mark = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
         value = "-" if target["value"] is None else f"{target['value']:.2f}"

@@ -11,16 +11,17 @@ from typing import Any
 
 import torch
 
-from ..display import format_size
-from ..host import evict_from_page_cache, files_under
-from ..memory import aligned_buffer, tensor_bytes
-from ..synthetic import build_state, llama_spec
-from ..tune import engine_probe
+from ..engines.buffers import aligned_buffer, tensor_bytes
+from ..errors import BenchError
+from ..humanize import format_size
+from ..observe.machine import evict_from_page_cache, files_under
+from ..tune.probe import engine_probe
 from .core import BenchCore, same_state
 from .device import fio_sequential, fio_version
 from .peers import safetensors_load_eager, save_torch
 from .records import Row, Skip
 from .reshard import RESHARD_SPLIT, rchar, reshard_rows, row_block_planner
+from .synthetic import build_state, llama_spec
 
 
 class OursRows(BenchCore):
@@ -32,8 +33,8 @@ class OursRows(BenchCore):
         so the rows compare data paths. Their seconds are kept in the results as ``warmup``."""
         from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-        from ..reader import NVMeReader
-        from ..writer import NVMeWriter
+        from ..load.reader import NVMeReader
+        from ..save.writer import NVMeWriter
 
         dcp, no_dist = self._dcp(), not self.group.is_dist
         spec = llama_spec(1 << 20)
@@ -137,7 +138,7 @@ class OursRows(BenchCore):
             self._drop(path)
 
     def ours_save(self) -> None:
-        from ..writer import NVMeWriter
+        from ..save.writer import NVMeWriter
 
         row = self.add(Row("dcp_nvme.save", "dcp_nvme save (sync)", "write", "ours"))
         dcp = self._dcp()
@@ -156,8 +157,8 @@ class OursRows(BenchCore):
         total = self.add(Row("dcp_nvme.async.total", "dcp_nvme async save: total", "write", "ours"))
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-        from ..staging import NVMeStager
-        from ..writer import NVMeWriter
+        from ..save.stager import NVMeStager
+        from ..save.writer import NVMeWriter
 
         dcp = self._dcp()
         stager = NVMeStager()
@@ -195,7 +196,7 @@ class OursRows(BenchCore):
         total.note = "until the checkpoint is committed"
 
     def ours_load(self) -> None:
-        from ..reader import NVMeReader
+        from ..load.reader import NVMeReader
 
         row = self.add(Row("dcp_nvme.load", "dcp_nvme load (cold)", "read", "ours"))
         dcp = self._dcp()
@@ -216,7 +217,7 @@ class OursRows(BenchCore):
         dcp_nvme and the FileSystemWriter checkpoints; bytes read come from /proc/self/io."""
         from torch.distributed.checkpoint import FileSystemReader
 
-        from ..reader import NVMeReader
+        from ..load.reader import NVMeReader
 
         split = self.group.world * RESHARD_SPLIT
         ours = self.add(Row("reshard.dcp_nvme", f"dcp_nvme resharded load (1/{split} of each tensor)",
@@ -254,7 +255,7 @@ class OursRows(BenchCore):
                 if hasattr(storage, "last_stats"):
                     row.extra["reader_stats"] = storage.last_stats
                 if not row.extra["identical"]:
-                    raise RuntimeError(f"{row.label}: the loaded rows differ from the saved ones")
+                    raise BenchError(f"{row.label}: the loaded rows differ from the saved ones")
             note = (f"rank 0 of a {split}-way row split loads rows [0, n/{split}) of every tensor from the "
                     f"{self.group.world}-rank checkpoint (a quarter of each saved chunk); bytes read from "
                     "/proc/self/io rchar")

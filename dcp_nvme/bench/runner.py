@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from ..config import default_tune_file
-from ..display import format_size, progress_bar
-from ..host import machine_info
-from ..synthetic import ModelSpec, llama_spec
+from ..errors import InvalidInputError, StorageError
+from ..humanize import format_size, progress_bar
+from ..observe.machine import machine_info
 from .datapath import DataPathRows
 from .device import fio_version
 from .group import Group, free_port
@@ -27,6 +27,7 @@ from .layers import LayerRows
 from .peers import PeerRows
 from .records import BenchOptions, Row, Skip
 from .rows import OursRows
+from .synthetic import ModelSpec, llama_spec
 from .targets import check_targets, compute_ratios
 
 
@@ -150,16 +151,16 @@ def _rank_entry(rank: int, world: int, port: int, options: BenchOptions, root: s
 def run_bench(options: BenchOptions) -> dict[str, Any]:
     """Run every row; return the results document (also what ``--json`` writes)."""
     if options.ranks < 1:
-        raise ValueError("--ranks must be at least 1")
+        raise InvalidInputError("--ranks must be at least 1")
     if options.repeat < 1:
-        raise ValueError("--repeat must be at least 1")
+        raise InvalidInputError("--repeat must be at least 1")
     os.makedirs(options.directory, exist_ok=True)
     spec = llama_spec(options.size, options.optim)
     # kept at once: 4 checkpoints (dcp_nvme, FileSystemWriter, torch.save, safetensors) + one in flight
     needed = 6 * spec.nbytes
     free = shutil.disk_usage(options.directory).free
     if free < needed:
-        raise OSError(f"{options.directory} has {format_size(free)} free; a {format_size(spec.nbytes)} bench "
+        raise StorageError(f"{options.directory} has {format_size(free)} free; a {format_size(spec.nbytes)} bench "
                       f"needs about {format_size(needed)} (6 copies); use a smaller --size or another --dir")
     root = os.path.join(options.directory, f"dcp-nvme-bench-{uuid.uuid4().hex[:8]}")
     os.makedirs(root)

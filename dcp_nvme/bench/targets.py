@@ -1,11 +1,11 @@
-"""Ratios between rows and the issue's targets, checked on every run (pure: rows in, figures out)."""
+"""Ratios between rows and the project's performance targets, checked on every run (pure: rows in, figures out)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 TARGETS = (
-    # (name, ratio key, threshold, comparison) -- the issue's targets, checked on every run
+    # (name, ratio key, threshold, comparison) -- the performance targets, checked on every run
     ("sync save >= 0.85 x device write limit", "save_vs_device", 0.85, ">="),
     ("sync save >= 3 x FileSystemWriter(thread_count=1)", "save_vs_fs_t1", 3.0, ">="),
     ("sync save >= 1.5 x best FileSystemWriter thread_count", "save_vs_fs_best", 1.5, ">="),

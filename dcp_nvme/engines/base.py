@@ -9,8 +9,8 @@ from typing import Protocol
 import torch
 
 from ..config import IOConfig
-from ..layout import ReadRequest
-from ..stats import IOStats
+from ..observe.stats import IOStats
+from .requests import ReadRequest
 
 
 @dataclass

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..checksums import check_host
-from ..concurrency import run_bounded
 from ..config import IOConfig
-from ..layout import SCRATCH, ReadRequest
-from ..stats import IOStats
-from .posix import check_length
+from ..format.checksums import check_host
+from ..observe.stats import IOStats
+from .bounded import run_bounded
+from .files import check_length
+from .requests import SCRATCH, ReadRequest
 
 
 class FsspecEngine:

@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 
-from ..checksums import check_device, device_crc32c_async, finish_crc32c
-from ..concurrency import run_bounded
 from ..config import ALIGN, IOConfig
-from ..layout import SCRATCH, ReadRequest, Window
-from ..stats import IOStats
+from ..format.checksums import check_device, device_crc32c_async, finish_crc32c
+from ..observe.stats import IOStats
 from .base import FileWriteResult, PicklesAsConfig
-from .posix import PosixEngine, check_length
+from .bounded import run_bounded
+from .files import check_length
+from .posix import PosixEngine
+from .requests import SCRATCH, ReadRequest, Window
 
 log = logging.getLogger(__name__)
 

@@ -22,21 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from ..config import IOConfig
-from ..layout import ReadRequest, Window
-from ..stats import IOStats
+from ..observe.stats import IOStats
 from . import ring as uring
 from .base import FileWriteResult
-from .posix import (
-    PosixEngine,
-    PrefixTracker,
-    PreparedRead,
-    PreparedWindow,
-    ReadSource,
-    finish_read,
-    host_address,
-    prepare_read,
-    with_path,
-)
+from .files import with_path
+from .posix import PosixEngine
+from .reads import PreparedRead, ReadSource, finish_read, prepare_read
+from .requests import ReadRequest, Window
+from .windows import PrefixTracker, PreparedWindow, host_address
 
 log = logging.getLogger(__name__)
 

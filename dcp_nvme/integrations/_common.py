@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..rundir import DCP, committed_kind
+from ..storage.run_dir import DCP, committed_kind
 
 PathLike = str | os.PathLike
 WriterFactory = Callable[[PathLike], Any]
@@ -20,20 +20,20 @@ StagerFactory = Callable[[], Any]
 
 
 def nvme_writer(path: PathLike, **kwargs: Any):
-    from dcp_nvme import NVMeWriter
+    from .. import NVMeWriter
 
     kwargs.setdefault("overwrite", True)
     return NVMeWriter(path, **kwargs)
 
 
 def nvme_reader(path: PathLike, **kwargs: Any):
-    from dcp_nvme import NVMeReader
+    from .. import NVMeReader
 
     return NVMeReader(path, **kwargs)
 
 
 def nvme_stager():
-    from dcp_nvme import NVMeStager
+    from .. import NVMeStager
 
     return NVMeStager()
 

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from ..errors import InvalidInputError
+
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +65,7 @@ def remove_items(path: str | os.PathLike, key_prefix: str, *, reader_factory=Non
                  writer_factory=None) -> list[str]:
     """Remove every item whose key starts with ``key_prefix`` from the dcp_nvme checkpoint at
     ``path``; returns the removed keys (none: the checkpoint is left untouched)."""
-    from dcp_nvme import NVMeReader, NVMeWriter
+    from .. import NVMeReader, NVMeWriter
 
     reader_factory = reader_factory or NVMeReader
     writer_factory = writer_factory or (lambda p: NVMeWriter(p, overwrite=True))
@@ -72,7 +74,7 @@ def remove_items(path: str | os.PathLike, key_prefix: str, *, reader_factory=Non
     if not removed:
         return []
     if len(removed) == len(metadata.state_dict_metadata):
-        raise ValueError(f"{path}: every item starts with {key_prefix!r}; remove the checkpoint directory "
+        raise InvalidInputError(f"{path}: every item starts with {key_prefix!r}; remove the checkpoint directory "
                          "instead of emptying it")
     kept: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():

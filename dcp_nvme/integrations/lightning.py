@@ -37,6 +37,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from ..errors import UnknownOptionError
 from ._common import make_reader, make_stager, make_writer, wait_future
 
 __all__ = ["NVMeModelParallelStrategy", "META_KEY"]
@@ -101,7 +102,7 @@ def _build_strategy_class():
             opts = dict(storage_options or {})
             async_save = bool(opts.pop("async_save", self._nvme_async_default))
             if opts:
-                raise TypeError(f"unsupported storage_options for {type(self).__name__}: {sorted(opts)}")
+                raise UnknownOptionError(f"unsupported storage_options for {type(self).__name__}: {sorted(opts)}")
             path = str(self.broadcast(str(filepath)))
             # one save in flight at a time; the previous one must be committed
             self.wait_for_checkpoint()

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from ..rundir import checkpoints
-from ..store import is_remote_url
+from ..storage.local_dir import is_remote_url
+from ..storage.run_dir import checkpoints
 from ._common import make_reader, make_stager, make_writer, nvme_reader, nvme_writer
 
 __all__ = ["NVMeCheckpointManager", "latest_step"]

@@ -7,17 +7,10 @@ See docs/tiers.md. ``register`` adds ``dcp-nvme drain`` and ``dcp-nvme status``.
 """
 
 from ..errors import DrainError
-from .drainer import (
-    Drainer,
-    DrainOptions,
-    DrainResult,
-    default_drainer,
-    drain,
-    set_default_drainer,
-    verify_mirror,
-)
+from .background import Drainer, default_drainer, set_default_drainer
+from .drainer import DrainOptions, DrainResult, drain, verify_mirror
+from .journal import DRAINING, FAILED, LOCAL, MIRRORED, UNCOMMITTED, DrainState, drain_state
 from .retention import apply_retention, plan_retention
-from .state import DRAINING, FAILED, LOCAL, MIRRORED, UNCOMMITTED, DrainState, drain_state
 
 __all__ = [
     "DRAINING", "FAILED", "LOCAL", "MIRRORED", "UNCOMMITTED",
@@ -35,6 +28,6 @@ def submit_mirror(local: str, target: str, storage_options: dict | None = None, 
 
 
 def register(subparsers) -> None:
-    from .cli import register as _register
+    from .commands import register as _register
 
     _register(subparsers)

@@ -2,7 +2,7 @@
 
 The local tier stays plain safetensors. With ``DrainOptions(compress="bytegroup")`` (or
 ``"auto"`` when it pays) each rank file is read in block-aligned windows, each window checked
-against the blocks table, coded by ``dcp_nvme.codec`` on a bounded thread pool, and written to
+against the blocks table, coded by ``format.codec`` on a bounded thread pool, and written to
 ``<checkpoint>/.drain-zip.<key>/<rank file>.dcz``, on a coder thread of its own. The drain sends
 those files as it sends plain ones (pieces, journal, confirmation before ``mirrored``), each
 piece as soon as it is coded (``CompressedSource.stream``): each gets a FileRecord of its own
@@ -21,38 +21,35 @@ import os
 import shutil
 import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import crc32c
 
-from .. import codec
-from ..manifest import SELF_CRC, FileRecord, Manifest, seal
+from ..format import codec
+from ..format.manifest import SELF_CRC, Manifest, seal
+from ..format.pieces import Piece, plan_pieces, verify_piece
+from ..format.tables import FileRecord
+from .compress_sample import measure, pays
+from .encoder import DEPTH, CodecStats, Encoder, Window, chunks_in, regions
 from .source import DrainSource
-from .transfer import DrainFault, Piece, plan_pieces, step, verify_piece
+from .transfer import DrainFault, step
 
 log = logging.getLogger(__name__)
 
+
 MODES = ("off", "auto", "bytegroup", "delta")
+
+
 SUFFIX = ".dcz"
+
+
 SECTION = "compression"
+
+
 WINDOW = 32 << 20
 """Decoded bytes read, verified and coded at a time (bounds the drain's memory)."""
-SAMPLE = 8 << 20
-"""Bytes ``auto`` codes to measure the codec on this machine."""
-SAMPLE_WINDOW = 1 << 20
-"""``auto`` codes its sample in windows this long, spread over the checkpoint (rounded up to
-whole checksum blocks)."""
-MIN_SPEEDUP = 1.02
-"""``auto`` codes only when that makes the drain at least this much sooner."""
-DEPTH = 2
-"""Windows coding at once: one being finished and written while the next keeps the pool busy."""
-
-Window = tuple[bytes, list[codec.Chunk], int, "bytes | None"]
-"""(decoded bytes, the chunks inside them, their file offset, the base's bytes or None)."""
 
 
 def default_threads() -> int:
@@ -65,197 +62,12 @@ def stored_name(name: str) -> str:
     return name + SUFFIX
 
 
-@dataclass(frozen=True)
-class Measure:
-    """The codec on a sample of this checkpoint: decoded bytes per second and ratio."""
-
-    throughput: float
-    ratio: float
-
-
-def pays(measure: Measure, link: float | None) -> tuple[bool, str]:
-    """Whether coding a file while sending it finishes sooner than sending it plain.
-
-    The drain sends coded pieces while later ones are coded, so time per byte is the slower
-    stage: max(1/E, 1/(r*L)) against 1/L plain (E codec throughput, r ratio, L the link's
-    bytes/s: the bandwidth cap or ``link_rate``); it must be at least ``MIN_SPEEDUP`` sooner
-    (a ratio of 1.00001x is not worth the CPU). Without a known link the drain sends plain
-    (say ``compress="bytegroup"`` to force it).
-    """
-    figures = f"codec {measure.throughput / 1e6:.0f} MB/s at {measure.ratio:.2f}x"
-    if not link:
-        return False, f"{figures}; link speed unknown (set bandwidth or link_rate): sending plain"
-    coded = max(1 / measure.throughput, 1 / (measure.ratio * link))
-    if coded * MIN_SPEEDUP <= 1 / link:
-        return True, f"{figures} beats the {link / 1e6:.0f} MB/s link ({1 / link / coded:.2f}x sooner)"
-    return False, f"{figures} does not beat the {link / 1e6:.0f} MB/s link: sending plain"
-
-
-def regions(manifest: Manifest, name: str) -> list[tuple[int, int, str | None]]:
-    """(offset, length, dtype) of each tensor in one rank file; non-tensor items are plain."""
-    return [(c.byte_offset, c.length, c.dtype if c.kind == "tensor" else None)
-            for c in manifest.chunks if c.file == name]
-
-
 def plan_file(record: FileRecord, manifest: Manifest, window: int = WINDOW,
               chunk_size: int = codec.DEFAULT_CHUNK) -> list[tuple[Piece, list[codec.Chunk]]]:
     """Block-aligned windows of a rank file, each with the codec chunks inside it."""
     spans = regions(manifest, record.name)
     return [(piece, chunks_in(spans, piece, chunk_size))
             for piece in plan_pieces(record.size, record.data_start, record.checksum_block, window)]
-
-
-def chunks_in(spans: list[tuple[int, int, str | None]], piece: Piece,
-              chunk_size: int = codec.DEFAULT_CHUNK) -> list[codec.Chunk]:
-    """The codec chunks of one piece of a rank file (file offsets), tensors clipped to it."""
-    lo, hi = piece.offset, piece.offset + piece.length
-    clipped = [(max(o, lo) - lo, min(o + n, hi) - max(o, lo), d) for o, n, d in spans if o < hi and o + n > lo]
-    return [codec.Chunk(c.offset + lo, c.length, c.planes) for c in codec.plan_chunks(piece.length, clipped, chunk_size)]
-
-
-@dataclass(frozen=True)
-class SamplePick:
-    """One window of a checkpoint ``auto`` codes: ``length`` bytes of ``file`` at ``offset``."""
-
-    file: str
-    offset: int
-    length: int
-
-
-def plan_sample(records: Sequence[FileRecord], budget: int = SAMPLE,
-                window: int = SAMPLE_WINDOW) -> list[SamplePick]:
-    """Where ``auto`` samples a checkpoint, at most ``budget`` bytes in windows of ``window``
-    (whole checksum blocks), each inside a file's data region and aligned on its blocks (read
-    and verified on its own). A checkpoint of ``budget`` bytes or less is sampled whole; a
-    larger one in windows centred on the middles of equal stretches of its files' data taken
-    end to end, so each file gets its share by size. Pure and deterministic."""
-    spans = [r for r in records if r.size > r.data_start]
-    total = sum(r.data_size for r in spans)
-    if total <= budget:
-        return [SamplePick(r.name, at, min(step, r.size - at)) for r in spans
-                for step in [_blocks(window, r.checksum_block)] for at in range(r.data_start, r.size, step)]
-    unit = max(_blocks(window, r.checksum_block) for r in spans)
-    count = max(1, budget // unit)
-    picks: list[SamplePick] = []
-    for i in range(count):
-        spot = (2 * i + 1) * total // (2 * count)
-        for record in spans:
-            if spot < record.data_size:
-                break
-            spot -= record.data_size
-        length = min(record.data_size, _blocks(window, record.checksum_block))
-        start = min(max(0, spot - length // 2), record.data_size - length)
-        start -= start % record.checksum_block
-        pick = SamplePick(record.name, record.data_start + start, length)
-        if pick not in picks:
-            picks.append(pick)
-    return picks
-
-
-def _blocks(length: int, block: int) -> int:
-    """``length`` rounded up to whole checksum blocks."""
-    return max(1, -(-length // block)) * block
-
-
-@dataclass
-class CodecStats:
-    bytes_in: int = 0
-    bytes_out: int = 0
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    """CPU time of the codec threads (thread time: the training job's threads are not counted)."""
-    files: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        return self.bytes_in / self.bytes_out if self.bytes_out else 1.0
-
-
-class Encoder:
-    """A bounded pool of codec threads, its CPU time counted."""
-
-    def __init__(self, threads: int, level: int) -> None:
-        self.level = level
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dcp-nvme-codec")
-        self.cpu = 0.0
-        self._lock = threading.Lock()
-        self.alive = 0
-        """Windows submitted to the pool whose results are not yet handed on (their bytes are held)."""
-        self.peak = 0
-        """Most windows alive at once: the memory bound (tests check it)."""
-
-    def _submit(self, data: bytes, chunks: list[codec.Chunk], origin: int,
-                base: bytes | None) -> list[Future[tuple[bytes, int]]]:
-        view = memoryview(data)
-        basis = memoryview(base) if base is not None else None
-
-        def one(chunk: codec.Chunk) -> tuple[bytes, int]:
-            started = time.thread_time()
-            lo, hi = chunk.offset - origin, chunk.offset - origin + chunk.length
-            piece = view[lo:hi]
-            out = (codec.encode_chunk(piece, chunk.planes, self.level, basis[lo:hi] if basis is not None else None),
-                   crc32c.crc32c(piece))
-            with self._lock:
-                self.cpu += time.thread_time() - started
-            return out
-
-        return [self.pool.submit(one, chunk) for chunk in chunks]
-
-    def code_windows(self, windows: Iterable[Window], depth: int = DEPTH) -> Iterator[list[tuple[bytes, int]]]:
-        """Each window's coded chunks, in order, with the next ``depth - 1`` windows already
-        coding on the pool meanwhile (the pool never idles between windows); at most ``depth``
-        windows' bytes are held at once."""
-        pending: deque[list[Future[tuple[bytes, int]]]] = deque()
-        source = iter(windows)
-        try:
-            while True:
-                while len(pending) < depth:
-                    window = next(source, None)
-                    if window is None:
-                        break
-                    pending.append(self._submit(*window))
-                    self._alive(+1)
-                if not pending:
-                    return
-                coded = [future.result() for future in pending[0]]
-                pending.popleft()
-                self._alive(-1)
-                yield coded
-        finally:
-            for futures in pending:  # abandoned (a failure): let no window outlive the call
-                for future in futures:
-                    future.cancel()
-                self._alive(-1)
-
-    def _alive(self, change: int) -> None:
-        with self._lock:
-            self.alive += change
-            self.peak = max(self.peak, self.alive)
-
-    def close(self) -> None:
-        self.pool.shutdown()
-
-
-def measure(source: DrainSource, encoder: Encoder, picks: Sequence[SamplePick] | None = None) -> Measure:
-    """Code a sample of the checkpoint (``plan_sample``'s windows unless ``picks`` are given),
-    each window read and checked like a drained piece; the aggregate ratio and the wall-clock
-    throughput of coding them all on the encoder's threads."""
-    if picks is None:
-        picks = plan_sample([source.files[name] for name in source.manifest.file_names])
-    windows: list[Window] = []
-    for pick in picks:
-        record = source.files[pick.file]
-        piece = Piece(0, pick.offset, pick.length)
-        windows.append((source.piece(record, piece), chunks_in(regions(source.manifest, pick.file), piece),
-                        pick.offset, None))
-    sampled = sum(len(data) for data, *_ in windows)
-    if not sampled:
-        return Measure(float("inf"), 1.0)  # nothing to code: no data, nothing to gain
-    started = time.perf_counter()
-    stored = sum(len(s) for coded in encoder.code_windows(windows, depth=max(DEPTH, len(windows)))
-                 for s, _ in coded)
-    seconds = max(time.perf_counter() - started, 1e-9)
-    return Measure(sampled / seconds, sampled / (stored or 1))
 
 
 @dataclass
@@ -287,8 +99,8 @@ def pick_base(location: str, target: str, every: int, mirror_manifest: Any) -> t
     """The newest older checkpoint of the run directory that is mirrored (and still local), or
     None (code full) with the reason. A chain reaching ``every`` - 1 deltas starts over full.
     ``mirror_manifest(url)`` returns the parsed manifest committed at a mirror URL, or None."""
-    from ..rundir import checkpoints
-    from .state import MIRRORED, drain_state
+    from ..storage.run_dir import checkpoints
+    from .journal import MIRRORED, drain_state
 
     here = os.path.realpath(location)
     older = []

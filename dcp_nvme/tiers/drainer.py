@@ -1,8 +1,8 @@
 """The drain: copy one committed local checkpoint to its mirror, confirmed, manifest last.
 
     drain(local, target)  one checkpoint, in the calling thread, retried with backoff
-    Drainer               a background worker: submit() returns a Future per checkpoint,
-                          applies retention after each success
+    verify_mirror         read a drained checkpoint back and check every byte
+    (the background worker, ``Drainer``, is ``tiers.background``)
 
 The save being drained is fixed when the drain starts: its manifest and tables are read once
 and checked, and a drain whose checkpoint is overwritten before the commit fails (the new save
@@ -23,27 +23,27 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from ..codec import DEFAULT_LEVEL
-from ..concurrency import run_bounded
-from ..errors import CheckpointNotFoundError, DrainError, ManifestError
-from ..manifest import MANIFEST, FileRecord, save_key_of
-from .coded import readback_coded, same_save
+from ..engines.bounded import run_bounded
+from ..errors import CheckpointNotFoundError, DrainError, InvalidInputError, ManifestError
+from ..format.codec import DEFAULT_LEVEL
+from ..format.names import MANIFEST, save_key_of
+from ..format.pieces import Piece, plan_pieces, verify_piece
+from ..format.tables import FileRecord
+from ..load.coded import readback_coded, same_save
 from .compress import MODES as COMPRESS_MODES
 from .compress import SUFFIX as CODED_SUFFIX
 from .compress import CompressedSource, default_threads, pick_base, remove_scratch, through_codec
+from .journal import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock
 from .sinks import S3Sink, Sink, open_sink
 from .source import DrainSource, overwritten
-from .state import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock, drain_state
 from .transfer import (
     S3_MIN_PART,
     IncompleteOnTarget,
     MiB,
-    Piece,
     SourceChanged,
     TokenBucket,
     backoff_delay,
@@ -53,16 +53,18 @@ from .transfer import (
     matching_pieces,
     overlap,
     piece_entry,
-    plan_pieces,
     step,
-    verify_piece,
 )
 
 log = logging.getLogger(__name__)
 
+
 VERIFY_MODES = ("sent", "readback")
 
+
 Hook = Callable[[str, dict[str, Any]], None]
+
+
 _hook: Hook | None = None
 """Test seam: called at named points of a drain (``piece-sent``, ``piece-journaled``,
 ``file-finished``, ``before-commit``) so crash and race tests can act at an exact moment."""
@@ -115,19 +117,19 @@ class DrainOptions:
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESS_MODES:
-            raise ValueError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
+            raise InvalidInputError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
         if self.delta_every < 1:
-            raise ValueError(f"delta_every must be >= 1, got {self.delta_every}")
+            raise InvalidInputError(f"delta_every must be >= 1, got {self.delta_every}")
         if self.codec_threads is not None and self.codec_threads < 1:
-            raise ValueError(f"codec_threads must be >= 1, got {self.codec_threads}")
+            raise InvalidInputError(f"codec_threads must be >= 1, got {self.codec_threads}")
         if self.verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+            raise InvalidInputError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.max_transfers < 1:
-            raise ValueError(f"max_transfers must be >= 1, got {self.max_transfers}")
+            raise InvalidInputError(f"max_transfers must be >= 1, got {self.max_transfers}")
         if self.part_size < 1:
-            raise ValueError(f"part_size must be >= 1, got {self.part_size}")
+            raise InvalidInputError(f"part_size must be >= 1, got {self.part_size}")
         if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries}")
+            raise InvalidInputError(f"retries must be >= 0, got {self.retries}")
 
 
 @dataclass
@@ -541,85 +543,3 @@ def _verify_locked(location: str, target: str, storage_options: dict[str, Any] |
         raise
     result.seconds = time.perf_counter() - started
     return result
-
-
-class Drainer:
-    """Drains checkpoints in the background, one at a time, in submission order.
-
-    ``submit`` returns a Future resolving to a DrainResult (or raising DrainError). With
-    ``keep_last=K`` the parent directory of each drained checkpoint is pruned to the K newest
-    local checkpoints after every success; checkpoints not yet mirrored are never removed.
-    The worker thread is not a daemon: a process that ends waits for queued drains.
-    """
-
-    def __init__(self, options: DrainOptions | None = None, *, keep_last: int | None = None) -> None:
-        self.options = options or DrainOptions()
-        self.keep_last = keep_last
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-drain")
-        self._futures: list[Future] = []
-        self._lock = threading.Lock()
-
-    def submit(self, local: str | os.PathLike, target: str, *, storage_options: dict[str, Any] | None = None,
-               filesystem: Any = None, compress: str | None = None) -> Future[DrainResult]:
-        options = self.options if compress is None else replace(self.options, compress=compress)
-
-        def run() -> DrainResult:
-            result = drain(local, target, storage_options=storage_options, filesystem=filesystem,
-                           options=options)
-            if self.keep_last is not None:
-                from .retention import apply_retention
-
-                run_dir = os.path.dirname(os.path.abspath(os.fspath(local)))
-                try:  # the drain succeeded: a broken sibling must not turn it into a failure
-                    apply_retention(run_dir, self.keep_last)
-                except Exception as exc:  # noqa: BLE001
-                    log.error("dcp_nvme: %s is mirrored, but retention in %s failed: %s", local, run_dir, exc)
-                    result.errors.append(f"retention in {run_dir}: {type(exc).__name__}: {exc}")
-            return result
-
-        future = self._pool.submit(run)
-        future.add_done_callback(_log_failure)
-        with self._lock:
-            self._futures = [f for f in self._futures if not f.done()] + [future]
-        return future
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every submitted drain has finished; re-raise the first failure."""
-        with self._lock:
-            futures = list(self._futures)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for future in futures:
-            future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-    def state(self, local: str | os.PathLike):
-        return drain_state(local)
-
-    def close(self, wait: bool = True) -> None:
-        self._pool.shutdown(wait=wait, cancel_futures=not wait)
-
-
-def _log_failure(future: Future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("dcp_nvme: background drain failed: %s", future.exception())
-
-
-_default: Drainer | None = None
-_default_lock = threading.Lock()
-
-
-def default_drainer() -> Drainer:
-    """The process-wide Drainer used by ``NVMeWriter(mirror=...)``."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Drainer()
-        return _default
-
-
-def set_default_drainer(drainer: Drainer | None) -> Drainer | None:
-    """Replace the process-wide Drainer (e.g. ``Drainer(DrainOptions(bandwidth=...), keep_last=3)``);
-    returns the one it replaces (None: a default one is made on first use)."""
-    global _default
-    with _default_lock:
-        previous, _default = _default, drainer
-    return previous

@@ -24,11 +24,13 @@ import shutil
 import stat
 from dataclasses import dataclass
 
-from ..manifest import MANIFEST, read_manifest
-from ..rundir import NVME, checkpoints
-from ..savelock import read_holder, stale_reason
-from ..store import LocalStore, is_local_path, local_path
-from .state import MIRRORED, drain_state
+from ..errors import InvalidInputError
+from ..format.manifest import read_manifest
+from ..format.names import MANIFEST
+from ..storage.local_dir import LocalStore, is_local_path, local_path
+from ..storage.run_dir import NVME, checkpoints
+from ..storage.save_lock import read_holder, stale_reason
+from .journal import MIRRORED, drain_state
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def _unreadable(path: str) -> str | None:
 def plan_retention(run_dir: str | os.PathLike, keep_last: int) -> list[RetentionDecision]:
     """What :func:`apply_retention` would do, oldest checkpoint first."""
     if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        raise InvalidInputError(f"keep_last must be >= 1, got {keep_last}")
     found = [os.fspath(c.path) for c in checkpoints(run_dir, kinds=(NVME,))]
     broken = {path: why for path in found if (why := _unreadable(path)) is not None}
     newest = set([path for path in found if path not in broken][-keep_last:])

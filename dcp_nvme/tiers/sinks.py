@@ -26,10 +26,10 @@ from typing import Any
 from fsspec.asyn import sync
 
 from ..errors import BucketMissingError, ChecksumMismatchError
-from ..manifest import FileRecord
-from ..remote import FsspecStore, filesystem, is_local_fs
-from ..store import LocalStore, fsync_dir, is_remote_url, local_path
-from .transfer import Piece, verify_piece
+from ..format.pieces import Piece, verify_piece
+from ..format.tables import FileRecord
+from ..storage.fsspec_dir import FsspecStore, filesystem, is_local_fs
+from ..storage.local_dir import LocalStore, fsync_dir, is_remote_url, local_path
 
 LocalPiece = Callable[[FileRecord, Piece], bytes]
 """Reads one piece of a local data file, checked against the blocks table."""

@@ -12,11 +12,14 @@ import json
 import os
 from typing import Any
 
-from ..checksums import check_table
 from ..errors import ManifestError
-from ..manifest import MANIFEST, FileRecord, Manifest, read_files, read_manifest
-from ..store import LocalStore, open_regular
-from .transfer import DrainFault, Piece, SourceChanged, step, verify_piece
+from ..format.checksums import check_table
+from ..format.manifest import Manifest, read_files, read_manifest
+from ..format.names import MANIFEST
+from ..format.pieces import Piece, verify_piece
+from ..format.tables import FileRecord
+from ..storage.local_dir import LocalStore, open_regular
+from .transfer import DrainFault, SourceChanged, step
 
 
 class DrainSource:

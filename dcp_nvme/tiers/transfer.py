@@ -1,5 +1,5 @@
-"""The rules of a transfer, without its I/O: how a file is cut into pieces, which journaled
-pieces still match them, whether a target overlaps its source, how a piece is verified, how a
+"""The rules of a transfer, without its I/O: which journaled pieces still
+match the pieces a file is cut into (``format.pieces``), whether a target overlaps its source, how a
 failure is named and whether a retry can fix it, and the token bucket that caps bandwidth. No
 I/O here except sleeping."""
 
@@ -11,13 +11,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
-from ..checksums import check_host, checks_within
 from ..errors import BucketMissingError, ChecksumMismatchError
-from ..manifest import FileRecord
+from ..format.pieces import Piece
 
 MiB = 1 << 20
+
+
 S3_MIN_PART = 5 * MiB
 """S3 refuses multipart parts below 5 MiB (except the last)."""
 
@@ -37,33 +37,6 @@ class SourceChanged(DrainFault):
     """The local checkpoint was overwritten (a new save committed) while it was draining."""
 
     permanent = True
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One transfer unit of a file: ``[offset, offset + length)``."""
-
-    index: int
-    offset: int
-    length: int
-
-
-def plan_pieces(size: int, data_start: int, checksum_block: int, part_size: int) -> list[Piece]:
-    """Cut a container into pieces whose boundaries fall on checksum blocks of its data region.
-
-    The first piece carries the header plus ``part_size`` bytes of data, so every piece covers
-    whole blocks and can be verified on its own.
-    """
-    if part_size < checksum_block:
-        part_size = checksum_block
-    part_size -= part_size % checksum_block
-    pieces, offset = [], 0
-    end = min(size, data_start + part_size)
-    while True:
-        pieces.append(Piece(len(pieces), offset, end - offset))
-        if end >= size:
-            return pieces
-        offset, end = end, min(size, end + part_size)
 
 
 def piece_entry(piece: Piece, tag: str) -> dict[str, int | str]:
@@ -112,15 +85,6 @@ def overlap(source: str, target: str) -> str | None:
     if source.startswith(target.rstrip(os.sep) + os.sep):
         return f"the checkpoint {source} is inside the target {target}"
     return None
-
-
-def verify_piece(record: FileRecord, offset: int, data: bytes | memoryview, where: str) -> None:
-    """Check the header and every checksum block inside ``data`` (the file's bytes at ``offset``).
-
-    Raises ChecksumMismatchError naming ``where`` (the file, local or remote) and the range.
-    """
-    view = memoryview(data)
-    check_host(where, offset, checks_within(record, offset, offset + len(view)), [view])
 
 
 STEP = "dcp_nvme_drain_step"

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from ..display import format_size as human_bytes
+from ..humanize import format_size as human_bytes
 
 
 def _table(rows: list[list[str]], out=sys.stdout) -> None:
@@ -96,7 +96,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("by top key:  " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.by_top_key.items())))
         print(f"total:       {len(info.tensors)} tensor(s), {len(info.objects)} other item(s), "
               f"{human_bytes(info.total_bytes)}")
-        from ..tiers.coded import describe_compression
+        from ..load.coded import describe_compression
 
         coded = describe_compression(info.location)
         if coded:
@@ -161,7 +161,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert  # torch is imported only when the command runs
+    from .convert import convert
 
     result = convert(args.src, args.dst, args.to, memory_budget=args.memory_budget, overwrite=args.overwrite)
     if args.json:
@@ -186,7 +186,7 @@ def register_convert(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:
-    from ..savelock import unlock
+    from ..storage.save_lock import unlock
 
     holder, why = unlock(args.path, force=args.force)
     if holder is None:
@@ -197,7 +197,7 @@ def cmd_unlock(args: argparse.Namespace) -> int:
 
 
 def register_unlock(subparsers: argparse._SubParsersAction) -> None:
-    from ..savelock import STALE_AFTER_S
+    from ..storage.save_lock import STALE_AFTER_S
 
     p = subparsers.add_parser(
         "unlock", help="remove a checkpoint directory's save lock left by a dead save",

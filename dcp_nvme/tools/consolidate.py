@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import ST_DTYPES
-from ..layout import Need, count_runs, slice_runs
-from ..manifest import ChunkRecord, parse_dtype
+from ..errors import InvalidInputError
+from ..format.container import ST_DTYPES, parse_dtype
+from ..format.tables import ChunkRecord
+from ..load.planning import Need, count_runs, slice_runs
 
 MAX_RUNS_PER_READ = 16384
 """Runs planned at once for one chunk; bounds the planner's lists for finely split chunks."""
@@ -32,7 +33,7 @@ def parse_out_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     try:
         return DTYPE_ALIASES[name.lower().removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unknown --dtype {name!r}; use one of {sorted(DTYPE_ALIASES)}") from None
+        raise InvalidInputError(f"unknown --dtype {name!r}; use one of {sorted(DTYPE_ALIASES)}") from None
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,11 @@ def select_tensors(
     if keys:
         unmatched = [k for k in keys if not any(fnmatch.fnmatchcase(f, k) for f in by_fqn)]
         if unmatched:
-            raise ValueError(f"--keys {', '.join(map(repr, unmatched))} matches no tensor of {location} "
+            raise InvalidInputError(f"--keys {', '.join(map(repr, unmatched))} matches no tensor of {location} "
                              "(see `dcp-nvme inspect` for the names)")
         by_fqn = {f: c for f, c in by_fqn.items() if any(fnmatch.fnmatchcase(f, k) for k in keys)}
     if not by_fqn:
-        raise ValueError(f"{location} holds no tensors to export")
+        raise InvalidInputError(f"{location} holds no tensors to export")
     plans, names, unstorable = [], {}, []
     for fqn, parts in by_fqn.items():
         stored = parse_dtype(parts[0].dtype)
@@ -94,9 +95,9 @@ def select_tensors(
             continue
         name = fqn[len(strip_prefix):] if strip_prefix and fqn.startswith(strip_prefix) else fqn
         if not name:
-            raise ValueError(f"--strip-prefix {strip_prefix!r} leaves tensor {fqn!r} without a name")
+            raise InvalidInputError(f"--strip-prefix {strip_prefix!r} leaves tensor {fqn!r} without a name")
         if name in names:
-            raise ValueError(f"tensors {names[name]!r} and {fqn!r} both become {name!r}")
+            raise InvalidInputError(f"tensors {names[name]!r} and {fqn!r} both become {name!r}")
         names[name] = fqn
         shape = tuple(parts[0].global_shape)
         _check_cover(fqn, shape, stored, parts)
@@ -104,7 +105,7 @@ def select_tensors(
     if unstorable:
         hint = "pass --dtype (e.g. bf16) to cast floating tensors" if dtype is None else \
             "these are not floating point, so --dtype does not apply; leave them out with --keys"
-        raise ValueError(f"safetensors cannot store the dtype of {len(unstorable)} tensor(s): "
+        raise InvalidInputError(f"safetensors cannot store the dtype of {len(unstorable)} tensor(s): "
                          f"{', '.join(unstorable[:5])}; {hint}")
     return plans
 
@@ -114,12 +115,12 @@ def _check_cover(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, parts: Se
     total = 0
     for part in parts:
         if tuple(part.global_shape) != shape or part.dtype != parts[0].dtype:
-            raise ValueError(f"{fqn}: chunks disagree on shape or dtype; the index is inconsistent")
+            raise InvalidInputError(f"{fqn}: chunks disagree on shape or dtype; the index is inconsistent")
         if any(o + s > g for o, s, g in zip(part.offsets, part.sizes, shape)):
-            raise ValueError(f"{fqn}: chunk at {part.offsets} of size {part.sizes} lies outside {shape}")
+            raise InvalidInputError(f"{fqn}: chunk at {part.offsets} of size {part.sizes} lies outside {shape}")
         total += math.prod(part.sizes)
     if total != math.prod(shape):
-        raise ValueError(f"{fqn}: the stored chunks hold {total} of {math.prod(shape)} elements; "
+        raise InvalidInputError(f"{fqn}: the stored chunks hold {total} of {math.prod(shape)} elements; "
                          "the checkpoint does not hold the whole tensor")
 
 
@@ -127,7 +128,7 @@ def plan_shards(tensors: Sequence[TensorPlan], max_shard_size: int) -> list[list
     """Tensors in order, a new shard whenever the next would pass ``max_shard_size`` (as
     transformers does); a tensor larger than the limit gets a shard of its own."""
     if max_shard_size <= 0:
-        raise ValueError(f"--max-shard-size must be positive, got {max_shard_size}")
+        raise InvalidInputError(f"--max-shard-size must be positive, got {max_shard_size}")
     shards: list[list[TensorPlan]] = []
     size = 0
     for tensor in tensors:

@@ -51,10 +51,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from ..config import parse_size
-from ..manifest import DCP_METADATA, MANIFEST
-from ..reader import NVMeReader
-from ..store import is_remote_url
-from ..writer import NVMeWriter
+from ..errors import InvalidInputError
+from ..format.names import DCP_METADATA, MANIFEST
+from ..load.reader import NVMeReader
+from ..save.writer import NVMeWriter
+from ..storage.local_dir import is_remote_url
 
 FORMATS = ("nvme", "dcp", "torch")
 DEFAULT_MEMORY_BUDGET = 1 << 30
@@ -90,7 +91,7 @@ def detect_format(path: str | os.PathLike) -> str:
         return "nvme"
     if (location / DCP_METADATA).is_file():
         return "dcp"
-    raise ValueError(f"{location} holds neither a dcp_nvme checkpoint ({MANIFEST}) nor a stock DCP "
+    raise InvalidInputError(f"{location} holds neither a dcp_nvme checkpoint ({MANIFEST}) nor a stock DCP "
                      f"checkpoint ({DCP_METADATA}); an unfinished save cannot be converted")
 
 
@@ -109,16 +110,16 @@ def convert(
     """
     started = time.perf_counter()
     if to not in FORMATS:
-        raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
+        raise InvalidInputError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
     for location in (src, dst):
         if is_remote_url(location):
-            raise ValueError(f"convert works on local paths; copy {location} to local disk first")
+            raise InvalidInputError(f"convert works on local paths; copy {location} to local disk first")
     src_format = detect_format(src)
     if src_format == to:
-        raise ValueError(f"{src} is already a {to} checkpoint; copy it instead")
+        raise InvalidInputError(f"{src} is already a {to} checkpoint; copy it instead")
     budget = parse_size(memory_budget) if isinstance(memory_budget, str) else int(memory_budget)
     if budget <= 0:
-        raise ValueError(f"memory budget must be positive, not {memory_budget!r}")
+        raise InvalidInputError(f"memory budget must be positive, not {memory_budget!r}")
     _refuse_overlap(Path(src), Path(dst))
     _prepare_destination(Path(dst), to, overwrite)
     result = ConvertResult(os.fspath(src), os.fspath(dst), src_format, to)
@@ -151,7 +152,7 @@ def _refuse_overlap(src: Path, dst: Path) -> None:
     """--overwrite clears the destination first: it must not be, hold or sit inside the source."""
     a, b = src.resolve(), dst.resolve()
     if a == b or a.is_relative_to(b) or b.is_relative_to(a):
-        raise ValueError(f"{dst} overlaps {src}: write the converted checkpoint somewhere else")
+        raise InvalidInputError(f"{dst} overlaps {src}: write the converted checkpoint somewhere else")
 
 
 def _prepare_destination(dst: Path, to: str, overwrite: bool) -> None:
@@ -313,11 +314,11 @@ def _from_torch_file(src: Path, dst: Path, to: str, result: ConvertResult) -> No
     try:
         state = torch.load(src, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError... for a file it refuses
-        raise ValueError(f"{src}: cannot open as a torch.save file of tensors and plain values "
+        raise InvalidInputError(f"{src}: cannot open as a torch.save file of tensors and plain values "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                          "files holding pickled classes are not converted") from None
     if not isinstance(state, dict):
-        raise ValueError(f"{src} holds a {type(state).__name__}, not a state dict (a dict)")
+        raise InvalidInputError(f"{src} holds a {type(state).__name__}, not a state dict (a dict)")
     writer = _writer_for(to, dst)
     dcp.save(state, storage_writer=writer, no_dist=True)  # DCP's own flattening: dcp.load finds the keys
     metadata = _open_reader(_reader_for(to, dst))
@@ -361,7 +362,7 @@ def _unpickle_plain(fqn: str, raw: bytes) -> Any:
     try:
         return torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as exc:
-        raise ValueError(f"item {fqn!r} is a pickled object that torch's restricted unpickler refuses "
+        raise InvalidInputError(f"item {fqn!r} is a pickled object that torch's restricted unpickler refuses "
                          f"({type(exc).__name__}); only tensors and plain Python values convert to a "
                          "torch.save file (convert to dcp or nvme to keep it as bytes)") from None
 

@@ -23,14 +23,17 @@ import torch
 from tqdm import tqdm
 
 from ..config import IOConfig, parse_size
-from ..display import progress_bar
+from ..engines.buffers import tensor_bytes
 from ..engines.posix import PosixEngine
-from ..format import build_header
-from ..layout import FileBlocks, plan_reads
-from ..manifest import FileRecord, check_container, read_files, read_manifest
-from ..memory import tensor_bytes
-from ..store import LocalStore, is_remote_url
-from ..tiers.coded import coded_engine, decoded_view
+from ..errors import InvalidInputError
+from ..format.container import build_header
+from ..format.manifest import read_files, read_manifest
+from ..format.tables import FileRecord
+from ..format.validation import check_container
+from ..humanize import progress_bar
+from ..load.coded import coded_engine, decoded_view
+from ..load.planning import FileBlocks, plan_reads
+from ..storage.local_dir import LocalStore, is_remote_url
 from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -77,7 +80,7 @@ def export_hf(
     """
     started = time.perf_counter()
     if is_remote_url(checkpoint):
-        raise ValueError(f"export reads local checkpoints; copy {checkpoint} to local disk first")
+        raise InvalidInputError(f"export reads local checkpoints; copy {checkpoint} to local disk first")
     location = os.fspath(checkpoint)
     if isinstance(keys, str):
         keys = [keys]
@@ -134,7 +137,7 @@ def _refuse_overlap(checkpoint: str, out: Path) -> None:
 
     why = overlap(os.path.realpath(checkpoint), os.path.realpath(out))
     if why is not None:
-        raise ValueError(f"refusing to export: {why.replace('target', 'output')}; choose an output "
+        raise InvalidInputError(f"refusing to export: {why.replace('target', 'output')}; choose an output "
                          "directory outside the checkpoint")
 
 

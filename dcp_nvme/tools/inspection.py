@@ -8,11 +8,11 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import CheckpointNotFoundError
-from ..manifest import read_header
-from ..remote import open_store
-from ..store import Store
-from ..tiers.coded import decoded_view
+from ..errors import CheckpointNotFoundError, InvalidInputError
+from ..format.validation import read_header
+from ..load.coded import decoded_view
+from ..storage.fsspec_dir import open_store
+from ..storage.local_dir import Store
 from .status import FOREIGN, MISSING, NOT_A_CHECKPOINT, CheckpointState, checkpoint_state
 
 
@@ -98,7 +98,7 @@ def _summarise(result: Inspection, found: CheckpointState, pattern: str | None) 
     if pattern is not None:
         chunks = [c for c in chunks if fnmatch.fnmatchcase(c.fqn, pattern)]
         if not chunks:
-            raise ValueError(f"no item of {result.location} matches the filter {pattern!r}")
+            raise InvalidInputError(f"no item of {result.location} matches the filter {pattern!r}")
     tensors: dict[str, TensorInfo] = {}
     objects: dict[str, ObjectInfo] = {}
     for chunk in chunks:

@@ -7,11 +7,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..manifest import DCP_METADATA, MANIFEST, save_key_of
-from ..rundir import parse_step
-from ..store import LocalStore
+from ..format.names import DCP_METADATA, MANIFEST, save_key_of
+from ..load.coded import decoded_view
+from ..storage.local_dir import LocalStore
+from ..storage.run_dir import parse_step
 from ..tiers import drain_state
-from ..tiers.coded import decoded_view
 from .status import checkpoint_state
 
 

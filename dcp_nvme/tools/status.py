@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, DCPNVMeError
-from ..manifest import DCP_METADATA, MANIFEST, Manifest, read_manifest, save_key_of
-from ..store import Store
+from ..format.manifest import Manifest, read_manifest
+from ..format.names import DCP_METADATA, MANIFEST, save_key_of
+from ..storage.local_dir import Store
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"

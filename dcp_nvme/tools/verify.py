@@ -20,30 +20,26 @@ from typing import Any
 
 import crc32c
 
-from ..checksums import checks_within, host_crcs, items_in, mismatches
-from ..concurrency import run_bounded
-from ..display import progress_bar
+from ..engines.bounded import run_bounded
 from ..errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     DCPNVMeError,
+    InvalidInputError,
     ManifestError,
     TableError,
 )
-from ..manifest import (
-    MANIFEST,
-    ChunkRecord,
-    FileRecord,
-    Manifest,
-    header_mismatches,
-    parse_header,
-    read_files,
-    read_manifest,
-)
-from ..objects import items_needing_pickle
-from ..remote import open_store
-from ..store import Store
-from ..tiers.coded import decoded_view
+from ..format.checksums import checks_within, host_crcs, items_in, mismatches
+from ..format.container import parse_header
+from ..format.manifest import Manifest, read_files, read_manifest
+from ..format.names import MANIFEST
+from ..format.tables import ChunkRecord, FileRecord
+from ..format.validation import header_mismatches
+from ..humanize import progress_bar
+from ..load.coded import decoded_view
+from ..load.objects import items_needing_pickle
+from ..storage.fsspec_dir import open_store
+from ..storage.local_dir import Store
 
 DEFAULT_SPAN = 8 << 20
 """Bytes one worker reads and checks per task (rounded to whole checksum blocks)."""
@@ -105,7 +101,7 @@ def verify_checkpoint(
     either way it is listed in ``report.needs_pickle``.
     """
     if jobs < 1:
-        raise ValueError(f"--jobs must be at least 1, got {jobs}")
+        raise InvalidInputError(f"--jobs must be at least 1, got {jobs}")
     source = decoded_view(open_store(location))  # a compressed mirror reads as its plain files
     report = VerifyReport(source.location)
     started = time.perf_counter()

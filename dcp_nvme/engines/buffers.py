@@ -1,0 +1,119 @@
+"""What O_DIRECT needs on one file: memory alignment and file offset/length alignment.
+
+Linux >= 6.1 reports both through ``statx(STATX_DIOALIGN)`` (``stx_dio_mem_align``,
+``stx_dio_offset_align``; 0 when the file does not support direct I/O). Elsewhere the device's
+logical block size (``/sys/dev/block/MAJ:MIN/queue/logical_block_size``) is the usual rule for
+both; when even that cannot be read, the page size (4096), which every device accepts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ALIGN
+
+_STATX_DIOALIGN = 0x2000
+_AT_EMPTY_PATH = 0x1000
+_STATX_SIZE = 256
+_MASK_AT, _DIO_AT = 0, 0x98  # offsets of stx_mask and stx_dio_mem_align in struct statx
+
+
+@dataclass(frozen=True)
+class DioAlignment:
+    memory: int
+    """Buffers handed to O_DIRECT reads and writes start on a multiple of this."""
+    offset: int
+    """File offsets and lengths of O_DIRECT requests are multiples of this."""
+    source: str
+    """Where the figures came from: ``statx``, ``logical_block_size`` or ``default``."""
+
+    @property
+    def span(self) -> int:
+        """What a span of host memory moved straight to or from the file must start and end on:
+        its address and its file offset alike (the larger of the two alignments)."""
+        return max(self.memory, self.offset)
+
+
+DEFAULT_DIO = DioAlignment(ALIGN, ALIGN, "default")
+
+
+def _statx(fd: int) -> tuple[int, int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        statx = libc.statx
+    except (OSError, AttributeError):
+        return None
+    buffer = ctypes.create_string_buffer(_STATX_SIZE)
+    if statx(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, buffer) != 0:
+        return None
+    (mask,) = struct.unpack_from("<I", buffer, _MASK_AT)
+    if not mask & _STATX_DIOALIGN:
+        return None  # kernel before 6.1, or a filesystem that does not say
+    memory, offset = struct.unpack_from("<II", buffer, _DIO_AT)
+    return memory, offset
+
+
+def _logical_block_size(fd: int) -> int | None:
+    device = os.fstat(fd).st_dev
+    base = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"
+    for candidate in (f"{base}/queue/logical_block_size", f"{base}/../queue/logical_block_size"):
+        try:
+            with open(candidate) as handle:
+                size = int(handle.read().strip())
+        except (OSError, ValueError):
+            continue
+        if 0 < size <= ALIGN and size & (size - 1) == 0:  # a power of two up to a page: sane
+            return size
+    return None
+
+
+def dio_alignment(fd: int) -> DioAlignment:
+    """The O_DIRECT alignment for the open file ``fd`` (never larger than a page)."""
+    reported = _statx(fd)
+    if reported is not None and all(0 < n <= ALIGN and n & (n - 1) == 0 for n in reported):
+        return DioAlignment(reported[0], reported[1], "statx")
+    size = _logical_block_size(fd)
+    if size is not None:
+        return DioAlignment(size, size, "logical_block_size")
+    return DEFAULT_DIO
+
+
+def cuda_available() -> bool:
+    """Asked at run time, never at import time."""
+    return torch.cuda.is_available()
+
+
+def aligned_buffer(nbytes: int, pin: bool | None = None) -> torch.Tensor:
+    """A flat uint8 CPU tensor whose data starts on a page boundary, touched once.
+
+    ``pin=None`` pins when CUDA is available, so device-to-host copies into it run at full speed.
+    """
+    nbytes = max(nbytes, 1)
+    if pin is None:
+        pin = cuda_available()
+    if pin:
+        tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if tensor.data_ptr() % ALIGN == 0:
+            tensor.zero_()
+            return tensor
+    # anonymous mmap memory is page aligned and zero-filled; zero_() touches every page now so
+    # the first save does not pay for page faults
+    region = mmap.mmap(-1, nbytes)
+    tensor = torch.frombuffer(region, dtype=torch.uint8)
+    tensor.zero_()
+    return tensor
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 view (no copy)."""
+    if not tensor.is_contiguous():
+        raise ValueError("tensor_bytes needs a contiguous tensor")
+    if tensor.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return tensor.reshape(-1).view(torch.uint8)

@@ -1,0 +1,197 @@
+"""The I/O requests of a file (pure): write windows, their segments, and read requests.
+
+A container's data region is cut into ``block_size`` windows (``plan_windows``); each window is
+cut into segments (``plan_segments``): the O_DIRECT-aligned bulk of host memory written straight
+from that memory, the rest copied into a bounce buffer. ``plan_read_segments`` is the mirror
+image for reads."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ..config import ALIGN
+from ..format.placement import align_down, align_up
+
+
+@dataclass(frozen=True)
+class SourceSpan:
+    """``length`` bytes of source ``source`` from ``src_offset`` land at ``dst_offset``."""
+
+    source: int
+    src_offset: int
+    length: int
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """One write request: ``length`` bytes at data-region offset ``offset``."""
+
+    offset: int
+    length: int
+    pieces: tuple[SourceSpan, ...]
+
+
+def plan_windows(sizes: Sequence[int], block_size: int) -> Iterator[Window]:
+    """Cut the concatenation of ``sizes`` into requests of ``block_size`` bytes (the last shorter)."""
+    total = sum(sizes)
+    source, consumed = 0, 0  # current source and bytes of it already placed
+    for start in range(0, total, block_size):
+        length = min(block_size, total - start)
+        pieces: list[SourceSpan] = []
+        filled = 0
+        while filled < length:
+            while sizes[source] - consumed == 0:
+                source, consumed = source + 1, 0
+            take = min(sizes[source] - consumed, length - filled)
+            pieces.append(SourceSpan(source, consumed, take, filled))
+            consumed += take
+            filled += take
+        yield Window(start, length, tuple(pieces))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One iovec of a window's write: ``length`` bytes at window offset ``offset``, straight from
+    host memory at ``address``, or (``address`` None) from the window's bounce buffer at the same
+    offset, filled from ``pieces`` (``dst_offset`` relative to the window) then ``fill`` zero
+    bytes (the O_DIRECT round-up of the file's last window)."""
+
+    offset: int
+    length: int
+    address: int | None
+    pieces: tuple[SourceSpan, ...] = ()
+    fill: int = 0
+
+
+def _host_runs(window: Window, addresses: Sequence[int | None]) -> list[tuple[int, int, int | None]]:
+    """``(window offset, length, address)`` of the window's pieces, merged where they are one
+    span of host memory (address None: not in host memory)."""
+    runs: list[tuple[int, int, int | None]] = []
+    for piece in window.pieces:
+        base = addresses[piece.source]
+        address = None if base is None else base + piece.src_offset
+        if runs and address is not None:
+            position, length, start = runs[-1]
+            if start is not None and start + length == address:
+                runs[-1] = (position, length + piece.length, start)
+                continue
+        runs.append((piece.dst_offset, piece.length, address))
+    return runs
+
+
+def _direct_spans(window: Window, addresses: Sequence[int | None], align: int,
+                  min_direct: int) -> list[tuple[int, int, int]]:
+    """The aligned bulk of every host run whose memory is congruent to its file offset."""
+    spans = []
+    for position, length, address in _host_runs(window, addresses):
+        if address is None or (address - window.offset - position) % align:
+            continue
+        lo, hi = align_up(position, align), align_down(position + length, align)
+        if hi - lo >= max(min_direct, 1):
+            spans.append((lo, hi - lo, address + lo - position))
+    return spans
+
+
+def _clip(window: Window, starts: Sequence[int], lo: int, hi: int) -> tuple[SourceSpan, ...]:
+    """The window's pieces cut to window offsets ``[lo, hi)`` (``starts``: their dst offsets)."""
+    out = []
+    index = max(bisect.bisect_right(starts, lo) - 1, 0)
+    for piece in window.pieces[index:]:
+        if piece.dst_offset >= hi:
+            break
+        start, end = max(lo, piece.dst_offset), min(hi, piece.dst_offset + piece.length)
+        if start < end:
+            out.append(SourceSpan(piece.source, piece.src_offset + start - piece.dst_offset, end - start, start))
+    return tuple(out)
+
+
+def plan_segments(
+    window: Window, addresses: Sequence[int | None], align: int = 1, *, min_direct: int = ALIGN,
+    max_segments: int = 1024,
+) -> list[Segment]:
+    """Cut one write window into segments: the ``align``-aligned bulk of each host run (a tensor,
+    or tensors one after the other in memory) whose address is congruent to its file offset
+    modulo ``align`` is written from its own memory; the rest (edges, pads, small items, device
+    memory) through a bounce buffer. Every segment but the last starts and ends on an ``align``
+    boundary, the last is rounded up with ``fill``, so O_DIRECT takes the whole list as one
+    vectored write (``align``: the larger of its memory and offset alignments; 1 when buffered).
+
+    ``addresses``: each source's host address (None: not in host memory). The window's file
+    offset must be a multiple of ``align``: the data region starts on a page. Direct spans
+    shorter than ``min_direct`` bounce (a memcpy beats an iovec); at most ``max_segments``
+    (IOV_MAX) come out, the shortest direct spans bouncing first.
+    """
+    if window.offset % align:
+        raise ValueError(f"window at {window.offset} is not aligned to {align}")
+    spans = _direct_spans(window, addresses, align, min_direct)
+    keep = max((max_segments - 1) // 2, 0)  # each direct span may bring a bounce segment
+    if len(spans) > keep:
+        spans = sorted(sorted(spans, key=lambda span: -span[1])[:keep])
+    starts = [piece.dst_offset for piece in window.pieces]
+    segments: list[Segment] = []
+    position = 0
+    for lo, length, address in spans:
+        if lo > position:
+            segments.append(Segment(position, lo - position, None, _clip(window, starts, position, lo)))
+        segments.append(Segment(lo, length, address))
+        position = lo + length
+    if position < window.length:
+        fill = align_up(window.length, align) - window.length
+        segments.append(Segment(position, window.length - position, None,
+                                _clip(window, starts, position, window.length), fill))
+    return segments
+
+
+def plan_read_segments(
+    offset: int, pieces: Sequence[tuple[int, int | None]], lo: int, hi: int, align: int = 1, *,
+    min_direct: int = ALIGN, max_segments: int = 1024,
+) -> list[Segment]:
+    """Cut one read of file bytes ``[lo, hi)`` into segments, the mirror of ``plan_segments``:
+    the ``align``-aligned bulk of each piece whose destination address is congruent to its file
+    offset is read straight into that memory, the rest (edges, bytes nobody wants, pieces with
+    no host address, the rounding out to ``[lo, hi)``) into the bounce buffer at the same offset
+    from ``lo``, so the whole list is one vectored O_DIRECT read.
+
+    ``pieces``: ``(length, address)`` of the request's bytes from file offset ``offset`` on, in
+    order (address None: not host memory, or scratch). Each segment's ``pieces`` name them by
+    index as ``source`` (``src_offset`` within the piece, ``dst_offset`` from ``lo``); source
+    ``len(pieces)`` is the rounding, which goes nowhere.
+    """
+    end = offset + sum(length for length, _ in pieces)
+    if not lo <= offset <= end <= hi:
+        raise ValueError(f"read range [{lo}, {hi}) does not hold the request [{offset}, {end})")
+    rounding = len(pieces)
+    spans, position = [], offset - lo
+    if position:
+        spans.append(SourceSpan(rounding, 0, position, 0))
+    for source, (length, _) in enumerate(pieces):
+        if length:
+            spans.append(SourceSpan(source, 0, length, position))
+            position += length
+    if position < hi - lo:
+        spans.append(SourceSpan(rounding, 0, hi - lo - position, position))
+    addresses = [address for _, address in pieces] + [None]
+    return plan_segments(Window(lo, hi - lo, tuple(spans)), addresses, align, min_direct=min_direct,
+                         max_segments=max_segments)
+
+
+SCRATCH = -1
+"""Destination id of bytes that are read (to be verified) but wanted by nobody."""
+
+
+@dataclass
+class ReadRequest:
+    """One positional read of a contiguous file range, scattered into destination pieces.
+
+    ``pieces`` are ``(dest, dest_offset, length)`` in file order and sum to ``length``;
+    ``checks`` are ``(offset_in_request, length, expected_crc32c)`` for whole checksum blocks.
+    """
+
+    file: str
+    file_offset: int
+    length: int
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)
+    checks: list[tuple[int, int, int]] = field(default_factory=list)

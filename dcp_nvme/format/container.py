@@ -1,0 +1,167 @@
+"""The safetensors container: the dtype table and the header codec (pure, no I/O)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ManifestError
+
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+"""torch dtypes safetensors' torch API (0.8, ``safetensors.torch._TYPES``) maps by name, fnuz
+float8 included; tests/test_format.py holds the table to it. Any other dtype (float8 e8m0,
+float4, complex32, sub-byte ints) is stored as raw U8 bytes and the index keeps the real dtype;
+a container written before fnuz joined this table holds them as U8, which reading accepts."""
+
+
+ST_ITEMSIZE: dict[str, int] = {name: dtype.itemsize for dtype, name in ST_DTYPES.items()}
+
+
+RAW_DTYPE = "U8"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: object, where: str = "the index") -> torch.dtype:
+    """A torch dtype by name; never evaluates anything."""
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise ManifestError(f"{where}: unknown dtype {name!r} (written by a newer torch?)")
+    return value
+
+
+def stored_as(dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> tuple[str, tuple[int, ...]]:
+    """The safetensors dtype and shape a tensor of ``dtype`` is stored under in a container."""
+    st_dtype = ST_DTYPES.get(dtype)
+    return (st_dtype, tuple(shape)) if st_dtype else (RAW_DTYPE, (nbytes,))
+
+
+PAD_PREFIX = "__pad__."
+"""Keys of padding entries: bytes between items, placed so a host tensor's bytes share its memory's
+alignment in the file (``layout.place_congruent``). safetensors lets no gap go undescribed, so
+each gap is a U8 entry of its own; readers of the container never show or load one."""
+
+
+def pad_key(index: int) -> str:
+    return f"{PAD_PREFIX}{index}"
+
+
+def is_pad_key(key: str) -> bool:
+    return key.startswith(PAD_PREFIX) and key[len(PAD_PREFIX):].isdigit()
+
+
+MAX_HEADER = 100_000_000
+"""Largest safetensors JSON header accepted (the cap safetensors itself applies)."""
+
+
+MAX_NDIM = 64
+
+
+@dataclass(frozen=True)
+class HeaderItem:
+    """One tensor as a safetensors header describes it; ``start``/``end`` are data-region offsets."""
+
+    key: str
+    st_dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def build_header(
+    items: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str] | None, alignment: int
+) -> tuple[bytes, list[int]]:
+    """The 8-byte length and JSON header for ``(key, st_dtype, shape, nbytes)`` items stored back
+    to back, padded with spaces so the data starts on an ``alignment`` boundary; and each
+    item's offset in the data region."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offsets: list[int] = []
+    cursor = 0
+    for key, st_dtype, shape, nbytes in items:
+        if key in header:
+            raise ValueError(f"duplicate item key {key!r} in one container")
+        offsets.append(cursor)
+        header[key] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+        cursor += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % alignment)
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+def header_length(first8: bytes, file_size: int, what: str) -> int:
+    """The JSON length a safetensors file declares, checked against the cap and the real size."""
+    if len(first8) < 8 or file_size < 8:
+        raise ManifestError(f"{what}: {file_size} bytes is too short for a safetensors file")
+    (length,) = struct.unpack("<Q", first8[:8])
+    if length > MAX_HEADER:
+        raise ManifestError(f"{what}: the safetensors header claims {length} bytes, more than the "
+                            f"{MAX_HEADER} allowed; the file is damaged or not a safetensors file")
+    if 8 + length > file_size:
+        raise ManifestError(f"{what}: the safetensors header claims {length} bytes but the file has "
+                            f"{file_size} (truncated, or not a safetensors file)")
+    return length
+
+
+def parse_header(prefix: bytes, what: str) -> tuple[dict[str, object], list[HeaderItem], int]:
+    """``(metadata, items, data_start)`` from a safetensors file's first bytes (at least the header).
+
+    Every entry is checked: a known dtype, a shape of non-negative ints, offsets that hold exactly
+    shape x itemsize bytes; items may not overlap. ``ManifestError`` names the file and item.
+    Padding entries (``is_pad_key``) are checked too but not returned: they hold no data.
+    """
+    length = header_length(prefix[:8], len(prefix), what)
+    try:
+        header = json.loads(bytes(prefix[8 : 8 + length]))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ManifestError(f"{what}: the safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ManifestError(f"{what}: the safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise ManifestError(f"{what}: the safetensors __metadata__ is not a JSON object")
+    items = [_header_item(key, entry, what) for key, entry in header.items()]
+    end = -1
+    for item in sorted(items, key=lambda i: (i.start, i.end)):
+        if item.start < end and item.nbytes:
+            raise ManifestError(f"{what}: item {item.key!r} overlaps the item before it")
+        end = max(end, item.end)
+    return metadata, [item for item in items if not is_pad_key(item.key)], 8 + length
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _header_item(key: str, entry: object, what: str) -> HeaderItem:
+    bad = f"{what}: item {key!r} has a malformed safetensors entry {str(entry)[:200]}"
+    if not isinstance(entry, dict):
+        raise ManifestError(bad)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if (dtype not in ST_ITEMSIZE or not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(_is_count(n) for n in shape) or not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_count(n) for n in offsets) or offsets[0] > offsets[1]):
+        raise ManifestError(bad)
+    if math.prod(shape) * ST_ITEMSIZE[dtype] != offsets[1] - offsets[0]:
+        raise ManifestError(f"{what}: item {key!r}: dtype {dtype} x shape {shape} is not the "
+                            f"{offsets[1] - offsets[0]} bytes of its data_offsets")
+    return HeaderItem(key, dtype, tuple(shape), offsets[0], offsets[1])

@@ -1,0 +1,319 @@
+"""The manifest: ``manifest.json``, the commit marker naming the two tables.
+
+    manifest.json          format version, world size, DCP planner data, config, timings, and
+                           the name, size and crc32c of the two tables. Written last: the
+                           checkpoint exists once this file does.
+
+``<key>`` is a random id per save, so an overwrite never touches the files of the checkpoint it
+replaces until its own manifest is committed. Nothing here is pickled: planner data goes
+through a JSON codec of its own (``encode_json``/``decode_json``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..errors import (
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    ManifestError,
+    TableError,
+)
+from .checksums import check_table
+from .container import (
+    parse_dtype,
+)
+from .names import (
+    DCP_METADATA,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    OLDEST_FORMAT_VERSION,
+    save_key_of,
+)
+from .tables import (
+    FREE_ROWS,
+    MIN_CHECKSUM_BLOCK,
+    MIN_ITEM_HEADER,
+    ChunkRecord,
+    FileRecord,
+    column_values,
+    parquet_footer,
+    parse_chunks,
+    parse_files,
+)
+from .validation import check_chunks, check_doc, check_files
+
+MAX_MANIFEST = 256 << 20
+"""Largest manifest.json accepted (planner data included)."""
+
+
+def encode_json(value: Any, where: str = "planner_data") -> Any:
+    """JSON with tuples kept as tuples; anything JSON cannot carry is an error, never a pickle."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_json(v, where) for v in value]}
+    if isinstance(value, list):
+        return [encode_json(v, where) for v in value]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: key {k!r} is a {type(k).__name__}, not a string")
+            if k == "__tuple__":
+                raise ValueError(f"{where}: the key '__tuple__' is reserved")
+            out[k] = encode_json(v, f"{where}[{k!r}]")
+        return out
+    raise ValueError(
+        f"{where} holds a {type(value).__module__}.{type(value).__name__}, which dcp_nvme cannot "
+        "store without pickling; use a planner whose planner_data is JSON-like "
+        "(dict/list/tuple/str/int/float/bool/None)"
+    )
+
+
+def decode_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_json(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(decode_json(v) for v in value["__tuple__"])
+        return {k: decode_json(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class Manifest:
+    """A committed checkpoint as read back: the JSON document and the chunk index."""
+
+    doc: dict[str, Any]
+    chunks: list[ChunkRecord]
+    _files: dict[str, FileRecord] | None = field(default=None, repr=False)
+    _real_bytes: int | None = field(default=None, repr=False)
+    _by_file: dict[str, list[ChunkRecord]] | None = field(default=None, repr=False)
+
+    def rows_by_file(self) -> dict[str, list[ChunkRecord]]:
+        """The index rows of each container file."""
+        if self._by_file is None:
+            self._by_file = {}
+            for chunk in self.chunks:
+                self._by_file.setdefault(chunk.file, []).append(chunk)
+        return self._by_file
+
+    @property
+    def save_key(self) -> str:
+        return self.doc["save_key"]
+
+    @property
+    def file_names(self) -> list[str]:
+        return [f["name"] for f in self.doc["files"]]
+
+    def to_metadata(self) -> Metadata:
+        """DCP's Metadata, rebuilt from data."""
+        state: dict[str, Any] = {}
+        storage: dict[MetadataIndex, ChunkRecord] = {}
+        for chunk in self.chunks:
+            if chunk.kind == "bytes":
+                state[chunk.fqn] = BytesStorageMetadata()
+            else:
+                entry = state.get(chunk.fqn)
+                if entry is None:
+                    entry = state[chunk.fqn] = TensorStorageMetadata(
+                        TensorProperties(dtype=parse_dtype(chunk.dtype)),
+                        torch.Size(chunk.global_shape),
+                        [],
+                    )
+                entry.chunks.append(
+                    ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
+                )
+            storage[chunk.index] = chunk
+        meta = self.doc.get("storage_meta") or {}
+        return Metadata(
+            state_dict_metadata=state,
+            planner_data=decode_json(self.doc.get("planner_data")),
+            storage_data=storage,
+            storage_meta=StorageMeta(
+                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id"),
+                modules=[m for m in _list_or_empty(meta.get("modules")) if isinstance(m, str)],
+            ),
+            version=self.doc.get("dcp_version"),
+        )
+
+
+def _list_or_empty(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def table_entry(name: str, data: bytes) -> dict[str, Any]:
+    rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
+    return {"name": name, "size": len(data), "crc32c": crc32c.crc32c(data), "rows": rows}
+
+
+def build_manifest_doc(
+    *,
+    save_key: str,
+    files: Iterable[FileRecord],
+    index: dict[str, Any],
+    blocks: dict[str, Any],
+    world_size: int,
+    planner_data: Any,
+    dcp_version: str | None,
+    storage_meta: dict[str, Any],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    files = list(files)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "save_key": save_key,
+        "world_size": world_size,
+        "dcp_version": dcp_version,
+        "planner_data": encode_json(planner_data),
+        "storage_meta": storage_meta,
+        "index": index,
+        "blocks": blocks,
+        "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in files],
+        "total_bytes": sum(f.size for f in files),
+        **extra,
+    }
+
+
+def missing_manifest_error(store, location: str) -> CheckpointNotFoundError:
+    """Why a directory without a committed manifest cannot be loaded: not committed (our files
+    without a manifest), or not ours at all."""
+    names = store.names()
+    if DCP_METADATA in names:
+        return CheckpointNotFoundError(
+            f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
+            "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
+            f"or convert it: dcp-nvme convert {location} OUT --to nvme")
+    ours = [n for n in names if save_key_of(n)]
+    if ours:
+        return CheckpointNotCommittedError(
+            f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "
+            "the save did not finish (it crashed or is still running), so it cannot be loaded")
+    return CheckpointNotFoundError(f"{location} is not a dcp_nvme checkpoint (no {MANIFEST})")
+
+
+SELF_CRC = "manifest_crc32c"
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in doc.items() if k != SELF_CRC}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """The manifest's bytes, carrying a crc32c of its own canonical form (any edit is caught)."""
+    return json.dumps({**doc, SELF_CRC: crc32c.crc32c(_canonical(doc))}, indent=1).encode()
+
+
+def read_manifest(store, location: str) -> Manifest:
+    """Read and validate a committed checkpoint's manifest and chunk index.
+
+    Every name and number is checked here before anything is opened or allocated from it:
+    ``check_doc`` for the manifest, the Parquet footer for the index's size, ``check_chunks``
+    for each row (see the "Trust model" section of docs/design.md)."""
+    if not store.exists():
+        raise CheckpointNotFoundError(f"checkpoint directory {location} does not exist")
+    try:
+        store.size(MANIFEST)  # a FIFO, device or link under this name is refused, never opened
+    except FileNotFoundError:
+        raise missing_manifest_error(store, location) from None
+    try:
+        doc = json.loads(store.read(MANIFEST, MAX_MANIFEST))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        if isinstance(exc, ManifestError):
+            raise
+        raise ManifestError(f"{location}/{MANIFEST} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ManifestError(f"{location}/{MANIFEST} is not a dcp_nvme manifest")
+    version = doc.get("format_version")
+    if type(version) is not int or version < OLDEST_FORMAT_VERSION:
+        raise ManifestError(f"{location}/{MANIFEST} has format version {version!r}, not a version "
+                            f"number from {OLDEST_FORMAT_VERSION}: the manifest is damaged")
+    if version > FORMAT_VERSION:
+        raise ManifestError(
+            f"{location} uses format version {version!r}; this dcp_nvme reads up to "
+            f"{FORMAT_VERSION}: upgrade dcp_nvme"
+        )
+    if doc.get(SELF_CRC) != crc32c.crc32c(_canonical(doc)):
+        raise ManifestError(f"{location}/{MANIFEST} fails its own checksum: the manifest is corrupt "
+                            "or was edited after the save")
+    check_doc(doc, f"{location}/{MANIFEST}")
+    manifest = Manifest(doc, [])
+    entry = doc["index"]
+    what = f"{location}/{entry['name']}"
+    data = _load_table(store, entry, location)
+    rows = parquet_footer(data, what).metadata.num_rows
+    if "rows" in entry and rows != entry["rows"]:
+        raise ManifestError(f"{what} has {rows} rows, {MANIFEST} says {entry['rows']}")
+    manifest.chunks = parse_chunks(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
+    check_chunks(manifest.chunks, doc, what)
+    return manifest
+
+
+def read_files(store, manifest: Manifest, location: str) -> dict[str, FileRecord]:
+    """The per-file checksum table, read and checked once on first use."""
+    if manifest._files is None:
+        doc = manifest.doc
+        entry = doc["blocks"]
+        what = f"{location}/{entry['name']}"
+        data = _load_table(store, entry, location)
+        count = len(doc["files"])
+        crcs = column_values(parquet_footer(data, what).metadata, "crcs")
+        files = parse_files(data, what, count, _row_limit(store, manifest, crcs, MIN_CHECKSUM_BLOCK, 64) + count)
+        check_files(files, manifest, what)
+        manifest._files = files
+    return manifest._files
+
+
+def _row_limit(store, manifest: Manifest, wanted: int, bytes_each: int, free_factor: int = 1) -> int:
+    """How many rows (or values) of ``bytes_each`` bytes the real data files can account for.
+
+    Up to ``FREE_ROWS * free_factor`` need no look; beyond, the data files are stat-ed once:
+    claims are bounded by what is really on disk, not by what the manifest says."""
+    free = FREE_ROWS * free_factor
+    if wanted <= free:
+        return free
+    if manifest._real_bytes is None:
+        total = 0
+        for entry in manifest.doc["files"]:
+            try:
+                total += store.size(entry["name"])
+            except (OSError, ManifestError):
+                pass  # missing or not a regular file: it holds nothing
+        manifest._real_bytes = total
+    return max(free, manifest._real_bytes // bytes_each)
+
+
+def _load_table(store, entry: dict[str, Any], location: str) -> bytes:
+    """A table's bytes: a regular file of the size the manifest records (checked before it is
+    read, so a claim cannot make us allocate), then its crc32c."""
+    name = entry["name"]
+    try:
+        size = store.size(name)
+    except FileNotFoundError:
+        raise TableError(name, f"{location}: {name} named by {MANIFEST} is missing") from None
+    if size != entry["size"]:
+        raise TableError(name, f"{location}: {name} does not match {MANIFEST} (size {size} vs "
+                               f"{entry['size']}): the table is corrupt or was modified after the save")
+    data = store.read(name, entry["size"])
+    check_table(location, entry, data)
+    return data

@@ -1,0 +1,251 @@
+"""The two Parquet tables of a checkpoint, and their checked decoding.
+
+    index.<key>.parquet    one row per stored chunk: fqn, chunk offsets/sizes, global shape,
+                           dtype, file, byte offset, length.
+    blocks.<key>.parquet   one row per container file: size, data start, crc32c per block.
+
+Decoding treats the bytes as hostile: footer, row counts and column values are bounded before
+any row becomes a Python object."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from torch.distributed.checkpoint.metadata import (
+    MetadataIndex,
+)
+
+from ..errors import (
+    ManifestError,
+)
+from .container import (
+    MAX_NDIM,
+)
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """Where one stored chunk (or non-tensor item) lives."""
+
+    fqn: str
+    kind: str  # "tensor" or "bytes"
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: str
+    file: str
+    byte_offset: int
+    length: int
+    key: str
+
+    @property
+    def index(self) -> MetadataIndex:
+        return MetadataIndex(self.fqn, self.offsets if self.kind == "tensor" else None)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One container file and the crc32c of each of its data blocks."""
+
+    name: str
+    rank: int
+    size: int
+    data_start: int
+    checksum_block: int
+    header_crc: int
+    crcs: tuple[int, ...]
+
+    @property
+    def data_size(self) -> int:
+        return self.size - self.data_start
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """A WriteResult's ``storage_data``: the chunk, plus its file on one result per file."""
+
+    chunk: ChunkRecord
+    file: FileRecord | None = None
+    stats: dict[str, Any] | None = None
+
+
+_CHUNK_SCHEMA = pa.schema([
+    ("fqn", pa.string()),
+    ("kind", pa.string()),
+    ("chunk_offsets", pa.list_(pa.int64())),
+    ("chunk_sizes", pa.list_(pa.int64())),
+    ("global_shape", pa.list_(pa.int64())),
+    ("dtype", pa.string()),
+    ("file", pa.string()),
+    ("byte_offset", pa.int64()),
+    ("length", pa.int64()),
+    ("key", pa.string()),
+])
+
+
+_FILE_SCHEMA = pa.schema([
+    ("name", pa.string()),
+    ("rank", pa.int32()),
+    ("size", pa.int64()),
+    ("data_start", pa.int64()),
+    ("checksum", pa.string()),
+    ("checksum_block", pa.int64()),
+    ("header_crc", pa.int64()),
+    ("crcs", pa.list_(pa.uint32())),
+])
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
+def chunks_table(chunks: Sequence[ChunkRecord]) -> bytes:
+    columns = {
+        "fqn": [c.fqn for c in chunks],
+        "kind": [c.kind for c in chunks],
+        "chunk_offsets": [list(c.offsets) for c in chunks],
+        "chunk_sizes": [list(c.sizes) for c in chunks],
+        "global_shape": [list(c.global_shape) for c in chunks],
+        "dtype": [c.dtype for c in chunks],
+        "file": [c.file for c in chunks],
+        "byte_offset": [c.byte_offset for c in chunks],
+        "length": [c.length for c in chunks],
+        "key": [c.key for c in chunks],
+    }
+    return _parquet_bytes(pa.table(columns, schema=_CHUNK_SCHEMA))
+
+
+def files_table(files: Sequence[FileRecord]) -> bytes:
+    columns = {
+        "name": [f.name for f in files],
+        "rank": [f.rank for f in files],
+        "size": [f.size for f in files],
+        "data_start": [f.data_start for f in files],
+        "checksum": ["crc32c"] * len(files),
+        "checksum_block": [f.checksum_block for f in files],
+        "header_crc": [f.header_crc for f in files],
+        "crcs": [list(f.crcs) for f in files],
+    }
+    return _parquet_bytes(pa.table(columns, schema=_FILE_SCHEMA))
+
+
+MAX_TABLE = 1 << 30
+"""Largest index or blocks table accepted."""
+
+
+FREE_ROWS = 4096
+"""Index rows (and 64x that many checksums) accepted without looking at the data files' sizes."""
+
+
+MIN_ITEM_HEADER = 40
+"""Fewest bytes one item takes in a safetensors header: a row needs an item, an item its header."""
+
+
+MIN_CHECKSUM_BLOCK = 512
+
+
+MAX_CHECKSUM_BLOCK = 1 << 20
+"""Checksum blocks are powers of two in [MIN, MAX] (the writer's are gcd(block_size, 256 KiB))."""
+
+
+MAX_ROW_BYTES = 4096
+"""Average decoded bytes per row allowed (names, shapes) before a table is refused as a bomb."""
+
+
+def parquet_footer(data: bytes, what: str) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(pa.BufferReader(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"{what} is not a readable Parquet file: {exc}") from None
+
+
+def column_values(meta: pq.FileMetaData, column: str) -> int:
+    """Values the footer declares for a (list) column, over all row groups."""
+    return sum(meta.row_group(g).column(c).num_values for g in range(meta.num_row_groups)
+               for c in range(meta.num_columns)
+               if meta.row_group(g).column(c).path_in_schema.split(".")[0] == column)
+
+
+def _check_counts(parquet: pq.ParquetFile, what: str, max_rows: int,
+                  long_column: str | None = None, max_long: int = 0) -> None:
+    """Rows, values per column and decoded bytes the footer declares, against the bounds.
+
+    Every column holds at most ``MAX_NDIM`` values a row, but ``long_column`` (the crcs) holds
+    at most ``max_long`` in all."""
+    meta = parquet.metadata
+    rows = meta.num_rows
+    if rows > max_rows:
+        raise ManifestError(f"{what} declares {rows} rows, more than the {max_rows} this checkpoint can "
+                            "hold; the table is damaged or forged")
+    decoded, long_values = 0, 0
+    for group in range(meta.num_row_groups):
+        row_group = meta.row_group(group)
+        for column in range(row_group.num_columns):
+            chunk = row_group.column(column)
+            decoded += max(chunk.total_uncompressed_size, 0)
+            if chunk.path_in_schema.split(".")[0] == long_column:
+                long_values += chunk.num_values
+            elif chunk.num_values > rows * MAX_NDIM + 16:
+                raise ManifestError(f"{what}: column {chunk.path_in_schema} declares {chunk.num_values} "
+                                    f"values for {rows} rows; the table is damaged or forged")
+    if long_values > max_long:
+        raise ManifestError(f"{what}: column {long_column} declares {long_values} values, more than the "
+                            f"{max_long} this checkpoint can hold; the table is damaged or forged")
+    if decoded > rows * MAX_ROW_BYTES + 8 * long_values + (1 << 20):
+        raise ManifestError(f"{what} decodes to {decoded} bytes for {rows} rows; the table is damaged "
+                            "or forged")
+
+
+def _read_table(data: bytes, schema: pa.Schema, what: str, max_rows: int,
+                long_column: str | None = None, max_long: int = 0) -> dict[str, list]:
+    parquet = parquet_footer(data, what)
+    missing = [n for n in schema.names if n not in parquet.schema_arrow.names]
+    if missing:
+        raise ManifestError(f"{what} lacks column(s) {missing}")
+    _check_counts(parquet, what, max_rows, long_column, max_long)
+    try:
+        # no Arrow thread pool: its threads, once started, can abort the interpreter at exit
+        # ("terminate called without an active exception", apache/arrow#34314; 1 in 100 CLI runs
+        # under load here). A single-threaded read of a small index starts none.
+        table = parquet.read(columns=schema.names, use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"{what} is not a readable Parquet file: {exc}") from None
+    for name in schema.names:
+        column = table.column(name)
+        if column.type != schema.field(name).type:
+            raise ManifestError(f"{what}: column {name} is {column.type}, expected {schema.field(name).type}")
+        nulls = column.null_count
+        if pa.types.is_list(column.type):
+            nulls += pc.list_flatten(column).null_count
+        if nulls:
+            raise ManifestError(f"{what}: column {name} has {nulls} empty value(s)")
+    return {name: table.column(name).to_pylist() for name in schema.names}
+
+
+def parse_chunks(data: bytes, what: str = "index", max_rows: int = FREE_ROWS) -> list[ChunkRecord]:
+    """The index rows, refused unread when the footer declares more than ``max_rows``."""
+    cols = _read_table(data, _CHUNK_SCHEMA, what, max_rows)
+    return [
+        ChunkRecord(fqn, kind, tuple(off), tuple(sizes), tuple(shape), dtype, file, int(b), int(n), key)
+        for fqn, kind, off, sizes, shape, dtype, file, b, n, key in zip(*cols.values())
+    ]
+
+
+def parse_files(data: bytes, what: str = "blocks", max_rows: int = FREE_ROWS,
+                max_crcs: int = 64 * FREE_ROWS) -> dict[str, FileRecord]:
+    cols = _read_table(data, _FILE_SCHEMA, what, max_rows, "crcs", max_crcs)
+    files = {}
+    for name, rank, size, start, checksum, block, hcrc, crcs in zip(*cols.values()):
+        if checksum != "crc32c":
+            raise ManifestError(f"{what}: file {name} uses unknown checksum {checksum!r}")
+        if name in files:
+            raise ManifestError(f"{what}: file {name} is listed twice")
+        files[name] = FileRecord(name, rank, size, start, block, hcrc, tuple(crcs))
+    return files

@@ -1,0 +1,319 @@
+"""NVMeReader: DCP's StorageReader reading straight into destination tensors, verified.
+
+Each ReadItem becomes byte ranges of its container: one range read directly into the
+destination when the slice is contiguous on both sides, else the slice's runs (or the rows
+covering it) into a bounded temporary that is narrowed and copied. Ranges are sorted, merged
+into requests of ``block_size`` bytes and run ``queue_depth`` at a time; every request covers
+whole checksum blocks and is verified before the data is handed to DCP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..config import IOConfig, check_option, resolve_config
+from ..engines import shared_engine
+from ..engines.buffers import tensor_bytes
+from ..engines.fsspec import FsspecEngine
+from ..errors import ChecksumMismatchError, MissingItemError, ShapeMismatchError
+from ..format.checksums import items_in
+from ..format.container import parse_dtype
+from ..format.manifest import Manifest, read_files, read_manifest
+from ..format.tables import ChunkRecord, FileRecord
+from ..format.validation import check_container
+from ..observe.stats import IOStats, PhaseTimer
+from ..storage.fsspec_dir import open_store
+from ..storage.local_dir import LocalStore, is_local_path, is_remote_url, local_path
+from .objects import bytes_for_planner, check_destination_kind
+from .planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
+
+log = logging.getLogger(__name__)
+
+MAX_DIRECT_RUNS = 64
+"""Above this many runs a slice is read as the whole rows that cover it, then narrowed."""
+
+DEFAULT_MEMORY_BUDGET = 256 << 20
+"""Bytes of temporaries (resharded slices, non-tensor items) held at once per rank."""
+
+
+class _Batch:
+    """Reads planned together: destinations, their needs, and what to do after the bytes land."""
+
+    def __init__(self) -> None:
+        self.dests: list[torch.Tensor] = []
+        self.needs: dict[str, list[Need]] = {}
+        self.after: list[Callable[[], None]] = []
+        self.temp_bytes = 0
+        self.owners: dict[str, list[tuple[int, int, str]]] = {}  # file -> (start, end, item)
+
+    def add_dest(self, tensor: torch.Tensor) -> int:
+        self.dests.append(tensor)
+        return len(self.dests) - 1
+
+    def need(self, chunk: ChunkRecord, start: int, length: int, dest: int, dest_offset: int = 0) -> None:
+        if length <= 0:
+            return
+        self.needs.setdefault(chunk.file, []).append(Need(chunk.byte_offset + start, length, dest, dest_offset))
+        self.owners.setdefault(chunk.file, []).append(
+            (chunk.byte_offset, chunk.byte_offset + chunk.length, chunk.key))
+
+
+class NVMeReader(StorageReader):
+    """Load a checkpoint written by NVMeWriter, resharding as DCP's planner asks.
+
+    Args:
+        path: the checkpoint directory.
+        queue_depth, block_size, direct_io, engine: as for NVMeWriter (and the same env vars).
+        verify: check every byte read against the manifest's crc32c (env ``DCP_NVME_VERIFY``).
+        read_mode: ``"direct"`` (O_DIRECT), ``"buffered"`` (page cache with sequential readahead)
+            or ``"auto"``: what ``dcp-nvme tune`` measured faster on this machine, else as
+            ``direct_io`` (env ``DCP_NVME_READ_MODE``).
+        memory_budget: bytes of temporary buffers held at once for resharded slices.
+        allow_pickle: load non-tensor items with full pickle, which runs any code the
+            checkpoint's author put in them. Off by default: they are decoded by torch's
+            weights-only unpickler (plain Python values, containers, tensors), and an item that
+            needs more is refused with an error naming it. Turn on only for checkpoints you trust.
+        storage_options: for a URL path (``s3://...``, any fsspec URL): the filesystem's options;
+            reads are then ranged GETs, ``queue_depth`` in flight, checksum verified.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        queue_depth: int | None = None,
+        block_size: int | str | None = None,
+        direct_io: bool | None = None,
+        engine: str | None = None,
+        verify: bool | None = None,
+        read_mode: str | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__()
+        self.path = local_path(path)
+        self.config: IOConfig = resolve_config(
+            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
+            engine=engine, verify=verify, read_mode=read_mode,
+        )
+        self.memory_budget = check_option("memory_budget", memory_budget)
+        self.allow_pickle = check_option("allow_pickle", allow_pickle)
+        self.storage_options = storage_options
+        self._store = None
+        self._manifest: Manifest | None = None
+        self._checked: set[str] = set()
+        """Containers whose header was checked against the index in this load."""
+        self.storage_data: dict[Any, ChunkRecord] = {}
+        self.last_stats: dict[str, Any] | None = None
+        """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
+        self.load_id: str = str(uuid.uuid4())
+        """DCP's ``StorageMeta.load_id``: new at every reset, set on ``read_metadata()``."""
+
+    @property
+    def store(self) -> LocalStore:
+        if self._store is None:  # one fsspec client per checkpoint, not one per call
+            self._store = open_store(self.path, self.storage_options)
+        return self._store
+
+    # ------------------------------------------------------------------ DCP protocol
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = local_path(checkpoint_id)
+            self._store = None
+        self._manifest = None
+        self._checked = set()
+        self.storage_data = {}
+        self.load_id = str(uuid.uuid4())
+
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = read_manifest(self.store, self.path)
+        return self._manifest
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self.manifest().to_metadata()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        started = time.perf_counter()
+        stats, timer = IOStats("read"), PhaseTimer()
+        needed = 0
+        for item in plan.items:  # refuse before any byte lands in the caller's state_dict
+            if item.type == LoadItemType.BYTE_IO:
+                check_destination_kind(planner, item.dest_index.fqn, str(self.path))
+        items = sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
+        batch = _Batch()
+        for item in items:
+            with timer.span("plan"):
+                self._add_item(batch, item, planner)
+            if batch.temp_bytes >= self.memory_budget:
+                needed += self._run(batch, stats, timer)
+                batch = _Batch()
+        needed += self._run(batch, stats, timer)
+        stats.seconds = time.perf_counter() - started
+        self.last_stats = {"bytes_needed": needed, **stats.to_dict(),
+                           "phases": {k: round(v, 6) for k, v in timer.phases.items()}}
+        log.info("dcp_nvme: read %.3f GB (%.3f GB needed) in %.3f s (%.2f GB/s), %d requests, depth %d",
+                 stats.bytes / 1e9, needed / 1e9, stats.seconds, stats.gbps, stats.requests,
+                 stats.max_inflight)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_local_path(checkpoint_id) or is_remote_url(checkpoint_id)
+
+    # ------------------------------------------------------------------ planning
+
+    def _chunk(self, item: ReadItem) -> ChunkRecord:
+        try:
+            return self.storage_data[item.storage_index]
+        except KeyError:
+            raise MissingItemError(f"{self.path}: the checkpoint has no stored chunk for {item.storage_index}; "
+                           "was the metadata from another checkpoint?") from None
+
+    def _add_item(self, batch: _Batch, item: ReadItem, planner: LoadPlanner) -> None:
+        chunk = self._chunk(item)
+        if item.type == LoadItemType.BYTE_IO:
+            dest = torch.empty(chunk.length, dtype=torch.uint8)
+            batch.need(chunk, 0, chunk.length, batch.add_dest(dest))
+            batch.temp_bytes += chunk.length
+            batch.after.append(lambda: planner.load_bytes(item, bytes_for_planner(
+                dest.numpy().tobytes(), item.dest_index.fqn, str(self.path), allow_pickle=self.allow_pickle)))
+            return
+        stored = parse_dtype(chunk.dtype)
+        itemsize = torch.empty((), dtype=stored).element_size()
+        shape, offsets, lengths = chunk.sizes, tuple(item.storage_offsets), tuple(item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != lengths:
+            raise ShapeMismatchError(f"{item.dest_index.fqn}: destination shape {tuple(target.shape)} "
+                             f"does not match the requested slice {lengths}")
+        runs = count_runs(shape, offsets, lengths)
+
+        def commit() -> None:
+            planner.commit_tensor(item, target)
+
+        if runs == 0:
+            batch.after.append(commit)
+            return
+        # device targets too: the kvikio engine reads straight into them, POSIX bounces
+        direct = runs == 1 and target.is_contiguous() and target.dtype == stored
+        if direct:
+            (src, nbytes, _), = slice_runs(shape, offsets, lengths, itemsize)
+            batch.need(chunk, src, nbytes, batch.add_dest(tensor_bytes(target)))
+            batch.after.append(commit)
+            return
+        if runs <= MAX_DIRECT_RUNS:
+            temp = torch.empty(lengths, dtype=stored, device=target.device)
+            dest = batch.add_dest(tensor_bytes(temp))
+            for src, nbytes, dst in slice_runs(shape, offsets, lengths, itemsize):
+                batch.need(chunk, src, nbytes, dest, dst)
+            view = temp
+        else:
+            src, nbytes = covering_rows(shape, offsets, lengths, itemsize)
+            temp = torch.empty((lengths[0], *shape[1:]), dtype=stored, device=target.device)
+            batch.need(chunk, src, nbytes, batch.add_dest(tensor_bytes(temp)))
+            view = temp
+            for dim in range(1, len(shape)):
+                view = view.narrow(dim, offsets[dim], lengths[dim])
+        batch.temp_bytes += temp.numel() * itemsize
+
+        def copy_then_commit() -> None:
+            target.copy_(view)
+            commit()
+
+        batch.after.append(copy_then_commit)
+
+    def _run(self, batch: _Batch, stats: IOStats, timer: PhaseTimer) -> int:
+        if not batch.after:
+            return 0
+        with timer.span("plan"):
+            requests, request_size = self._plan_requests(batch)
+        # the checkpoint's checksum block, not this reader's block_size, sets the smallest request
+        config = self.config if request_size <= self.config.block_size else \
+            replace(self.config, block_size=request_size)
+        has_device = any(d.device.type != "cpu" for d in batch.dests)
+        from .coded import coded_engine
+
+        engine = coded_engine(self.store, self.manifest(), self.path, config)  # compressed mirror
+        if engine is not None:
+            pass
+        elif is_remote_url(self.path):
+            engine = FsspecEngine(self.store.fs, config)
+        else:
+            engine, _ = shared_engine(config, has_device, self.path)
+        try:
+            with timer.span("io"):
+                stats.merge(engine.read(requests, batch.dests))
+        except ChecksumMismatchError as exc:
+            raise exc.with_items(_items_in(batch, exc)) from None
+        with timer.span("commit"):  # narrowing copies and DCP's commit_tensor / load_bytes
+            for action in batch.after:
+                action()
+        return sum(n.length for needs in batch.needs.values() for n in needs)
+
+    def _plan_requests(self, batch: _Batch) -> tuple[list, int]:
+        """The batch's requests, and the largest request size they were cut to."""
+        files = read_files(self.store, self.manifest(), self.path)
+        requests, largest = [], self.config.block_size
+        for name, needs in batch.needs.items():
+            record = files[name]  # read_manifest checked that every row's file is listed
+            self._check_container(record)
+            blocks, max_request = None, self.config.block_size
+            if self.config.verify:
+                blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
+                # whole checksum blocks per request, as close to block_size as they allow
+                granule = record.checksum_block
+                max_request = max(granule, max_request // granule * granule)
+                largest = max(largest, max_request)
+            requests += plan_reads(self.store.path(name), needs, max_request=max_request, blocks=blocks)
+        return requests, largest
+
+    def _check_container(self, record: FileRecord) -> None:
+        """Before reading a container: its own header agrees with the index (once per load)."""
+        if record.name not in self._checked:
+            check_container(self._plain_view(), record, self.manifest(), self.path, self.config.verify)
+            self._checked.add(record.name)
+
+    def _plain_view(self) -> Any:
+        """The store as the plain checkpoint it holds: a compressed mirror's rank files are
+        read through their decoder, so their headers are checked like any other."""
+        from .coded import DecodedStore, coded_files
+
+        files = coded_files(self.manifest().doc, self.path)
+        return self.store if files is None else DecodedStore(self.store, files, self.manifest().doc)
+
+
+def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:
+    name = os.path.basename(exc.path)
+    hits = items_in(batch.owners.get(name, []), exc.start, exc.end)
+    return ", ".join(hits) if hits else "none of the requested items (a neighbouring block)"

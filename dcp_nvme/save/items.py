@@ -1,0 +1,101 @@
+"""One DCP WriteItem as container bytes: its name in the container, its bytes as flat uint8
+(no copy when contiguous; a non-contiguous view copies only the view's bytes), its index row,
+and the pad sources that fill the gaps ``format.placement`` left between items."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import (
+    WriteItem,
+    WriteItemType,
+)
+
+from ..engines.buffers import aligned_buffer, tensor_bytes
+from ..errors import UnsupportedItemError
+from ..format.container import dtype_name, stored_as
+from ..format.placement import ITEMSIZE_GAP, ContainerLayout, ItemSpec
+from ..format.tables import ChunkRecord
+
+
+def _item_key(item: WriteItem) -> str:
+    """The item's name inside its container; unique per container."""
+    fqn, offset = item.index.fqn, item.index.offset
+    if item.type == WriteItemType.BYTE_IO or offset is None or not any(offset):
+        return fqn
+    return f"{fqn}@{','.join(str(o) for o in offset)}"
+
+
+def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, ChunkRecord]:
+    """An item's bytes (flat uint8, no copy when contiguous) and how it is described."""
+    key = _item_key(item)
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        source = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        spec = ItemSpec(key, len(raw), "U8", (len(raw),))
+        record = ChunkRecord(item.index.fqn, "bytes", (), (), (), "uint8", "", 0, len(raw), key)
+        return spec, source, record
+    if not isinstance(data, torch.Tensor):
+        raise UnsupportedItemError(f"{item.index.fqn}: the planner resolved a {type(data).__name__}, not a tensor")
+    tensor = data.detach()
+    if tensor.is_quantized or tensor.is_sparse or tensor.layout != torch.strided:
+        raise UnsupportedItemError(f"{item.index.fqn}: {tensor.layout}/{tensor.dtype} tensors are not supported; "
+                        "dequantize or densify them before saving")
+    if not tensor.is_contiguous():
+        tensor = _contiguous_copy(tensor)  # only the view's bytes, never the whole storage
+    source = tensor_bytes(tensor)
+    chunk = item.tensor_data.chunk
+    st_dtype, shape = stored_as(tensor.dtype, tensor.shape, source.numel())
+    spec = ItemSpec(key, source.numel(), st_dtype, shape)
+    record = ChunkRecord(
+        item.index.fqn, "tensor", tuple(chunk.offsets), tuple(chunk.sizes),
+        tuple(item.tensor_data.size), dtype_name(tensor.dtype), "", 0, source.numel(), key,
+    )
+    return spec, source, record
+
+
+def with_pads(sources: Sequence[torch.Tensor], layout: ContainerLayout) -> list[torch.Tensor]:
+    """The data region's sources in order: the items' and, before the first item after each of
+    the layout's pads, the pad's bytes."""
+    gap_before = {offset + size: size for offset, size in layout.pads}  # keyed by where it ends
+    out: list[torch.Tensor] = []
+    previous = None
+    for source, offset in zip(sources, layout.offsets):
+        size = gap_before.pop(offset, 0)  # an empty item at that offset takes the pad first
+        if size:
+            out.append(_pad_source(previous, source, size))
+        out.append(source)
+        previous = source if source.numel() else previous
+    return out
+
+
+def _pad_source(previous: torch.Tensor | None, following: torch.Tensor, size: int) -> torch.Tensor:
+    """A pad's bytes: the memory between its two neighbours when that is zeros of their one
+    storage (a staging arena's dtype padding: the window stays one span of the arena, written
+    without a copy), else fresh zeros."""
+    if previous is not None and previous.device.type == "cpu" and following.device.type == "cpu":
+        storage = previous.untyped_storage()
+        start = previous.storage_offset() + previous.numel()  # flat uint8: elements are bytes
+        if (size < ITEMSIZE_GAP and storage.data_ptr() == following.untyped_storage().data_ptr()
+                and previous.data_ptr() + previous.numel() + size == following.data_ptr()
+                and start + size <= storage.nbytes()):
+            gap = torch.empty(0, dtype=torch.uint8).set_(storage, start, (size,))
+            if not gap.any():
+                return gap
+    return torch.zeros(size, dtype=torch.uint8)
+
+
+def _contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy on a page boundary: the container places items by their address
+    (zero-copy), so a fresh copy at a random address would change the layout from save to save
+    (and with it every delta-coded drain of the file)."""
+    if tensor.device.type != "cpu":
+        return tensor.contiguous()
+    try:
+        out = aligned_buffer(tensor.numel() * tensor.element_size(), pin=False).view(tensor.dtype)
+        return out.view(tensor.shape).copy_(tensor)
+    except (RuntimeError, TypeError):  # a dtype a uint8 buffer cannot be viewed as
+        return tensor.contiguous()

@@ -1,0 +1,448 @@
+"""NVMeWriter: DCP's StorageWriter over one coalesced, checksummed container per rank.
+
+Order of calls (DCP's): reset -> set_up_storage_writer -> prepare_local_plan ->
+prepare_global_plan (coordinator) -> write_data (every rank) -> finish (coordinator).
+
+
+Each rank's write (``write_data``) is: resolve the items (``items``), place them
+(``format.placement``), write the container through the engine under the node's turn, and hand
+back WriteResults carrying the rows; ``finish`` writes the tables, then the manifest."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+)
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..config import IOConfig, check_option, resolve_config
+from ..engines import shared_engine
+from ..engines.windows import host_address
+from ..errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, SaveError, StorageError
+from ..format.manifest import build_manifest_doc, encode_json, seal, table_entry
+from ..format.names import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    data_file_name,
+    new_save_key,
+    save_key_of,
+    table_name,
+    temp_of,
+)
+from ..format.placement import plan_container
+from ..format.tables import FileRecord, StoredItem, chunks_table, files_table
+from ..observe.blockdev import warn_once
+from ..observe.drive_health import DriveWatch
+from ..observe.stats import PhaseTimer
+from ..observe.telemetry import format_summary, layer_summary
+from ..storage import save_lock
+from ..storage.local_dir import LocalStore, is_local_path, local_path, write_commit_file
+from . import waves
+from .items import resolve_item, with_pads
+from .node_budget import HostTag, budgeted, local_ranks, node_turn, ranks_per_host, this_host
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What the coordinator hands each rank in its plan's ``storage_data``."""
+
+    rank: int
+    save_key: str
+    local_ranks: int = 1
+    """Ranks on this rank's host, counted from the host names in the local plans."""
+
+
+class NVMeWriter(StorageWriter):
+    """Save a DCP checkpoint as one safetensors container per rank plus a Parquet manifest.
+
+    Args:
+        path: the checkpoint directory (created if missing).
+        queue_depth: requests in flight per rank (env ``DCP_NVME_QUEUE_DEPTH``).
+        block_size: bytes per request, e.g. ``"8MiB"`` (env ``DCP_NVME_BLOCK_SIZE``).
+        direct_io: O_DIRECT where the filesystem allows it (env ``DCP_NVME_DIRECT_IO``).
+        engine: ``"auto"``, ``"posix"`` (threads), ``"uring"`` (io_uring) or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
+        node_queue_depth: requests in flight shared by the ranks of a node: each keeps
+            ``node_queue_depth // local ranks`` (env ``DCP_NVME_NODE_QUEUE_DEPTH``; ``dcp_nvme.node``).
+        node_write_order: ``"together"`` (the node's ranks write at once, sharing the budget) or
+            ``"staggered"`` (one at a time, each with the whole budget); env
+            ``DCP_NVME_NODE_WRITE_ORDER``, or what ``dcp-nvme tune --ranks`` measured faster.
+        overwrite: replace a committed checkpoint at ``path``; the old one stays loadable until
+            the new one commits.
+        mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each
+            local commit the checkpoint is drained there in the background (``dcp_nvme.tiers``);
+            ``writer.drain_future`` resolves when it is mirrored.
+        compress: how the drain sends to ``mirror``: ``"off"``, ``"bytegroup"``, ``"auto"`` or ``"delta"``
+            (None: the drainer's option). The local checkpoint is always plain safetensors.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        queue_depth: int | None = None,
+        block_size: int | str | None = None,
+        direct_io: bool | None = None,
+        engine: str | None = None,
+        node_queue_depth: int | None = None,
+        node_write_order: str | None = None,
+        overwrite: bool = False,
+        mirror: str | None = None,
+        mirror_options: dict[str, Any] | None = None,
+        compress: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.path = local_path(path)
+        self.config: IOConfig = resolve_config(
+            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine,
+            node_queue_depth=node_queue_depth, node_write_order=node_write_order,
+        )
+        self.overwrite = check_option("overwrite", overwrite)
+        self.mirror = None if mirror is None else check_option("mirror", mirror)
+        self.mirror_options = mirror_options
+        if compress is not None:
+            from ..tiers.compress import MODES
+
+            if compress not in MODES:
+                raise InvalidInputError(f"compress must be one of {MODES}, got {compress!r}")
+        self.compress = compress
+        self.drain_future = None
+        """On the coordinator with ``mirror``: a Future of the last save's drain (DrainResult)."""
+        self.is_coordinator = False
+        self.save_key: str | None = None
+        self.save_id: str = str(uuid.uuid4())
+        """DCP's ``StorageMeta.save_id``: new at every reset, stored in the manifest."""
+        self.use_collectives = True
+        """DCP's ``use_collectives`` of the current save (False is refused on several ranks)."""
+        self.last_stats: dict[str, Any] | None = None
+        """This rank's figures for its last save: bytes, seconds by phase, GB/s, requests."""
+        self.last_manifest: dict[str, Any] | None = None
+        """On the coordinator, the committed manifest document of the last save."""
+        self._lock: save_lock.SaveLock | None = None
+        """On the coordinator, the directory's save lock from prepare_global_plan to the commit."""
+
+    # ------------------------------------------------------------------ DCP protocol
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = local_path(checkpoint_id)
+        self.save_key = None
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.use_collectives = kwargs.get("use_collectives", True)
+        # a new save on this writer: its previous one has ended. If that save failed on another
+        # rank, DCP never called finish here, so its lock is still ours: release it now.
+        self._release_lock()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not self.use_collectives and _world_size() > 1:
+            # each rank would plan alone as rank 0 and commit its own manifest over the others'
+            raise InvalidInputError(
+                f"{self.path}: dcp_nvme saves need use_collectives=True (the default): one manifest, "
+                "committed by the coordinator, describes every rank's data. Save without "
+                "use_collectives=False, or give each rank its own checkpoint directory")
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(exc.errno, f"cannot create checkpoint directory {self.path}: {exc.strerror}") from exc
+        return replace(plan, storage_data=HostTag(this_host()))  # the coordinator counts ranks per host
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator takes the directory's save lock before any rank writes; a refusal here
+        # reaches every rank through DCP's scatter of the plan, so none hangs.
+        key = new_save_key()
+        self._release_lock()
+        self._lock = save_lock.acquire(self.path, key)
+        try:
+            store = LocalStore(self.path)
+            if store.has(MANIFEST) and not self.overwrite:
+                raise CheckpointExistsError(
+                    f"{self.path} already holds a committed checkpoint; pass overwrite=True to "
+                    "replace it (it stays loadable until the new one commits) or save elsewhere"
+                )
+            for plan in plans:  # fail before any byte is written, not after
+                encode_json(plan.planner_data)
+            counts = ranks_per_host([getattr(plan.storage_data, "host", None) for plan in plans])
+        except BaseException:
+            self._release_lock()
+            raise
+        return [replace(plan, storage_data=RankPlan(rank, key, counts[rank])) for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_rank(plan, planner)
+        except BaseException:
+            self._release_lock()  # the coordinator's own failure ends the save: finish never comes
+            raise
+
+    def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        target: RankPlan = plan.storage_data
+        self.save_key = target.save_key
+        future: Future[list[WriteResult]] = Future()
+        if not plan.items:  # e.g. a coordinator that holds nothing: still a part of the save
+            self.last_stats = {"rank": target.rank, "bytes": 0, "items": 0, "phases": {}}
+            future.set_result([])
+            return future
+        timer = PhaseTimer()
+        with timer.span("resolve"):
+            resolved = [resolve_item(item, planner.resolve_data(item)) for item in plan.items]
+            specs = [spec for spec, _, _ in resolved]
+            sources = [source for _, source, _ in resolved]
+        name = data_file_name(target.rank, target.save_key)
+        with timer.span("plan"):
+            # host tensors are placed congruent to their addresses: written from their memory
+            layout = plan_container(specs, {
+                "format": FORMAT, "format_version": str(FORMAT_VERSION),
+                "rank": str(target.rank), "save_key": target.save_key,
+            }, addresses=[host_address(s) for s in sources])
+            data = with_pads(sources, layout)
+        has_device = any(s.device.type != "cpu" for s in sources)
+        on_node = local_ranks(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
+        config = budgeted(self.config, on_node)
+        engine, reason = shared_engine(config, has_device, self.path)
+        path = os.path.join(self.path, name)
+        drive = DriveWatch(self.path)
+        advice = warn_once(drive.device, config.queue_depth, on_node, config.block_size, log)
+        wave = waves.release_for(data)  # a bounded stager's live tensors are in this save
+        progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
+        try:
+            with timer.span("write"), self._turn(config) as waited:
+                began_unix = time.time()
+                written = engine.write_file(path, layout.header, data, config.checksum_block,
+                                            **progress)
+                write_unix = (began_unix, time.time())  # wall clock: comparable across ranks
+            timer.add("turn_wait", waited)  # a part of "write": the other local ranks' turns
+            if wave is not None:
+                wave.release()  # every byte is written: the live tensors are free in any case
+        except BaseException as exc:
+            if wave is not None:
+                wave.release(exc)
+            try:  # a failed save leaves no partial data behind (it would never load anyway)
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        io_stats = written.stats.to_dict()
+        timer.add("fsync", written.stats.fsync_seconds)  # a part of "write", shown on its own
+        stats = {
+            "rank": target.rank, "file": name, "items": len(plan.items), "bytes": written.size,
+            "engine": engine.name, "engine_reason": reason, "config": config.to_dict(),
+            "phases": {k: round(v, 6) for k, v in timer.phases.items()}, "io": io_stats,
+            "host": this_host(), "local_ranks": on_node, "write_order": config.node_write_order,
+            "write_unix": [round(t, 6) for t in write_unix],
+            "drive": drive.finish(),
+            "block_layer": [str(a) for a in advice],
+        }
+        if stats["drive"]["throttled"]:
+            log.warning("dcp_nvme: rank %d: the drive throttled during the save (%s); see "
+                        "docs/tuning.md, drive health", target.rank,
+                        {d: v["throttle"] for d, v in stats["drive"]["disks"].items() if v["throttle"]})
+        self.last_stats = stats
+        log.info("dcp_nvme: rank %d wrote %s: %.3f GB in %.3f s (%.2f GB/s), %d requests, depth %d, "
+                 "p50 %.2f ms, p99 %.2f ms", target.rank, name, written.size / 1e9,
+                 io_stats["seconds"], io_stats["gbps"], io_stats["requests"],
+                 io_stats["max_inflight"], io_stats["latency_p50_ms"], io_stats["latency_p99_ms"])
+        file_record = FileRecord(name, target.rank, written.size, written.data_start,
+                                 written.checksum_block, written.header_crc, tuple(written.crcs))
+        results = []
+        for position, (item, (_, source, record)) in enumerate(zip(plan.items, resolved)):
+            placed = replace(record, file=name, byte_offset=layout.data_start + layout.offsets[position])
+            stored = StoredItem(placed, file_record if position == 0 else None,
+                                stats if position == 0 else None)
+            results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
+        future.set_result(results)
+        return future
+
+    def _turn(self, config: IOConfig) -> contextlib.AbstractContextManager[float]:
+        """The node's write turn when ranks write staggered, else nothing to wait for."""
+        return node_turn(self.path) if config.node_write_order == "staggered" else contextlib.nullcontext(0.0)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        started = time.perf_counter()
+        store = LocalStore(self.path)
+        key = self.save_key or (self._lock.save_key if self._lock else None) or _key_from_results(results)
+        committed = False
+        try:
+            doc = self._commit(metadata, results, key)
+            committed = True
+            try:
+                self._remove_other_saves(store, key)
+            except OSError as exc:  # committed and loadable: leftovers are garbage, not a failure
+                log.warning("dcp_nvme: %s committed, but removing files of other saves failed: %s",
+                            self.path, exc)
+        except BaseException:
+            if not committed:  # nothing of this save may stay behind looking like a checkpoint
+                _remove_save(store, key)
+                if not store.has(MANIFEST):  # no checkpoint here for the pointer to explain
+                    store.remove(POINTER)
+            raise
+        finally:
+            self._release_lock()
+        doc["commit_seconds"] = time.perf_counter() - started
+        self.last_manifest = doc
+        if self.last_stats is not None:
+            self.last_stats.setdefault("phases", {})["commit"] = round(doc["commit_seconds"], 6)
+        if self.mirror:  # committed locally; the drain runs on in the background
+            from ..tiers import submit_mirror
+
+            self.drain_future = submit_mirror(self.path, self.mirror, self.mirror_options,
+                                              compress=getattr(self, "compress", None))
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
+        """The tables, then manifest.json renamed into place: the commit. Returns the manifest."""
+        chunks, files, rank_stats = _collect(metadata, results)
+        layers = layer_summary(rank_stats)
+        log.info("dcp_nvme: save %s: %s", key, format_summary(layers))
+        index_bytes = chunks_table(chunks)
+        blocks_bytes = files_table(files)
+        index_name, blocks_name = table_name("index", key), table_name("blocks", key)
+        write_commit_file(self.path, index_name, index_bytes, key)
+        write_commit_file(self.path, blocks_name, blocks_bytes, key)
+        doc = build_manifest_doc(
+            save_key=key, files=files,
+            index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
+            world_size=len(results), planner_data=metadata.planner_data,
+            dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
+            storage_meta=_storage_meta_doc(self.storage_meta()),
+            extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats,
+                   "layers": layers},
+        )
+        sealed = seal(doc)  # everything that can fail happens before the commit
+        _write_pointer(LocalStore(self.path))
+        if self._lock is not None and not self._lock.held():
+            raise CheckpointLockedError(
+                f"{self.path}: this save ({key}) lost its save lock before its commit (it was "
+                "broken as stale); nothing was committed")
+        write_commit_file(self.path, MANIFEST, sealed, key)  # the commit
+        return doc
+
+    def _remove_other_saves(self, store: LocalStore, key: str) -> None:
+        """After our commit: the files of other saves are garbage, provided we still hold the
+        lock (no other save can be live then) and our manifest is the committed one."""
+        if self._lock is not None and not self._lock.held():
+            log.warning("dcp_nvme: %s: the save lock was broken during the commit of %s; files of "
+                        "other saves are left in place", self.path, key)
+            return
+        for name in store.names():
+            owner = save_key_of(name)
+            temp = temp_of(name)
+            if (owner and owner != key) or (temp and temp[1] != key):
+                store.remove(name)
+
+    def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a Future does not pickle (PROCESS mode); a lock belongs to the process that took it
+        return {**self.__dict__, "drain_future": None, "_lock": None}
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_local_path(checkpoint_id)
+
+
+POINTER = ".metadata.HOW_TO_LOAD.txt"
+"""Where DCP looks for its missing .metadata (`ls -a`, tab completion): says how to load this directory."""
+
+
+POINTER_TEXT = """\
+This directory is a dcp_nvme checkpoint (manifest.json), not one in DCP's stock layout (.metadata).
+torch.distributed.checkpoint finds no .metadata here: give it dcp_nvme's reader instead,
+
+    from dcp_nvme import NVMeReader
+    dcp.load(state_dict, storage_reader=NVMeReader("<this directory>"))
+
+or convert the checkpoint for tools that only read the stock layout or torch.save files:
+
+    dcp-nvme convert <this directory> OUT --to dcp      (or --to torch)
+"""
+
+
+def _write_pointer(store: LocalStore) -> None:
+    """The pointer for stock DCP users (not a part of the checkpoint; written once per directory)."""
+    if not store.has(POINTER):
+        with open(store.path(POINTER), "w") as handle:
+            handle.write(POINTER_TEXT)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:
+    """DCP's StorageMeta as JSON; ``load_id`` belongs to a load, never to the checkpoint."""
+    return {"checkpoint_id": os.fspath(meta.checkpoint_id) if meta.checkpoint_id is not None else None,
+            "save_id": meta.save_id, "modules": list(meta.modules)}
+
+
+def _key_from_results(results: list[list[WriteResult]]) -> str:
+    for rank_results in results:
+        for result in rank_results:
+            key = save_key_of(result.storage_data.chunk.file)
+            if key:
+                return key
+    return new_save_key()  # nothing was written by any rank (an empty state dict)
+
+
+def _collect(metadata: Metadata, results: list[list[WriteResult]]):
+    """Chunk records in the metadata's order, file records by rank, and each rank's figures."""
+    order: dict[MetadataIndex, int] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        chunks = getattr(entry, "chunks", None)
+        if chunks is None:
+            order[MetadataIndex(fqn)] = len(order)
+        else:
+            for chunk in chunks:
+                order[MetadataIndex(fqn, chunk.offsets)] = len(order)
+    records, files, stats = [], [], []
+    for rank_results in results:
+        for result in rank_results:
+            stored: StoredItem = result.storage_data
+            records.append(stored.chunk)
+            if stored.file is not None:
+                files.append(stored.file)
+            if stored.stats is not None:
+                stats.append(stored.stats)
+    written = {r.index for r in records}
+    missing = [index for index in order if index not in written]
+    if missing:
+        raise SaveError(f"no rank wrote {len(missing)} item(s) of the plan, e.g. {missing[0]}")
+    records.sort(key=lambda r: order.get(r.index, len(order)))
+    files.sort(key=lambda f: f.rank)
+    return records, files, stats
+
+
+def _remove_save(store: LocalStore, key: str) -> None:
+    """A failed save removes what it wrote: its rank files, tables and temp files (their names
+    carry its own random key, so they are provably nobody else's)."""
+    for name in store.names():
+        temp = temp_of(name)
+        if save_key_of(name) == key or (temp and temp[1] == key):
+            store.remove(name)

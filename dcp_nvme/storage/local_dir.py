@@ -1,0 +1,229 @@
+"""The small-file side of a checkpoint directory: list, read, write atomically, remove.
+
+Bulk data goes through an engine; this is for the manifest, the index and cleanup.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import (
+    ManifestError,
+    StorageError,
+)
+from ..format.names import (
+    temp_name,
+)
+
+
+def is_remote_url(location: Any) -> bool:
+    """A URL with a scheme other than ``file://`` (those are plain local paths here)."""
+    if not isinstance(location, (str, os.PathLike)):
+        return False
+    text = os.fspath(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def is_local_path(location: Any) -> bool:
+    return isinstance(location, (str, os.PathLike)) and not is_remote_url(location)
+
+
+def local_path(location: str | os.PathLike) -> str:
+    """A local path, with a ``file://`` prefix removed."""
+    return os.fspath(location).removeprefix("file://")
+
+
+class Store(Protocol):
+    """What readers and tools need of a checkpoint directory, local or behind fsspec."""
+
+    location: str
+
+    def exists(self) -> bool: ...
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a regular file here (a FIFO, device or link is not)."""
+        ...
+    def names(self) -> list[str]: ...
+    def read(self, name: str, max_size: int | None = None) -> bytes:
+        """The whole file; a ManifestError when it is not a regular file or over ``max_size``."""
+        ...
+    def size(self, name: str) -> int: ...
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` from ``offset``; returns the bytes read (fewer at end of file)."""
+        ...
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bare_name(name: str) -> str:
+    """``name`` if it names an entry of the directory itself: no separator, not ``.``/``..``.
+
+    Names read from a checkpoint are checked against their exact form in ``format.check_name``;
+    this is the last guard before a name is joined onto the directory."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ManifestError(f"{name!r} is not a file name inside the checkpoint directory")
+    return name
+
+
+def not_regular(path: str, mode: int) -> ManifestError:
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    return ManifestError(f"{path} is {kind}; a checkpoint holds only regular files, so it is refused")
+
+
+def open_regular(path: str | os.PathLike, extra_flags: int = 0) -> int:
+    """An fd of ``path`` for reading, only if it is a regular file (never a link, FIFO or device).
+
+    O_NONBLOCK so that opening a FIFO cannot hang; O_NOFOLLOW so that a link cannot lead out."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags |= extra_flags
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if os.path.islink(path):
+            raise not_regular(os.fspath(path), stat.S_IFLNK) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise not_regular(os.fspath(path), mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: str | os.PathLike, max_size: int | None = None) -> bytes:
+    """All of a regular file, refusing it when over ``max_size`` before reading a byte."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if max_size is not None and size > max_size:
+            raise ManifestError(f"{os.fspath(path)} is {size} bytes, more than the {max_size} a file of "
+                                "its kind may have; the checkpoint is damaged or not a dcp_nvme checkpoint")
+        data = bytearray(size)
+        view, total = memoryview(data), 0
+        while total < size:
+            got = os.preadv(fd, [view[total:]], total)
+            if got == 0:
+                break
+            total += got
+        return bytes(data[:total])
+    finally:
+        os.close(fd)
+
+
+class LocalStore:
+    """A checkpoint directory on a local (or locally mounted) filesystem."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.location = os.fspath(root)  # as the user wrote it, for messages
+
+    def path(self, name: str) -> str:
+        return str(self.root / bare_name(name))
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def has(self, name: str) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(self.path(name)).st_mode)
+        except OSError:
+            return False
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
+
+    def read(self, name: str, max_size: int | None = None) -> bytes:
+        return read_regular(self.path(name), max_size)
+
+    def size(self, name: str) -> int:
+        path = self.path(name)
+        mode = os.lstat(path)
+        if not stat.S_ISREG(mode.st_mode):
+            raise not_regular(path, mode.st_mode)
+        return mode.st_size
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> int:
+        fd = open_regular(self.path(name))
+        try:
+            total = 0
+            while total < len(buffer):
+                got = os.preadv(fd, [buffer[total:]], offset + total)
+                if got == 0:
+                    break
+                total += got
+            return total
+        finally:
+            os.close(fd)
+
+    def make(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Temp name, fsync, rename, fsync of the directory: readers see all of it or none."""
+        final = self.root / name
+        temp = self.root / f".{name}.tmp-{os.getpid()}"
+        with open(temp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, final)
+        fsync_dir(self.root)
+
+    def remove(self, name: str) -> None:
+        try:
+            (self.root / name).unlink()
+        except FileNotFoundError:
+            pass
+
+    def sync(self) -> None:
+        fsync_dir(self.root)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def write_commit_file(directory: str | os.PathLike, name: str, data: bytes, save_key: str) -> None:
+    """Write ``directory/name`` all or nothing: temp file, write, fsync, rename, fsync of the dir.
+
+    A failure removes the temp file and raises OSError naming the file and the step (the
+    errno is kept: ENOSPC stays ENOSPC). Until the rename nothing under ``name`` changed."""
+    directory = os.fspath(directory)
+    temp = os.path.join(directory, temp_name(name, save_key))
+    final = os.path.join(directory, name)
+    step, subject = "create", temp
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            step = "write"
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            step = "fsync"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        step, subject = "rename into place", final
+        os.replace(temp, final)
+    except OSError as exc:
+        _unlink_quietly(temp)
+        raise StorageError(exc.errno, f"cannot {step} {subject} while saving: {exc.strerror or exc}") from exc
+    try:
+        fsync_dir(directory)
+    except OSError as exc:
+        raise StorageError(exc.errno, f"{final} was renamed into place but the fsync of {directory} "
+                                 f"failed: {exc.strerror or exc}; it may not survive a power loss") from exc

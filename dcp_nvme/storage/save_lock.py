@@ -1,0 +1,383 @@
+"""One save at a time per checkpoint directory: ``<dir>/.save.lock``.
+
+The rule (docs/design.md, "One save at a time"):
+
+- The coordinator creates the lock file with ``O_CREAT | O_EXCL`` in ``prepare_global_plan``,
+  before any rank writes a byte. It names the holder: host, pid, save key, since when. A save
+  that finds it held fails at once with :class:`CheckpointLockedError` (DCP hands that error to
+  every rank, so no rank hangs). The lock is released after the commit and its cleanup, or
+  when the save fails on the coordinator.
+- A held lock is *stale*, and is broken by the next save, when
+    * its holder ran in this pid namespace of this host (same boot) and that pid is gone, a
+      zombie, or now another process (its start time differs);
+    * its holder is this very process and no live save of this process holds it (a save that
+      failed on another rank: DCP never tells the coordinator's writer);
+    * its holder is on another host (or in another container) and its heartbeat, the lock
+      file's mtime, which the holder refreshes every ``HEARTBEAT_S`` seconds, is older than
+      ``STALE_AFTER_S``. Clocks of the hosts must agree to within a minute or so.
+  Anything else is live. ``dcp-nvme unlock DIR`` breaks a stale lock, and with ``--force`` any
+  lock (the operator vouches that its save is dead).
+
+``O_EXCL`` creation is atomic on local filesystems, NFSv3+ and Lustre (unlike ``flock``, which
+some NFS clients keep local to one host); breaking a lock renames it away first and checks it
+took the lock it judged stale (putting back one taken meanwhile). Before its commit and before
+its cleanup a save checks the lock is still its own, so even a lock lost in a race of breakers
+costs a failed save, never a mixed directory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+
+from ..errors import CheckpointLockedError, StorageError
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".save.lock"
+HEARTBEAT_S = 30.0
+"""How often a holder refreshes its lock file's mtime."""
+STALE_AFTER_S = 300.0
+"""A lock of another host (or an unreadable one) whose mtime is older than this is stale."""
+
+
+# --------------------------------------------------------------------------- who holds it
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def _pid_start(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), to tell a reused pid; Linux only."""
+    text = _read_text(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    fields = text.rpartition(")")[2].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def _pid_space() -> str:
+    """Processes are comparable by pid only within one pid namespace of one boot of one host."""
+    boot = _read_text("/proc/sys/kernel/random/boot_id") or ""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}|{boot}|{namespace}"
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """What a lock file says about the save holding it."""
+
+    host: str
+    pid: int
+    save_key: str
+    since_unix: float
+    token: str
+    pid_space: str
+    pid_start: int | None
+    heartbeat_unix: float = 0.0
+    """The lock file's mtime (refreshed by the holder), not part of its contents."""
+
+    def describe(self) -> str:
+        since = datetime.datetime.fromtimestamp(self.since_unix, datetime.timezone.utc)
+        return (f"host {self.host}, pid {self.pid}, save key {self.save_key}, "
+                f"since {since.isoformat(timespec='seconds')}")
+
+    def to_json(self) -> bytes:
+        doc = asdict(self)
+        doc.pop("heartbeat_unix")
+        return json.dumps(doc).encode()
+
+
+def read_holder(directory: str | os.PathLike) -> LockHolder | None:
+    """The holder named by ``directory``'s lock file; None when there is no lock file.
+
+    Raises ValueError when the file exists but does not parse (torn by a crash, or foreign)."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+            mtime = os.fstat(handle.fileno()).st_mtime
+    except FileNotFoundError:
+        return None
+    return _parse(data, mtime, path)
+
+
+def _parse(data: bytes, mtime: float, path: str) -> LockHolder:
+    try:
+        doc = json.loads(data)
+        holder = LockHolder(
+            host=str(doc["host"]), pid=int(doc["pid"]), save_key=str(doc["save_key"]),
+            since_unix=float(doc["since_unix"]), token=str(doc["token"]),
+            pid_space=str(doc["pid_space"]),
+            pid_start=None if doc.get("pid_start") is None else int(doc["pid_start"]),
+            heartbeat_unix=mtime,
+        )
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{path} is not a readable save lock ({exc.__class__.__name__}): "
+                         "a crash while it was being created, or not ours") from None
+    return holder
+
+
+def _process_gone(pid: int, start: int | None) -> str | None:
+    """Why ``pid`` is no longer the process that took the lock, or None if it still is."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"pid {pid} is gone"
+    except PermissionError:
+        pass  # alive, another user's
+    stat = _read_text(f"/proc/{pid}/stat")
+    if stat and stat.rpartition(")")[2].split()[:1] == ["Z"]:
+        return f"pid {pid} has exited (zombie)"
+    now_start = _pid_start(pid)
+    if start is not None and now_start is not None and now_start != start:
+        return f"pid {pid} is now another process"
+    return None
+
+
+def stale_reason(holder: LockHolder, now: float | None = None) -> str | None:
+    """Why ``holder``'s lock is stale by the documented rule, or None when it is live."""
+    if holder.pid_space == _pid_space():
+        if holder.pid == os.getpid():
+            return None if _held_here(holder.token) else "no save of this process holds it any more"
+        return _process_gone(holder.pid, holder.pid_start)
+    age = (time.time() if now is None else now) - holder.heartbeat_unix
+    if age > STALE_AFTER_S:
+        return f"its holder on {holder.host} last refreshed it {age:.0f} s ago (> {STALE_AFTER_S:.0f} s)"
+    return None
+
+
+# --------------------------------------------------------------------------- the locks this process holds
+
+_HELD: dict[str, weakref.ref] = {}
+_HELD_GUARD = threading.Lock()
+_BEAT: threading.Thread | None = None
+
+
+def _held_here(token: str) -> bool:
+    with _HELD_GUARD:
+        ref = _HELD.get(token)
+    lock = ref() if ref else None
+    return lock is not None and not lock.released
+
+
+def beat_all() -> None:
+    """Refresh the heartbeat of every lock this process holds (the heartbeat thread's step)."""
+    with _HELD_GUARD:
+        locks = [ref() for ref in _HELD.values()]
+    for lock in locks:
+        if lock is not None and not lock.released:
+            lock.beat()
+
+
+def _beat_forever() -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        try:
+            beat_all()
+        except Exception:  # a heartbeat must never kill the thread
+            log.exception("dcp_nvme: save lock heartbeat failed")
+
+
+def _start_heartbeat() -> None:
+    global _BEAT
+    with _HELD_GUARD:
+        if _BEAT is None or not _BEAT.is_alive():
+            _BEAT = threading.Thread(target=_beat_forever, name="dcp_nvme-lock-heartbeat", daemon=True)
+            _BEAT.start()
+
+
+class SaveLock:
+    """A held lock on one checkpoint directory. Released explicitly, or when garbage collected
+    (a writer dropped after a save that failed elsewhere) or at interpreter exit."""
+
+    def __init__(self, directory: str, holder: LockHolder) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.holder = holder
+        self.released = False
+        self._finalizer = weakref.finalize(self, _release_file, self.path, holder.token, holder.pid)
+
+    @property
+    def save_key(self) -> str:
+        return self.holder.save_key
+
+    def held(self) -> bool:
+        """True while the lock file is still ours (nobody broke it)."""
+        try:
+            current = read_holder(self.directory)
+        except ValueError:
+            return False
+        return not self.released and current is not None and current.token == self.holder.token
+
+    def beat(self) -> None:
+        now = time.time()
+        try:
+            os.utime(self.path, (now, now))  # our clock, not the file server's
+        except FileNotFoundError:
+            log.warning("dcp_nvme: the save lock %s vanished while held", self.path)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"SaveLock({self.path!r}, {self.holder.describe()})"
+
+
+def _release_file(path: str, token: str, pid: int) -> None:
+    with _HELD_GUARD:
+        _HELD.pop(token, None)
+    if os.getpid() == pid:  # a forked child exiting never releases its parent's lock
+        _take_away(path, token, why="released")
+
+
+def _take_away(path: str, token: str | None, why: str) -> bool:
+    """Remove the lock at ``path`` if it is still the one with ``token`` (None: whatever it is).
+
+    Renames it to a unique name first, then checks what it took: a lock created in between by
+    someone else is put back, so a stale lock is broken once, never a live one."""
+    aside = f"{path}.{secrets.token_hex(4)}.{why}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    try:
+        with open(aside, "rb") as handle:
+            taken = _parse(handle.read(), 0.0, path).token
+    except (OSError, ValueError):
+        taken = None
+    if token is not None and taken != token:
+        try:
+            os.link(aside, path)  # not ours: put it back unless a newer lock exists already
+        except OSError:
+            pass
+        os.unlink(aside)
+        return False
+    os.unlink(aside)
+    return True
+
+
+def _create(path: str, holder: LockHolder) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, holder.to_json())
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def acquire(directory: str | os.PathLike, save_key: str) -> SaveLock:
+    """Take the save lock of ``directory`` for the save ``save_key``, breaking a stale one.
+
+    Raises CheckpointLockedError naming the directory and the live holder."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, LOCK_NAME)
+    me = LockHolder(
+        host=socket.gethostname(), pid=os.getpid(), save_key=save_key, since_unix=time.time(),
+        token=secrets.token_hex(8), pid_space=_pid_space(), pid_start=_pid_start(os.getpid()),
+    )
+    for _ in range(5):  # each round either takes the lock, fails, or removed a stale one
+        try:
+            _create(path, me)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StorageError(exc.errno, f"cannot create the save lock {path}: {exc.strerror}") from exc
+        else:
+            lock = SaveLock(directory, me)
+            lock.beat()  # the mtime by our clock, not the file server's, from the start
+            with _HELD_GUARD:
+                _HELD[me.token] = weakref.ref(lock)
+            _start_heartbeat()
+            return lock
+        _break_if_stale(directory, path)
+    raise CheckpointLockedError(f"{directory}: could not take the save lock {path}: other saves "
+                                "keep taking it; only one save at a time may write a directory")
+
+
+def _break_if_stale(directory: str, path: str) -> None:
+    """Return when the lock is gone or was stale and is now removed; raise if it is live."""
+    try:
+        holder = read_holder(directory)
+    except ValueError as exc:
+        try:
+            age = time.time() - os.stat(path).st_mtime
+        except FileNotFoundError:
+            return
+        if age <= STALE_AFTER_S:
+            raise CheckpointLockedError(
+                f"{directory} is locked by a save whose lock file is unreadable ({exc}); it counts "
+                f"as stale {STALE_AFTER_S:.0f} s after it was written ({age:.0f} s ago). If no save "
+                f"is running there, run `dcp-nvme unlock --force {directory}`") from None
+        _take_away(path, None, "stale")
+        log.warning("dcp_nvme: removed an unreadable stale save lock %s", path)
+        return
+    if holder is None:
+        return
+    reason = stale_reason(holder)
+    if reason is None:
+        raise CheckpointLockedError(_locked_message(directory, holder))
+    if _take_away(path, holder.token, "stale"):
+        log.warning("dcp_nvme: broke the stale save lock of %s (%s): %s", directory,
+                    holder.describe(), reason)
+
+
+def _locked_message(directory: str, holder: LockHolder) -> str:
+    if holder.pid_space == _pid_space() and holder.pid == os.getpid():
+        who = "another save of this same process"
+    elif holder.pid_space == _pid_space():
+        who = "another save on this host"
+    else:
+        who = (f"a save on another host (its lock counts as stale {STALE_AFTER_S:.0f} s after its "
+               f"last heartbeat, {time.time() - holder.heartbeat_unix:.0f} s ago)")
+    return (f"{directory} is being saved by {who}: {holder.describe()}. Only one save at a time "
+            "may write a checkpoint directory: wait for it to finish or save elsewhere. If that "
+            f"save is dead, `dcp-nvme unlock {directory}` (or `--force`) removes its lock.")
+
+
+def unlock(directory: str | os.PathLike, *, force: bool = False) -> tuple[LockHolder | None, str]:
+    """Remove ``directory``'s save lock if stale (any lock with ``force``).
+
+    Returns the holder that was removed (None if there was no lock or it was unreadable) and
+    why; raises CheckpointLockedError for a live lock without ``force``."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        holder = read_holder(directory)
+    except ValueError:
+        if not force:
+            raise
+        _take_away(path, None, "forced")
+        return None, "unreadable lock removed"
+    if holder is None:
+        return None, "not locked"
+    reason = stale_reason(holder)
+    if reason is None and not force:
+        raise CheckpointLockedError(_locked_message(directory, holder).replace(
+            f"`dcp-nvme unlock {directory}` (or `--force`)", f"`dcp-nvme unlock --force {directory}`"))
+    if not _take_away(path, holder.token, "forced" if reason is None else "stale"):
+        return None, "the lock changed meanwhile; run again"
+    return holder, reason or "forced"
+

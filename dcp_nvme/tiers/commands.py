@@ -1,0 +1,130 @@
+"""``dcp-nvme drain PATH --to URL`` and ``dcp-nvme status PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..config import check_option, parse_size
+from ..errors import InvalidInputError
+from ..storage.run_dir import checkpoints
+from .compress import MODES as COMPRESS_MODES
+from .drainer import DrainOptions, drain, verify_mirror
+from .journal import drain_state, load_journal
+from .retention import apply_retention
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "drain", help="copy a committed checkpoint to its mirror (resumes an interrupted drain)",
+        description="Copy a committed local checkpoint to an fsspec target, verified, manifest "
+                    "last. Without --to, resumes the drain its journal names.")
+    parser.add_argument("path", help="local checkpoint directory")
+    parser.add_argument("--to", dest="target", help="target URL or directory (default: the journal's)")
+    parser.add_argument("--storage-options", default=None,
+                        help="JSON object of fsspec storage options, e.g. '{\"endpoint_url\": ...}'")
+    parser.add_argument("--max-transfers", type=int, default=DrainOptions.max_transfers,
+                        help=f"pieces in flight at once (default {DrainOptions.max_transfers})")
+    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB); a file an interrupted drain began keeps the part "
+                             "size it was planned with")
+    parser.add_argument("--bandwidth", default=None, help="cap, bytes per second, e.g. 200MiB")
+    parser.add_argument("--verify", choices=("sent", "readback"), default="sent",
+                        help="sent: check each piece as it is sent (default); readback: also read the "
+                             "mirror back and check every byte")
+    parser.add_argument("--compress", choices=COMPRESS_MODES, default="off",
+                        help="send byte-grouped .dcz files (bytegroup), only when it finishes sooner "
+                             "over the link (auto: needs --bandwidth or --link-rate), or plain (off)")
+    parser.add_argument("--delta-every", type=int, default=DrainOptions.delta_every,
+                        help="--compress delta: a full checkpoint at least every this many "
+                             f"(default {DrainOptions.delta_every})")
+    parser.add_argument("--link-rate", default=None, help="the link's bytes/s for --compress auto, e.g. 1GB")
+    parser.add_argument("--codec-threads", type=int, default=None,
+                        help="threads coding for the drain (default: half the cores, at most 2)")
+    parser.add_argument("--verify-only", action="store_true",
+                        help="do not send: read the mirror back and check every byte")
+    parser.add_argument("--retries", type=int, default=DrainOptions.retries,
+                        help=f"attempts after the first before giving up (default {DrainOptions.retries})")
+    parser.add_argument("--backoff", type=float, default=DrainOptions.backoff,
+                        help=f"seconds before the first retry, doubling after (default {DrainOptions.backoff:g})")
+    parser.add_argument("--keep-last", type=int, default=None,
+                        help="then prune the parent run directory to the K newest checkpoints")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=_drain)
+
+    if "status" in getattr(subparsers, "_name_parser_map", {}):
+        name = "drain-status"  # another module owns `status`
+    else:
+        name = "status"
+    parser = subparsers.add_parser(
+        name, help="drain state of a checkpoint, or of every checkpoint in a run directory")
+    parser.add_argument("path", help="a checkpoint directory, or a run directory holding checkpoints")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(func=_status)
+
+
+def _drain(args: argparse.Namespace) -> int:
+    target = args.target or (load_journal(args.path) or {}).get("target")
+    if not isinstance(target, str) or not target:
+        raise InvalidInputError(f"{args.path}: no --to given and no drain journal names a target")
+    target = check_option("mirror", target, "--to")  # an unknown protocol fails now, not after retries
+    try:
+        storage_options = json.loads(args.storage_options) if args.storage_options else None
+    except ValueError as exc:
+        raise InvalidInputError(f"--storage-options is not valid JSON: {exc}") from None
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise InvalidInputError("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}'")
+    options = DrainOptions(
+        max_transfers=args.max_transfers, part_size=parse_size(args.part_size),
+        bandwidth=parse_size(args.bandwidth) if args.bandwidth else None, verify=args.verify,
+        retries=args.retries, backoff=args.backoff, compress=args.compress, delta_every=args.delta_every,
+        link_rate=parse_size(args.link_rate) if args.link_rate else None, codec_threads=args.codec_threads,
+    )
+    if args.verify_only:
+        result = verify_mirror(args.path, target, storage_options=storage_options, options=options)
+    else:
+        result = drain(args.path, target, storage_options=storage_options, options=options)
+    removed = apply_retention(os.path.dirname(os.path.abspath(args.path)), args.keep_last) \
+        if args.keep_last else []
+    if args.json:
+        print(json.dumps({**result.to_dict(), "removed": removed}))
+    else:
+        print(f"{args.path}: mirrored to {target}: {result.bytes_sent} bytes sent, "
+              f"{result.bytes_skipped} already there, {result.seconds:.2f} s")
+        if result.compression.get("codec"):
+            c = result.compression
+            print(f"compressed ({c['codec']}): {c['bytes']} -> {c['stored_bytes']} bytes ({c['ratio']:.3f}x), "
+                  f"{c['encode_seconds']:.2f} s, {c['cpu_seconds']:.2f} CPU s on {c['threads']} thread(s)")
+        elif result.compression.get("decision"):
+            print(f"compress=auto: {result.compression['decision']}")
+        for path in removed:
+            print(f"removed {path} (retention)")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    path = args.path
+    if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
+        paths = [path]
+    else:
+        paths = [str(c.path) for c in checkpoints(path, kinds=("nvme",))] or [path]
+    rows = []
+    for p in paths:
+        state = drain_state(p)
+        coded = (load_journal(p) or {}).get("compression") if state.state == "mirrored" else None
+        rows.append({"path": p, **state.to_dict(), "compression": coded if isinstance(coded, dict) else None})
+    if args.json:
+        json.dump(rows, sys.stdout)
+        print()
+        return 0
+    for row in rows:
+        extra = f" -> {row['target']}" if row["target"] else ""
+        progress = f" ({row['bytes_sent']}/{row['bytes_total']} bytes)" if row["state"] == "draining" else ""
+        note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
+        why = f" ({row['cause']})" if row["cause"] and row["state"] != "failed" else ""
+        coded = row["compression"] or {}
+        ratio = coded.get("ratio")
+        zipped = f" [compressed {coded.get('codec')}, {ratio:.3f}x]" if isinstance(ratio, (int, float)) else ""
+        print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}")
+    return 0
