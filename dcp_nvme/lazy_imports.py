@@ -1,10 +1,12 @@
-"""Names of a package that load on first use, so that light entry points (``dcp-nvme --help``)
-start without importing torch."""
+"""Deferred and optional imports: names of a package that load on first use, so that light entry
+points (``dcp-nvme --help``) start without importing torch; and optional dependencies (the
+trainers of ``dcp_nvme.integrations``), whose absence names the package to install."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 
@@ -24,3 +26,16 @@ def lazy_names(package: str, namespace: dict[str, Any], table: dict[str, str]
         return sorted(set(namespace) | set(table))
 
     return getattr_, dir_
+
+
+def require(module: str, *, needed_by: str, install: str) -> ModuleType:
+    """``module``, an optional dependency of ``needed_by``, imported now. When ``module`` or a
+    package above it is not installed, raises ModuleNotFoundError (an ImportError) saying so:
+    ``"dcp_nvme.integrations.lightning needs lightning: pip install lightning"``."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        parts = module.split(".")
+        if exc.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            raise  # the module is installed but one of its own imports is missing: its error says which
+        raise ModuleNotFoundError(f"{needed_by} needs {install}: pip install {install}", name=exc.name) from exc

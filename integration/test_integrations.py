@@ -5,7 +5,9 @@ Each ``test_scenario`` runs one scenario's ``run(root)`` (a single spawn of 2 pr
 _storage.py) and then checks on disk that the checkpoints are dcp_nvme's (manifest.json +
 rank_*.safetensors). The other tests are single-process: Megatron's tools after only the import
 (registration, ``remove_sharded_tensors``), torchtitan's config fields and discovery, remote
-folders left to torchtitan. Tests are skipped when their trainer library is not installed
+folders left to torchtitan, the one private touch-point of each of Lightning and Megatron, and
+the imports (no trainer imported by ``dcp_nvme``; a missing trainer named). Tests are skipped
+when their trainer library is not installed
 (``pip install -c constraints.txt -r integration/requirements.txt``).
 """
 
@@ -13,8 +15,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+INTEGRATIONS = {"lightning": "lightning", "torchtitan": "torchtitan", "megatron": "megatron-core"}
+"""dcp_nvme.integrations.<name> -> the pip package of its trainer."""
+TRAINER_MODULES = ("lightning", "pytorch_lightning", "lightning_fabric", "torchtitan", "megatron")
 
 
 def _has(module: str) -> bool:
@@ -39,6 +51,60 @@ def test_scenario(scenario: str, needs: str | None, tmp_path) -> None:
     if needs is not None and not _has(needs):
         pytest.skip(f"{needs} is not installed (see integration/requirements.txt)")
     importlib.import_module(scenario).run(tmp_path)
+
+
+def _python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter with this checkout first on the path; its stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_package_imports_no_trainer() -> None:
+    """``import dcp_nvme`` and ``import dcp_nvme.integrations`` leave every trainer unimported."""
+    out = _python("import sys, json; import dcp_nvme; import dcp_nvme.integrations; "
+                  f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {TRAINER_MODULES!r})))")
+    assert json.loads(out) == []
+
+
+def test_missing_trainer_names_the_package(tmp_path, monkeypatch) -> None:
+    """With its trainer absent (``sys.modules[name] = None``), importing an integration raises an
+    ImportError that names the pip package; a module that is there but misses one of its own
+    imports keeps its own error."""
+    out = _python(f"""
+import json, sys
+for name in ("lightning", "torchtitan", "megatron"):
+    sys.modules[name] = None
+errors = {{}}
+for integration in {sorted(INTEGRATIONS)!r}:
+    try:
+        __import__("dcp_nvme.integrations." + integration)
+    except ImportError as exc:
+        errors[integration] = [type(exc).__name__, str(exc)]
+print(json.dumps(errors))
+""")
+    got = json.loads(out)
+    assert got == {name: ["ModuleNotFoundError", f"dcp_nvme.integrations.{name} needs {pip}: pip install {pip}"]
+                   for name, pip in INTEGRATIONS.items()}
+
+    from dcp_nvme.lazy_imports import require
+
+    (tmp_path / "half_installed.py").write_text("import no_such_dependency_of_half_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError) as missing:
+        require("half_installed", needed_by="probe", install="half-installed")
+    assert missing.value.name == "no_such_dependency_of_half_installed"
+
+
+def test_lightning_private_touch_point() -> None:
+    """_saves_sharded reads Lightning's save_distributed_checkpoint (its private attribute)."""
+    if not _has("lightning"):
+        pytest.skip("lightning is not installed (see integration/requirements.txt)")
+    from dcp_nvme.integrations.lightning import NVMeModelParallelStrategy, _saves_sharded
+
+    assert _saves_sharded(NVMeModelParallelStrategy()) is True
+    assert _saves_sharded(NVMeModelParallelStrategy(save_distributed_checkpoint=False)) is False
 
 
 def test_remove_items_rewrites_without_prefix(tmp_path) -> None:
@@ -168,6 +234,32 @@ def test_torchtitan_remote_folder_stays_torchtitans(tmp_path, one_rank_group) ->
     manager.close()
     for name, value in model.state_dict().items():
         assert torch.equal(value, fresh.state_dict()[name]), name
+
+
+def test_megatron_private_touch_point(one_rank_group) -> None:
+    """_to_pyt (megatron-core's private translation helpers): DCP keys are the sharded keys, the
+    save side drops non-main replicas when asked, and the inverse restores nesting, lists and
+    non-str keys with the same tensors."""
+    if not _has("megatron.core"):
+        pytest.skip("megatron.core is not installed (see integration/requirements.txt)")
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from dcp_nvme.integrations import megatron as nv
+
+    w, b = torch.randn(4, 2), torch.arange(3.0)
+    state = {"decoder": {"w": ShardedTensor.from_rank_offsets("decoder.w", w, (0, 0, 1)),
+                         3: [ShardedTensor.from_rank_offsets("decoder.3.b", b, (0, 0, 1))]}}
+    pyt, back = nv._to_pyt(state, is_loading=True)
+    assert sorted(pyt) == ["decoder.3.b", "decoder.w"]
+    out = back(pyt)
+    assert list(out) == ["decoder"] and sorted(out["decoder"], key=str) == [3, "w"]
+    assert torch.equal(out["decoder"]["w"], w) and torch.equal(out["decoder"][3][0], b)
+
+    replicated = {"a": ShardedTensor.from_rank_offsets("a", torch.ones(2), (0, 0, 1)),
+                  "r": ShardedTensor.from_rank_offsets("r", torch.ones(2), (0, 0, 1), replica_id=1)}
+    assert sorted(nv._to_pyt(replicated, is_loading=False, keep_only_main_replica=True)[0]) == ["a"]
+    assert sorted(nv._to_pyt(replicated, is_loading=False)[0]) == ["a", "r"]
 
 
 def test_megatron_tools_after_one_import(tmp_path, one_rank_group) -> None:

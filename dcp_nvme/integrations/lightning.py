@@ -29,160 +29,156 @@ hparams) is stored *inside* the DCP checkpoint as one bytes item
 (``lightning_meta``) instead of ``meta.pt``, so the checkpoint is committed
 atomically by dcp_nvme's commit marker.
 
-Lightning is imported lazily: the class is created on first attribute access.
+Importing this module imports Lightning; without it the import raises an ImportError that names
+the package to install (``pip install lightning``).
 """
 
 from __future__ import annotations
 
 import io
+import shutil
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
 from ..errors import UnknownOptionError
+from ..lazy_imports import require
 from ._common import make_reader, make_stager, make_writer, wait_future
+
+ModelParallelStrategy = require("lightning.pytorch.strategies", needed_by=__name__,
+                                install="lightning").ModelParallelStrategy
 
 __all__ = ["NVMeModelParallelStrategy", "META_KEY"]
 
 META_KEY = "lightning_meta"
 
-# created on first access by __getattr__ (the trainer is imported lazily)
-NVMeModelParallelStrategy: type
-_CLASS_CACHE: dict = {}
+
+def _saves_sharded(strategy: Any) -> bool:
+    """Whether ``strategy`` writes sharded (DCP) checkpoints: the ``save_distributed_checkpoint``
+    argument of ``ModelParallelStrategy``, which Lightning 2.6 keeps only as the private attribute
+    ``_save_distributed_checkpoint`` (it has no public accessor; its own state-dict methods read
+    the same attribute). The one private touch-point of this module; tested by
+    integration/test_integrations.py::test_lightning_private_touch_point."""
+    return bool(strategy._save_distributed_checkpoint)
 
 
-def _build_strategy_class():
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from lightning.pytorch.strategies import ModelParallelStrategy
+class NVMeModelParallelStrategy(ModelParallelStrategy):
+    """ModelParallelStrategy that saves/loads sharded checkpoints via dcp_nvme.
 
-    class NVMeModelParallelStrategy(ModelParallelStrategy):
-        """ModelParallelStrategy that saves/loads sharded checkpoints via dcp_nvme.
+    Extra keyword arguments (all optional):
+      writer_factory(path) -> StorageWriter   (default: dcp_nvme.NVMeWriter(path, overwrite=True))
+      reader_factory(path) -> StorageReader   (default: NVMeReader, or FileSystemReader
+                                               for plain-DCP checkpoints)
+      stager_factory() -> AsyncStager | None  (default: dcp_nvme.NVMeStager())
+      async_save: bool — default mode for saves (ModelCheckpoint calls
+                         trainer.save_checkpoint without storage_options)
+    Per call: ``trainer.save_checkpoint(path, storage_options={"async_save": bool})``.
+    """
 
-        Extra keyword arguments (all optional):
-          writer_factory(path) -> StorageWriter   (default: dcp_nvme.NVMeWriter(path, overwrite=True))
-          reader_factory(path) -> StorageReader   (default: NVMeReader, or FileSystemReader
-                                                   for plain-DCP checkpoints)
-          stager_factory() -> AsyncStager | None  (default: dcp_nvme.NVMeStager())
-          async_save: bool — default mode for saves (ModelCheckpoint calls
-                             trainer.save_checkpoint without storage_options)
-        Per call: ``trainer.save_checkpoint(path, storage_options={"async_save": bool})``.
-        """
+    def __init__(
+        self,
+        *args: Any,
+        writer_factory=None,
+        reader_factory=None,
+        stager_factory=None,
+        async_save: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._nvme_writer_factory = writer_factory
+        self._nvme_reader_factory = reader_factory
+        self._nvme_stager_factory = stager_factory
+        self._nvme_async_default = async_save
+        self._nvme_pending = None
+        self._nvme_stager = None
+        self._nvme_ckpt_pg = None
 
-        def __init__(
-            self,
-            *args: Any,
-            writer_factory=None,
-            reader_factory=None,
-            stager_factory=None,
-            async_save: bool = False,
-            **kwargs: Any,
-        ) -> None:
-            super().__init__(*args, **kwargs)
-            self._nvme_writer_factory = writer_factory
-            self._nvme_reader_factory = reader_factory
-            self._nvme_stager_factory = stager_factory
-            self._nvme_async_default = async_save
-            self._nvme_pending = None
+    # -- process group for background saves ---------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # A dedicated gloo group: the async upload thread runs DCP
+        # collectives concurrently with FSDP collectives on the default PG.
+        self._nvme_ckpt_pg = dist.new_group(backend="gloo")
+
+    # -- save ------------------------------------------------------------
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not _saves_sharded(self):
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        opts = dict(storage_options or {})
+        async_save = bool(opts.pop("async_save", self._nvme_async_default))
+        if opts:
+            raise UnknownOptionError(f"unsupported storage_options for {type(self).__name__}: {sorted(opts)}")
+        path = str(self.broadcast(str(filepath)))
+        # one save in flight at a time; the previous one must be committed
+        self.wait_for_checkpoint()
+
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        state.update(
+            {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
+        )
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)
+        state[META_KEY] = buf.getvalue()
+
+        writer = make_writer(path, self._nvme_writer_factory)
+        if async_save:
+            if self._nvme_stager is None:
+                self._nvme_stager = make_stager(self._nvme_stager_factory)
+            self._nvme_pending = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self._nvme_ckpt_pg,
+                async_stager=self._nvme_stager,
+            )
+        else:
+            dcp.save(state, storage_writer=writer)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the in-flight async save (if any) is committed."""
+        fut, self._nvme_pending = self._nvme_pending, None
+        wait_future(fut)
+
+    # -- load ------------------------------------------------------------
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()
+        path = str(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None
+        strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
+        optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        for key, opt in optimizers.items():
+            state[key] = get_optimizer_state_dict(self.model, opt)
+        state[META_KEY] = b""
+        dcp.load(state, storage_reader=make_reader(path, self._nvme_reader_factory))
+        set_model_state_dict(
+            self.model, state["state_dict"], options=StateDictOptions(strict=strict)
+        )
+        for key, opt in optimizers.items():
+            set_optimizer_state_dict(self.model, opt, optim_state_dict=state[key])
+        # the pickled rest of Lightning's checkpoint (what stock Lightning keeps in meta.pt)
+        return torch.load(io.BytesIO(state[META_KEY]), weights_only=bool(weights_only))
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.wait_for_checkpoint()
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def teardown(self) -> None:
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            if self._nvme_stager is not None and hasattr(self._nvme_stager, "close"):
+                self._nvme_stager.close()
             self._nvme_stager = None
-            self._nvme_ckpt_pg = None
-
-        # -- process group for background saves ---------------------------
-        def setup_environment(self) -> None:
-            super().setup_environment()
-            # A dedicated gloo group: the async upload thread runs DCP
-            # collectives concurrently with FSDP collectives on the default PG.
-            self._nvme_ckpt_pg = dist.new_group(backend="gloo")
-
-        # -- save ------------------------------------------------------------
-        def save_checkpoint(
-            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-        ) -> None:
-            if not self._save_distributed_checkpoint:
-                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            opts = dict(storage_options or {})
-            async_save = bool(opts.pop("async_save", self._nvme_async_default))
-            if opts:
-                raise UnknownOptionError(f"unsupported storage_options for {type(self).__name__}: {sorted(opts)}")
-            path = str(self.broadcast(str(filepath)))
-            # one save in flight at a time; the previous one must be committed
-            self.wait_for_checkpoint()
-
-            state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
-            state.update(
-                {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
-            )
-            buf = io.BytesIO()
-            torch.save(checkpoint, buf)
-            state[META_KEY] = buf.getvalue()
-
-            writer = make_writer(path, self._nvme_writer_factory)
-            if async_save:
-                if self._nvme_stager is None:
-                    self._nvme_stager = make_stager(self._nvme_stager_factory)
-                self._nvme_pending = dcp.async_save(
-                    state,
-                    storage_writer=writer,
-                    process_group=self._nvme_ckpt_pg,
-                    async_stager=self._nvme_stager,
-                )
-            else:
-                dcp.save(state, storage_writer=writer)
-
-        def wait_for_checkpoint(self) -> None:
-            """Block until the in-flight async save (if any) is committed."""
-            fut, self._nvme_pending = self._nvme_pending, None
-            wait_future(fut)
-
-        # -- load ------------------------------------------------------------
-        def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            self.wait_for_checkpoint()
-            path = str(self.broadcast(str(checkpoint_path)))
-            assert self.model is not None
-            strict = self.lightning_module.strict_loading if self.lightning_module is not None else True
-            optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}
-            state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-            for key, opt in optimizers.items():
-                state[key] = get_optimizer_state_dict(self.model, opt)
-            state[META_KEY] = b""
-            dcp.load(state, storage_reader=make_reader(path, self._nvme_reader_factory))
-            set_model_state_dict(
-                self.model, state["state_dict"], options=StateDictOptions(strict=strict)
-            )
-            for key, opt in optimizers.items():
-                set_optimizer_state_dict(self.model, opt, optim_state_dict=state[key])
-            # the pickled rest of Lightning's checkpoint (what stock Lightning keeps in meta.pt)
-            return torch.load(io.BytesIO(state[META_KEY]), weights_only=bool(weights_only))
-
-        def remove_checkpoint(self, filepath: Any) -> None:
-            self.wait_for_checkpoint()
-            if self.is_global_zero:
-                import shutil
-
-                shutil.rmtree(filepath, ignore_errors=True)
-
-        def teardown(self) -> None:
-            try:
-                self.wait_for_checkpoint()
-            finally:
-                if self._nvme_stager is not None and hasattr(self._nvme_stager, "close"):
-                    self._nvme_stager.close()
-                self._nvme_stager = None
-                super().teardown()
-
-    return NVMeModelParallelStrategy
-
-
-def __getattr__(name: str):
-    if name == "NVMeModelParallelStrategy":
-        if name not in _CLASS_CACHE:
-            _CLASS_CACHE[name] = _build_strategy_class()
-        return _CLASS_CACHE[name]
-    raise AttributeError(name)
+            super().teardown()

@@ -6,8 +6,8 @@ Provides save/load sharded strategies (subclasses of
 checkpoint with dcp_nvme instead of Megatron's ``FileSystemWriterAsync`` and read
 it with ``NVMeReader`` instead of ``_get_filesystem_reader``.
 
-Importing this module registers both strategies under backend ``('dcp_nvme', 1)`` (when
-megatron-core is installed), so Megatron's own tools (``dist_checkpointing.load``,
+Importing this module imports megatron-core and registers both strategies under backend
+``('dcp_nvme', 1)``, so Megatron's own tools (``dist_checkpointing.load``,
 ``load_tensors_metadata``, ``remove_sharded_tensors``...) find them from a checkpoint's
 ``metadata.json`` after that one import. Usage::
 
@@ -31,14 +31,49 @@ Async: ``async_save`` stages the state dict (NVMeStager) and starts
 *before returning*; the returned ``AsyncRequest`` has ``async_fn=None`` (no-op)
 and a finalize function that waits for the upload.  Megatron appends its own
 finalize (``metadata.json`` + barrier) after it.
+
+Without megatron-core the import raises an ImportError that names the package to install
+(``pip install megatron-core``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ._common import make_reader, make_stager, make_writer, wait_future
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ..lazy_imports import require
+from ._common import (
+    ReaderFactory,
+    StagerFactory,
+    WriterFactory,
+    make_reader,
+    make_stager,
+    make_writer,
+    wait_future,
+)
+from ._prune import remove_items
+
+_NEEDS = {"needed_by": __name__, "install": "megatron-core"}
+_dict_utils = require("megatron.core.dist_checkpointing.dict_utils", **_NEEDS)
+_mapping = require("megatron.core.dist_checkpointing.mapping", **_NEEDS)
+_async_utils = require("megatron.core.dist_checkpointing.strategies.async_utils", **_NEEDS)
+_base = require("megatron.core.dist_checkpointing.strategies.base", **_NEEDS)
+_mcore_torch = require("megatron.core.dist_checkpointing.strategies.torch", **_NEEDS)
+ShardedObject, ShardedTensor = _mapping.ShardedObject, _mapping.ShardedTensor
+AsyncRequest = _async_utils.AsyncRequest
+StrategyAction = _base.StrategyAction
+MCoreLoadPlanner, MCoreSavePlanner = _mcore_torch.MCoreLoadPlanner, _mcore_torch.MCoreSavePlanner
+TorchDistSaveShardedStrategy = _mcore_torch.TorchDistSaveShardedStrategy
+TorchDistLoadShardedStrategy = _mcore_torch.TorchDistLoadShardedStrategy
 
 __all__ = [
     "BACKEND",
@@ -54,251 +89,233 @@ VERSION = 1
 DEFAULT_SUBDIR = ""
 """Where the storage writer's files go inside a Megatron checkpoint: the directory itself."""
 
-# created on first access by __getattr__ (the trainer is imported lazily)
-NVMeSaveShardedStrategy: type
-NVMeLoadShardedStrategy: type
-_CLASSES: dict = {}
-
 
 def _sharded_dir(checkpoint_dir, subdir: str) -> Path:
     return Path(checkpoint_dir) / subdir if subdir else Path(checkpoint_dir)
 
 
-def _build():
-    import dataclasses
-    from concurrent.futures import Future
+def _to_pyt(sharded_state_dict: dict, *, is_loading: bool, keep_only_main_replica: bool = False
+            ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], dict]]:
+    """Megatron's translation of a sharded state dict into a DCP state dict keyed by the sharded
+    keys, and the inverse for that dict once loaded (back to the caller's nesting and key types),
+    exactly as ``TorchDistSaveShardedStrategy.async_save`` / ``TorchDistLoadShardedStrategy.load``
+    do it.
 
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreLoadPlanner,
-        MCoreSavePlanner,
-        TorchDistLoadShardedStrategy,
-        TorchDistSaveShardedStrategy,
-        _replace_sharded_keys_with_state_dict_keys,
-        _replace_state_dict_keys_with_sharded_keys,
-        _restore_dict_types,
-        _unwrap_pyt_sharded_tensor,
-        mcore_to_pyt_state_dict,
+    The one place that touches megatron-core's private helpers (``strategies.torch``:
+    ``_replace_state_dict_keys_with_sharded_keys``, ``_replace_sharded_keys_with_state_dict_keys``,
+    ``_unwrap_pyt_sharded_tensor``, ``_restore_dict_types``): megatron-core 0.16 has no public
+    form of them. Tested by integration/test_integrations.py::test_megatron_private_touch_point."""
+    sd, flat_mapping, rename_mapping = _mcore_torch._replace_state_dict_keys_with_sharded_keys(
+        sharded_state_dict, keep_only_main_replica
     )
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    pyt_state_dict = _mcore_torch.mcore_to_pyt_state_dict(sd, is_loading)
 
-    class _AlreadyStaged:
-        """AsyncStager that hands the (already staged) state dict through."""
+    def back(loaded: dict[str, Any]) -> dict:
+        out = {k: _mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in loaded.items()}
+        out = _mcore_torch._replace_sharded_keys_with_state_dict_keys(out, flat_mapping, rename_mapping)
+        _mcore_torch._restore_dict_types(out, sharded_state_dict)
+        return out
 
-        should_synchronize_after_execute = False
+    return pyt_state_dict, back
 
-        def stage(self, state_dict):
-            return state_dict
 
-        def synchronize_staging(self):
-            pass
+class _AlreadyStaged:
+    """AsyncStager that hands the (already staged) state dict through."""
 
-        def close(self):
-            pass
+    should_synchronize_after_execute = False
 
-    class NVMeSaveShardedStrategy(TorchDistSaveShardedStrategy):
-        """Sharded save strategy writing through a DCP StorageWriter (dcp_nvme by default)."""
+    def stage(self, state_dict):
+        return state_dict
 
-        def __init__(
-            self,
-            backend: str = BACKEND,
-            version: int = VERSION,
-            keep_only_main_replica: bool = True,
-            *,
-            subdir: str = DEFAULT_SUBDIR,
-            writer_factory=None,
-            stager_factory=None,
-            process_group: Any | None = None,
-        ):
-            super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
-            self.subdir = subdir
-            self.writer_factory = writer_factory
-            self.stager_factory = stager_factory
-            self._pg = process_group
-            self._stager = None
-            self._pending = None
+    def synchronize_staging(self):
+        pass
 
-        def _prepare(self, sharded_state_dict, checkpoint_dir):
-            sd, _flat, _rename = _replace_state_dict_keys_with_sharded_keys(
-                sharded_state_dict, self.keep_only_main_replica
-            )
-            pyt_state_dict = mcore_to_pyt_state_dict(sd, False)
-            path = _sharded_dir(checkpoint_dir, self.subdir)
-            planner = MCoreSavePlanner(
-                dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
-            )
-            return pyt_state_dict, make_writer(str(path), self.writer_factory), planner
+    def close(self):
+        pass
 
-        def save(self, sharded_state_dict, checkpoint_dir) -> None:
-            self.wait()
-            pyt_state_dict, writer, planner = self._prepare(sharded_state_dict, checkpoint_dir)
-            dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)
 
-        def _stage(self, sharded_state_dict):
-            # Megatron translates ShardedTensors to CheckpointableShardedTensor, which
-            # rejects every tensor op (checkpointable.py: __torch_dispatch__ raises), so
-            # neither torch's DefaultStager nor NVMeStager can stage the translated dict.
-            # Stage the local shards *before* translation instead, through the stager,
-            # as a flat {index: tensor} dict.
-            if self._stager is None:
-                self._stager = make_stager(self.stager_factory)
-            sh_tens = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
-            staged = self._stager.stage({str(i): t.data for i, t in enumerate(sh_tens)})
-            if isinstance(staged, Future):
-                staged = staged.result()
-            if getattr(self._stager, "should_synchronize_after_execute", False):
-                self._stager.synchronize_staging()
-            by_id = {id(t): staged[str(i)] for i, t in enumerate(sh_tens)}
+class NVMeSaveShardedStrategy(TorchDistSaveShardedStrategy):
+    """Sharded save strategy writing through a DCP StorageWriter (dcp_nvme by default)."""
 
-            def swap(v):
-                if isinstance(v, ShardedTensor) and id(v) in by_id:
-                    return dataclasses.replace(v, data=by_id[id(v)])
-                return v
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        keep_only_main_replica: bool = True,
+        *,
+        subdir: str = DEFAULT_SUBDIR,
+        writer_factory=None,
+        stager_factory=None,
+        process_group: Any | None = None,
+    ):
+        super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
+        self.subdir = subdir
+        self.writer_factory = writer_factory
+        self.stager_factory = stager_factory
+        self._pg = process_group
+        self._stager = None
+        self._pending = None
 
-            return dict_list_map_outplace(swap, sharded_state_dict)
+    def _prepare(self, sharded_state_dict, checkpoint_dir):
+        pyt_state_dict, _ = _to_pyt(sharded_state_dict, is_loading=False,
+                                    keep_only_main_replica=self.keep_only_main_replica)
+        path = _sharded_dir(checkpoint_dir, self.subdir)
+        planner = MCoreSavePlanner(
+            dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+        )
+        return pyt_state_dict, make_writer(str(path), self.writer_factory), planner
 
-        def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
-            self.wait()
-            staged_sd = self._stage(sharded_state_dict)
-            pyt_state_dict, writer, planner = self._prepare(staged_sd, checkpoint_dir)
-            if self._pg is None:
-                # collectives of the upload thread must not share the training PG
-                self._pg = dist.new_group(backend="gloo")
-            fut = dcp.async_save(
-                pyt_state_dict,
-                storage_writer=writer,
-                planner=planner,
-                process_group=self._pg,
-                async_stager=_AlreadyStaged(),
-            )
-            self._pending = fut
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        self.wait()
+        pyt_state_dict, writer, planner = self._prepare(sharded_state_dict, checkpoint_dir)
+        dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)
 
-            def finalize_fn():
-                if self._pending is fut:
-                    self._pending = None
-                wait_future(fut)
+    def _stage(self, sharded_state_dict):
+        # Megatron translates ShardedTensors to CheckpointableShardedTensor, which
+        # rejects every tensor op (checkpointable.py: __torch_dispatch__ raises), so
+        # neither torch's DefaultStager nor NVMeStager can stage the translated dict.
+        # Stage the local shards *before* translation instead, through the stager,
+        # as a flat {index: tensor} dict.
+        if self._stager is None:
+            self._stager = make_stager(self.stager_factory)
+        sh_tens = [v for v in _dict_utils.nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+        staged = self._stager.stage({str(i): t.data for i, t in enumerate(sh_tens)})
+        if isinstance(staged, Future):
+            staged = staged.result()
+        if getattr(self._stager, "should_synchronize_after_execute", False):
+            self._stager.synchronize_staging()
+        by_id = {id(t): staged[str(i)] for i, t in enumerate(sh_tens)}
 
-            return AsyncRequest(None, (), [finalize_fn])
+        def swap(v):
+            if isinstance(v, ShardedTensor) and id(v) in by_id:
+                return dataclasses.replace(v, data=by_id[id(v)])
+            return v
 
-        def wait(self) -> None:
-            fut, self._pending = self._pending, None
+        return _dict_utils.dict_list_map_outplace(swap, sharded_state_dict)
+
+    def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
+        self.wait()
+        staged_sd = self._stage(sharded_state_dict)
+        pyt_state_dict, writer, planner = self._prepare(staged_sd, checkpoint_dir)
+        if self._pg is None:
+            # collectives of the upload thread must not share the training PG
+            self._pg = dist.new_group(backend="gloo")
+        fut = dcp.async_save(
+            pyt_state_dict,
+            storage_writer=writer,
+            planner=planner,
+            process_group=self._pg,
+            async_stager=_AlreadyStaged(),
+        )
+        self._pending = fut
+
+        def finalize_fn():
+            if self._pending is fut:
+                self._pending = None
             wait_future(fut)
 
-        def close(self) -> None:
-            self.wait()
-            if self._stager is not None and hasattr(self._stager, "close"):
-                self._stager.close()
-            self._stager = None
+        return AsyncRequest(None, (), [finalize_fn])
 
-    class NVMeLoadShardedStrategy(TorchDistLoadShardedStrategy):
-        """Sharded load strategy reading through a DCP StorageReader.
+    def wait(self) -> None:
+        fut, self._pending = self._pending, None
+        wait_future(fut)
 
-        Mirrors ``TorchDistLoadShardedStrategy.load`` (megatron-core 0.16.1), which
-        hard-codes ``_get_filesystem_reader``; only the reader differs.
-        """
+    def close(self) -> None:
+        self.wait()
+        if self._stager is not None and hasattr(self._stager, "close"):
+            self._stager.close()
+        self._stager = None
 
-        def __init__(self, *, subdir: str = DEFAULT_SUBDIR, reader_factory=None):
-            super().__init__()
-            self.subdir = subdir
-            self.reader_factory = reader_factory
 
-        def _reader(self, checkpoint_dir):
-            return make_reader(str(_sharded_dir(checkpoint_dir, self.subdir)), self.reader_factory)
+class NVMeLoadShardedStrategy(TorchDistLoadShardedStrategy):
+    """Sharded load strategy reading through a DCP StorageReader.
 
-        def remove_sharded_tensors(self, checkpoint_dir, key_prefix: str) -> None:
-            """Megatron's ``dist_checkpointing.remove_sharded_tensors``: rewrite the checkpoint
-            without the items whose key starts with ``key_prefix`` (see ``_prune``). Run it in
-            one process; other ranks must not read the checkpoint meanwhile."""
-            import warnings
+    Mirrors ``TorchDistLoadShardedStrategy.load`` (megatron-core 0.16.1), which
+    hard-codes ``_get_filesystem_reader``; only the reader differs.
+    """
 
-            from ._prune import remove_items
+    def __init__(self, *, subdir: str = DEFAULT_SUBDIR, reader_factory=None):
+        super().__init__()
+        self.subdir = subdir
+        self.reader_factory = reader_factory
 
-            path = str(_sharded_dir(checkpoint_dir, self.subdir))
-            removed = remove_items(path, key_prefix, reader_factory=self.reader_factory)
-            if not removed:
-                warnings.warn(f"{path} holds no item whose key starts with {key_prefix!r}; nothing removed",
-                              stacklevel=2)
+    def _reader(self, checkpoint_dir):
+        return make_reader(str(_sharded_dir(checkpoint_dir, self.subdir)), self.reader_factory)
 
-        def load(self, sharded_state_dict, checkpoint_dir):
-            flexible_shape = [
-                t for t in nested_values(sharded_state_dict)
-                if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch
-            ]
-            allow_mismatch = {
-                t.key: t for t in nested_values(sharded_state_dict)
-                if isinstance(t, ShardedTensor) and t.allow_shape_mismatch
-            }
-            orig = sharded_state_dict
-            sd, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
-            pyt_state_dict = mcore_to_pyt_state_dict(sd, True)
-            reader = self._reader(checkpoint_dir)
-            dcp.load(
-                pyt_state_dict,
-                storage_reader=reader,
-                planner=MCoreLoadPlanner(
-                    shapes_validation_sharded_tensors=flexible_shape,
-                    allow_shape_mismatch_sharded_tensors=allow_mismatch,
-                ),
-            )
-            out = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
-            out = _replace_sharded_keys_with_state_dict_keys(out, flat_mapping, rename_mapping)
-            _restore_dict_types(out, orig)
-            return out
+    def remove_sharded_tensors(self, checkpoint_dir, key_prefix: str) -> None:
+        """Megatron's ``dist_checkpointing.remove_sharded_tensors``: rewrite the checkpoint
+        without the items whose key starts with ``key_prefix`` (see ``_prune``). Run it in
+        one process; other ranks must not read the checkpoint meanwhile."""
+        path = str(_sharded_dir(checkpoint_dir, self.subdir))
+        removed = remove_items(path, key_prefix, reader_factory=self.reader_factory)
+        if not removed:
+            warnings.warn(f"{path} holds no item whose key starts with {key_prefix!r}; nothing removed",
+                          stacklevel=2)
 
-        def load_tensors_metadata(self, checkpoint_dir, metadata=None):
-            if metadata is None:
-                metadata = self._reader(checkpoint_dir).read_metadata()
-            result = {}
-            for k, tp in metadata.state_dict_metadata.items():
-                if isinstance(tp, TensorStorageMetadata):
-                    result[k] = ShardedTensor.from_rank_offsets(
-                        k, torch.empty(tp.size, **tp.properties.__dict__, device="meta")
-                    ).without_data()
-            return result
+    def load(self, sharded_state_dict, checkpoint_dir):
+        flexible_shape = [
+            t for t in _dict_utils.nested_values(sharded_state_dict)
+            if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch
+        ]
+        allow_mismatch = {
+            t.key: t for t in _dict_utils.nested_values(sharded_state_dict)
+            if isinstance(t, ShardedTensor) and t.allow_shape_mismatch
+        }
+        pyt_state_dict, back = _to_pyt(sharded_state_dict, is_loading=True)
+        reader = self._reader(checkpoint_dir)
+        dcp.load(
+            pyt_state_dict,
+            storage_reader=reader,
+            planner=MCoreLoadPlanner(
+                shapes_validation_sharded_tensors=flexible_shape,
+                allow_shape_mismatch_sharded_tensors=allow_mismatch,
+            ),
+        )
+        return back(pyt_state_dict)
 
-        def load_sharded_metadata(self, checkpoint_dir):
+    def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+        if metadata is None:
             metadata = self._reader(checkpoint_dir).read_metadata()
-            result = {}
-            for key, md in metadata.state_dict_metadata.items():
-                if isinstance(md, BytesStorageMetadata):
-                    obj = ShardedObject.empty_from_unique_key(key)
-                    result[obj.unique_key] = obj
-            result.update(self.load_tensors_metadata(checkpoint_dir, metadata))
-            return result
+        result = {}
+        for k, tp in metadata.state_dict_metadata.items():
+            if isinstance(tp, TensorStorageMetadata):
+                result[k] = ShardedTensor.from_rank_offsets(
+                    k, torch.empty(tp.size, **tp.properties.__dict__, device="meta")
+                ).without_data()
+        return result
 
-    _CLASSES["NVMeSaveShardedStrategy"] = NVMeSaveShardedStrategy
-    _CLASSES["NVMeLoadShardedStrategy"] = NVMeLoadShardedStrategy
+    def load_sharded_metadata(self, checkpoint_dir):
+        metadata = self._reader(checkpoint_dir).read_metadata()
+        result = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                obj = ShardedObject.empty_from_unique_key(key)
+                result[obj.unique_key] = obj
+        result.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return result
 
 
-def register_strategies(*, writer_factory=None, reader_factory=None, stager_factory=None,
-                        subdir: str = DEFAULT_SUBDIR) -> None:
+def register_strategies(*, writer_factory: WriterFactory | None = None,
+                        reader_factory: ReaderFactory | None = None,
+                        stager_factory: StagerFactory | None = None, subdir: str = DEFAULT_SUBDIR) -> None:
     """Register the strategies under backend ``('dcp_nvme', 1)`` so that
     ``dist_checkpointing.save(..., sharded_strategy=('dcp_nvme', 1))`` and a plain
     ``dist_checkpointing.load(sd, dir)`` of a dcp_nvme checkpoint (its
     ``metadata.json`` names the backend) use them.  Uses Megatron's public
     ``register_default_strategy``; nothing is patched."""
-    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
-
-    if not _CLASSES:
-        _build()
-    register_default_strategy(
+    _base.register_default_strategy(
         StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
-        _CLASSES["NVMeSaveShardedStrategy"](subdir=subdir, writer_factory=writer_factory,
-                                            stager_factory=stager_factory),
+        NVMeSaveShardedStrategy(subdir=subdir, writer_factory=writer_factory, stager_factory=stager_factory),
     )
-    register_default_strategy(
+    _base.register_default_strategy(
         StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
-        _CLASSES["NVMeLoadShardedStrategy"](subdir=subdir, reader_factory=reader_factory),
+        NVMeLoadShardedStrategy(subdir=subdir, reader_factory=reader_factory),
     )
 
 
-def install(checkpointing_context: dict | None = None, *, writer_factory=None, reader_factory=None,
-            stager_factory=None, subdir: str = DEFAULT_SUBDIR):
+def install(checkpointing_context: dict | None = None, *, writer_factory: WriterFactory | None = None,
+            reader_factory: ReaderFactory | None = None, stager_factory: StagerFactory | None = None,
+            subdir: str = DEFAULT_SUBDIR) -> NVMeSaveShardedStrategy:
     """The one call for a Megatron(-LM) run: registers both strategies under ``('dcp_nvme', 1)``
     (see :func:`register_strategies`) and, when given Megatron-LM's ``checkpointing_context``
     dict, seeds its ``"save_strategy"`` with the registered save strategy. Returns that strategy.
@@ -310,34 +327,17 @@ def install(checkpointing_context: dict | None = None, *, writer_factory=None, r
     written this way names backend ``dcp_nvme``, and ``get_default_load_sharded_strategy`` resolves
     it to the registered load strategy.
     """
-    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
-
     register_strategies(writer_factory=writer_factory, reader_factory=reader_factory,
                         stager_factory=stager_factory, subdir=subdir)
-    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION)
+    strategy = _base.get_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION)
     if checkpointing_context is not None:
         checkpointing_context["save_strategy"] = strategy
     return strategy
 
 
-def __getattr__(name: str):
-    if name in ("NVMeSaveShardedStrategy", "NVMeLoadShardedStrategy"):
-        if not _CLASSES:
-            _build()
-        return _CLASSES[name]
-    raise AttributeError(name)
-
-
 def _register_at_import() -> None:
     """Megatron tools that never call :func:`install` find the strategies by backend name."""
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
-        found = False
-    if found:
-        register_strategies()
+    register_strategies()
 
 
 _register_at_import()

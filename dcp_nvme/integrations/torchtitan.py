@@ -18,24 +18,35 @@ A remote ``checkpoint.folder`` (``s3://``, ``gs://``...) stays torchtitan's: sav
 loads there use DCP's fsspec writer and reader exactly as stock torchtitan. A remote checkpoint
 holding dcp_nvme's ``manifest.json`` (e.g. a drained mirror used as ``initial_load_path``) is
 read with NVMeReader.
+
+Importing this module imports torchtitan; without it the import raises an ImportError that names
+the package to install (``pip install torchtitan``).
 """
 
 from __future__ import annotations
 
+import gc
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from ..lazy_imports import require
 from ..storage.local_dir import is_remote_url
 from ..storage.run_dir import checkpoints
 from ._common import make_reader, make_stager, make_writer, nvme_reader, nvme_writer
+
+_checkpoint = require("torchtitan.components.checkpoint", needed_by=__name__, install="torchtitan")
+_filesystem = require("torchtitan.tools.filesystem", needed_by=__name__, install="torchtitan")
+MODEL, AsyncMode, CheckpointManager = _checkpoint.MODEL, _checkpoint.AsyncMode, _checkpoint.CheckpointManager
 
 __all__ = ["NVMeCheckpointManager", "latest_step"]
 
 STEP_PREFIX = "step-"
 """torchtitan names its checkpoint directories ``step-N`` (``_create_checkpoint_id``)."""
-
-# created on first access by __getattr__ (the trainer is imported lazily)
-NVMeCheckpointManager: type
-_CLASSES: dict = {}
 
 
 def latest_step(folder: str) -> int:
@@ -52,117 +63,95 @@ def _io_options(config: Any) -> dict[str, Any]:
     return {ours: getattr(config, field) for field, ours in names.items() if getattr(config, field) is not None}
 
 
-def _build():
-    from concurrent.futures import Future
-    from dataclasses import dataclass
+class NVMeCheckpointManager(CheckpointManager):
+    """torchtitan CheckpointManager writing local checkpoints with dcp_nvme.
 
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-    from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
-    from torchtitan.tools import filesystem
+    Keyword-only extras: ``writer_factory(path)``, ``reader_factory(path)``,
+    ``stager_factory()`` (defaults: dcp_nvme's classes with the config's ``nvme_*`` options;
+    the reader falls back to FileSystemReader for plain-DCP checkpoints, e.g. an
+    ``initial_load_path`` written by stock torchtitan). Both async modes run the upload in a
+    thread (DCP THREAD executor) with the dcp_nvme stager.
+    """
 
-    class NVMeCheckpointManager(CheckpointManager):
-        """torchtitan CheckpointManager writing local checkpoints with dcp_nvme.
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        nvme_queue_depth: int | None = None
+        """dcp_nvme: requests in flight per rank (unset: env DCP_NVME_QUEUE_DEPTH, tuned, 8)."""
+        nvme_block_size: str | None = None
+        """dcp_nvme: bytes per request, e.g. "8MiB" (unset: env, tuned, 8 MiB)."""
+        nvme_direct_io: bool | None = None
+        """dcp_nvme: O_DIRECT where the filesystem allows it (unset: env, tuned, on)."""
+        nvme_engine: Literal["auto", "posix", "kvikio"] | None = None
+        """dcp_nvme: I/O engine (unset: env DCP_NVME_ENGINE, "auto")."""
+        nvme_verify: bool | None = None
+        """dcp_nvme: check the crc32c of every block loaded (unset: env, on)."""
 
-        Keyword-only extras: ``writer_factory(path)``, ``reader_factory(path)``,
-        ``stager_factory()`` (defaults: dcp_nvme's classes with the config's ``nvme_*`` options;
-        the reader falls back to FileSystemReader for plain-DCP checkpoints, e.g. an
-        ``initial_load_path`` written by stock torchtitan). Both async modes run the upload in a
-        thread (DCP THREAD executor) with the dcp_nvme stager.
-        """
+    def __init__(self, config, *, writer_factory=None, reader_factory=None,
+                 stager_factory=None, **kwargs: Any) -> None:
+        options = _io_options(config)
+        verify = {} if config.nvme_verify is None else {"verify": config.nvme_verify}
+        self._nvme_writer_factory = writer_factory or (lambda path: nvme_writer(path, **options))
+        self._nvme_reader_factory = reader_factory or (lambda path: nvme_reader(path, **options, **verify))
+        self._nvme_custom_reader = reader_factory is not None
+        self._nvme_stager_factory = stager_factory
+        self._nvme_stager = None
+        super().__init__(config, **kwargs)
+        if getattr(self, "enable", False) and self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            # torchtitan creates its DefaultStager only while self.stager is None
+            self.stager = self._get_stager()
 
-        @dataclass(kw_only=True, slots=True)
-        class Config(CheckpointManager.Config):
-            nvme_queue_depth: int | None = None
-            """dcp_nvme: requests in flight per rank (unset: env DCP_NVME_QUEUE_DEPTH, tuned, 8)."""
-            nvme_block_size: str | None = None
-            """dcp_nvme: bytes per request, e.g. "8MiB" (unset: env, tuned, 8 MiB)."""
-            nvme_direct_io: bool | None = None
-            """dcp_nvme: O_DIRECT where the filesystem allows it (unset: env, tuned, on)."""
-            nvme_engine: Literal["auto", "posix", "kvikio"] | None = None
-            """dcp_nvme: I/O engine (unset: env DCP_NVME_ENGINE, "auto")."""
-            nvme_verify: bool | None = None
-            """dcp_nvme: check the crc32c of every block loaded (unset: env, on)."""
+    def _get_stager(self):
+        if self._nvme_stager is None:
+            self._nvme_stager = make_stager(self._nvme_stager_factory)
+        return self._nvme_stager
 
-        def __init__(self, config, *, writer_factory=None, reader_factory=None,
-                     stager_factory=None, **kwargs: Any) -> None:
-            options = _io_options(config)
-            verify = {} if config.nvme_verify is None else {"verify": config.nvme_verify}
-            self._nvme_writer_factory = writer_factory or (lambda path: nvme_writer(path, **options))
-            self._nvme_reader_factory = reader_factory or (lambda path: nvme_reader(path, **options, **verify))
-            self._nvme_custom_reader = reader_factory is not None
-            self._nvme_stager_factory = stager_factory
-            self._nvme_stager = None
-            super().__init__(config, **kwargs)
-            if getattr(self, "enable", False) and self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-                # torchtitan creates its DefaultStager only while self.stager is None
-                self.stager = self._get_stager()
+    @torch.no_grad()
+    def dcp_save(self, state_dict, checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
+                 to_hf: bool = False):
+        if to_hf or is_remote_url(checkpoint_id):  # HF export and remote folders: torchtitan's
+            return super().dcp_save(state_dict, checkpoint_id, async_mode,
+                                    enable_garbage_collection=enable_garbage_collection, to_hf=to_hf)
+        writer = make_writer(checkpoint_id, self._nvme_writer_factory)
+        if async_mode == AsyncMode.DISABLED:
+            dcp.save(state_dict, storage_writer=writer)
+            ret = None
+        else:
+            ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
+                                 async_stager=self._get_stager())
+            # torchtitan asserts Future for ASYNC and AsyncSaveResponse for
+            # ASYNC_WITH_PINNED_MEM; normalise whatever the stager produced.
+            if async_mode == AsyncMode.ASYNC and isinstance(ret, AsyncSaveResponse):
+                ret = ret.upload_completion
+            elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and not isinstance(ret, AsyncSaveResponse):
+                staged: Future = Future()
+                staged.set_result(None)
+                ret = AsyncSaveResponse(staging_completion=staged, upload_completion=ret)
+        if enable_garbage_collection:
+            gc.collect(1)
+        return ret
 
-        def _get_stager(self):
-            if self._nvme_stager is None:
-                self._nvme_stager = make_stager(self._nvme_stager_factory)
-            return self._nvme_stager
+    def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf or not self._reads_as_nvme(checkpoint_id):
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        dcp.load(state_dict, storage_reader=make_reader(checkpoint_id, self._nvme_reader_factory))
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)
 
-        @torch.no_grad()
-        def dcp_save(self, state_dict, checkpoint_id: str, async_mode, enable_garbage_collection: bool = False,
-                     to_hf: bool = False):
-            if to_hf or is_remote_url(checkpoint_id):  # HF export and remote folders: torchtitan's
-                return super().dcp_save(state_dict, checkpoint_id, async_mode,
-                                        enable_garbage_collection=enable_garbage_collection, to_hf=to_hf)
-            writer = make_writer(checkpoint_id, self._nvme_writer_factory)
-            if async_mode == AsyncMode.DISABLED:
-                dcp.save(state_dict, storage_writer=writer)
-                ret = None
-            else:
-                ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
-                                     async_stager=self._get_stager())
-                # torchtitan asserts Future for ASYNC and AsyncSaveResponse for
-                # ASYNC_WITH_PINNED_MEM; normalise whatever the stager produced.
-                if async_mode == AsyncMode.ASYNC and isinstance(ret, AsyncSaveResponse):
-                    ret = ret.upload_completion
-                elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and not isinstance(ret, AsyncSaveResponse):
-                    staged: Future = Future()
-                    staged.set_result(None)
-                    ret = AsyncSaveResponse(staging_completion=staged, upload_completion=ret)
-            if enable_garbage_collection:
-                import gc
+    def _reads_as_nvme(self, checkpoint_id: str) -> bool:
+        """Local checkpoints (ours or plain DCP, see make_reader) and remote dcp_nvme ones."""
+        if self._nvme_custom_reader or not is_remote_url(checkpoint_id):
+            return True
+        return _filesystem.isfile(_filesystem.join(checkpoint_id, "manifest.json"))
 
-                gc.collect(1)
-            return ret
+    def _load(self, step: int = -1) -> bool:
+        if step == -1 and not is_remote_url(self.folder):
+            step = latest_step(self.folder)  # torchtitan's own scan knows only .metadata
+        return super()._load(step)
 
-        def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-            if from_hf or not self._reads_as_nvme(checkpoint_id):
-                return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-            dcp.load(state_dict, storage_reader=make_reader(checkpoint_id, self._nvme_reader_factory))
-            if MODEL in self.states:
-                self.states[MODEL].load_state_dict(state_dict)
-
-        def _reads_as_nvme(self, checkpoint_id: str) -> bool:
-            """Local checkpoints (ours or plain DCP, see make_reader) and remote dcp_nvme ones."""
-            if self._nvme_custom_reader or not is_remote_url(checkpoint_id):
-                return True
-            return filesystem.isfile(filesystem.join(checkpoint_id, "manifest.json"))
-
-        def _load(self, step: int = -1) -> bool:
-            if step == -1 and not is_remote_url(self.folder):
-                step = latest_step(self.folder)  # torchtitan's own scan knows only .metadata
-            return super()._load(step)
-
-        def _close(self) -> None:
-            try:
-                super()._close()
-            finally:
-                stager, self._nvme_stager = self._nvme_stager, None
-                if stager is not None and stager is not getattr(self, "stager", None) and hasattr(stager, "close"):
-                    stager.close()
-
-    _CLASSES["NVMeCheckpointManager"] = NVMeCheckpointManager
-
-
-def __getattr__(name: str):
-    if name == "NVMeCheckpointManager":
-        if not _CLASSES:
-            _build()
-        return _CLASSES[name]
-    raise AttributeError(name)
+    def _close(self) -> None:
+        try:
+            super()._close()
+        finally:
+            stager, self._nvme_stager = self._nvme_stager, None
+            if stager is not None and stager is not getattr(self, "stager", None) and hasattr(stager, "close"):
+                stager.close()
