@@ -171,6 +171,7 @@ _CHECKS: dict[str, Any] = {
     "memory_budget": lambda n, v, s: check_size(n, v, MEMORY_BUDGET_RANGE, s),
     "max_bytes": lambda n, v, s: check_size(n, v, STAGING_BYTES_RANGE, s),
     "mirror": check_url,
+    "mirror_root": check_url,
     "node_queue_depth": lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s),
     "node_write_order": lambda n, v, s: check_choice(n, v, NODE_WRITE_ORDERS, s),
 }

@@ -124,6 +124,37 @@ class Manifest:
     def file_names(self) -> list[str]:
         return [f["name"] for f in self.doc["files"]]
 
+    @property
+    def node_local(self) -> bool:
+        """Whether each node's disk holds only its own ranks' files (and all the metadata)."""
+        return (self.doc.get("topology") or {}).get("mode") == "node-local"
+
+    def node_of(self, rank: int) -> str | None:
+        """The node that wrote ``rank``'s file (checked by ``check_topology``), if recorded."""
+        topology = self.doc.get("topology")
+        if topology is None or not 0 <= rank < len(topology["rank_nodes"]):
+            return None
+        return topology["nodes"][topology["rank_nodes"][rank]]
+
+    def files_by_node(self) -> dict[str, list[str]]:
+        """Data file names per node that wrote them (one entry ``""`` when not recorded)."""
+        out: dict[str, list[str]] = {}
+        for entry in self.doc["files"]:
+            out.setdefault(self.node_of(entry["rank"]) or "", []).append(entry["name"])
+        return out
+
+    def missing_file_error(self, name: str, rank: int, location: str) -> CheckpointNotFoundError:
+        """A data file the manifest lists is not in this directory: where it is, what to do."""
+        node = self.node_of(rank)
+        if self.node_local and node is not None:
+            return CheckpointNotFoundError(
+                f"{location}: this load needs {name} (rank {rank}'s data), which node {node} wrote to "
+                "its own disk: this directory is node-local and holds only its node's ranks. Load "
+                "on the nodes that saved it with the ranks reading what they saved, or from the "
+                "checkpoint's mirror (NVMeWriter(mirror=...), dcp-nvme drain)")
+        return CheckpointNotFoundError(f"{location}: {name} (rank {rank}'s data) named by {MANIFEST} "
+                                       "is missing: the checkpoint is damaged")
+
     def to_metadata(self) -> Metadata:
         """DCP's Metadata, rebuilt from data."""
         state: dict[str, Any] = {}

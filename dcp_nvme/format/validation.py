@@ -78,6 +78,26 @@ def check_doc(doc: dict[str, Any], where: str) -> None:
             raise ManifestError(f"{where}: file {name} has rank {rank!r} (world_size {world})")
         if not _is_count(size) or size < 8:
             raise ManifestError(f"{where}: file {name} has a bad size {size!r}")
+    if "topology" in doc:
+        check_topology(doc["topology"], world, where)
+
+
+TOPOLOGY_MODES = ("shared", "node-local")
+MAX_NODE_NAME = 255
+
+
+def check_topology(topology: Any, world: int, where: str) -> None:
+    """Where the ranks' files were written: a mode, node names, and each rank's node index."""
+    if not isinstance(topology, dict) or topology.get("mode") not in TOPOLOGY_MODES:
+        raise ManifestError(f"{where}: 'topology' is not an object with a mode of {TOPOLOGY_MODES}")
+    nodes, rank_nodes = topology.get("nodes"), topology.get("rank_nodes")
+    if (not isinstance(nodes, list) or not 0 < len(nodes) <= world
+            or not all(isinstance(n, str) and 0 < len(n) <= MAX_NODE_NAME for n in nodes)
+            or len(set(nodes)) != len(nodes)):
+        raise ManifestError(f"{where}: 'topology' names its nodes badly: {str(nodes)[:200]}")
+    if (not isinstance(rank_nodes, list) or len(rank_nodes) != world
+            or not all(_is_count(i) and i < len(nodes) for i in rank_nodes)):
+        raise ManifestError(f"{where}: 'topology' does not give a node for each of {world} ranks")
 
 
 def check_chunks(chunks: Sequence[ChunkRecord], doc: dict[str, Any], where: str) -> None:

@@ -4,8 +4,8 @@ With ``node_queue_depth`` set, each of a node's L ranks keeps ``max(1, node_queu
 requests in flight, so the drive sees about the depth ``dcp-nvme tune --ranks L`` measured
 instead of ``queue_depth x L``. L is ``LOCAL_WORLD_SIZE`` (torchrun sets it) or else the count
 the coordinator agrees on while planning: every rank's local plan carries its host name
-(``HostTag``), and the coordinator counts ranks per host and hands each rank its count back in
-its plan. That rides on DCP's own plan gather: no extra collective, nothing to hang on.
+(``topology.NodeTag``), and the coordinator counts ranks per host and hands each rank its count
+back in its plan. That rides on DCP's own plan gather: no extra collective, nothing to hang on.
 
 With ``node_write_order="staggered"`` the ranks of a node write one at a time instead, each with
 the whole budget: a turn is an exclusive ``flock`` on a node-local file named after the drive
@@ -23,19 +23,12 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..config import IOConfig
 from ..errors import InvalidInputError, StorageError
 
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
-
-
-@dataclass(frozen=True)
-class HostTag:
-    """What a rank's local plan tells the coordinator about where the rank runs."""
-
-    host: str
 
 
 def this_host() -> str:

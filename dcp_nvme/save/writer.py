@@ -52,7 +52,19 @@ from ..storage import save_lock
 from ..storage.local_dir import LocalStore, is_local_path, local_path, write_commit_file
 from . import waves
 from .items import resolve_item, with_pads
-from .node_budget import HostTag, budgeted, local_ranks, node_turn, ranks_per_host, this_host
+from .node_budget import budgeted, local_ranks, node_turn, ranks_per_host, this_host
+from .node_commit import NodeCommitter, abort_everywhere, commit_on_every_node, shared_store, start_committer
+from .topology import (
+    NODE_LOCAL,
+    NodeTag,
+    Topology,
+    decide,
+    leads_its_node,
+    node_identity,
+    probe_visible,
+    remove_probe,
+    write_probe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +77,8 @@ class RankPlan:
     save_key: str
     local_ranks: int = 1
     """Ranks on this rank's host, counted from the host names in the local plans."""
+    node_writer: bool = False
+    """This rank commits the metadata on its node, whose directory the coordinator cannot see."""
 
 
 class NVMeWriter(StorageWriter):
@@ -85,7 +99,10 @@ class NVMeWriter(StorageWriter):
             the new one commits.
         mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each
             local commit the checkpoint is drained there in the background (``dcp_nvme.tiers``);
-            ``writer.drain_future`` resolves when it is mirrored.
+            ``writer.drain_future`` resolves when it is mirrored. One URL holds one checkpoint.
+        mirror_root: the run's mirror: each checkpoint drains to ``mirror_root/<its directory
+            name>``, so a writer reused with ``checkpoint_id=`` for every step gets a mirror per
+            step (``mirror`` then refuses a second checkpoint).
         compress: how the drain sends to ``mirror``: ``"off"``, ``"bytegroup"``, ``"auto"`` or ``"delta"``
             (None: the drainer's option). The local checkpoint is always plain safetensors.
     """
@@ -102,6 +119,7 @@ class NVMeWriter(StorageWriter):
         node_write_order: str | None = None,
         overwrite: bool = False,
         mirror: str | None = None,
+        mirror_root: str | None = None,
         mirror_options: dict[str, Any] | None = None,
         compress: str | None = None,
     ) -> None:
@@ -113,6 +131,14 @@ class NVMeWriter(StorageWriter):
         )
         self.overwrite = check_option("overwrite", overwrite)
         self.mirror = None if mirror is None else check_option("mirror", mirror)
+        self.mirror_root = None if mirror_root is None else check_option("mirror_root", mirror_root)
+        if self.mirror and self.mirror_root:
+            raise InvalidInputError(
+                f"mirror={self.mirror!r} and mirror_root={self.mirror_root!r} both given: mirror is one "
+                "checkpoint's URL, mirror_root a run's (each checkpoint drains to mirror_root/<its "
+                "directory name>); pass one")
+        self._mirrored: dict[str, str] = {}
+        """Mirror URL -> the checkpoint this writer drained there: one URL holds one checkpoint."""
         self.mirror_options = mirror_options
         if compress is not None:
             from ..tiers.compress import MODES
@@ -121,7 +147,8 @@ class NVMeWriter(StorageWriter):
                 raise InvalidInputError(f"compress must be one of {MODES}, got {compress!r}")
         self.compress = compress
         self.drain_future = None
-        """On the coordinator with ``mirror``: a Future of the last save's drain (DrainResult)."""
+        """With a mirror, on the coordinator (and on each node writer of a node-local save): a
+        Future of the last save's drain of this node (DrainResult)."""
         self.is_coordinator = False
         self.save_key: str | None = None
         self.save_id: str = str(uuid.uuid4())
@@ -133,7 +160,13 @@ class NVMeWriter(StorageWriter):
         self.last_manifest: dict[str, Any] | None = None
         """On the coordinator, the committed manifest document of the last save."""
         self._lock: save_lock.SaveLock | None = None
-        """On the coordinator, the directory's save lock from prepare_global_plan to the commit."""
+        """On the coordinator (and a node writer), the directory's save lock until the commit."""
+        self._probe: str | None = None
+        """The probe file this rank made in the directory while planning (``topology``)."""
+        self._topology: Topology | None = None
+        """On the coordinator: where the ranks' directories are, found while planning."""
+        self._committer: NodeCommitter | None = None
+        """On a node writer: the thread committing this node's copy of the last save."""
 
     # ------------------------------------------------------------------ DCP protocol
 
@@ -161,11 +194,34 @@ class NVMeWriter(StorageWriter):
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
             raise StorageError(exc.errno, f"cannot create checkpoint directory {self.path}: {exc.strerror}") from exc
-        return replace(plan, storage_data=HostTag(this_host()))  # the coordinator counts ranks per host
+        remove_probe(self.path, self._probe)
+        self._probe = write_probe(self.path) if _world_size() > 1 and leads_its_node() else None
+        # the coordinator counts ranks per host, and finds which nodes share its directory
+        return replace(plan, storage_data=NodeTag(this_host(), node_identity(), self._probe))
+
+    def mirror_url(self) -> str | None:
+        """Where this checkpoint drains: ``mirror``, or ``mirror_root`` + its directory name."""
+        if self.mirror_root is None:
+            return self.mirror
+        name = os.path.basename(os.path.normpath(self.path))
+        root = self.mirror_root
+        return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)
+
+    def _check_mirror_reuse(self) -> None:
+        """A writer reused for another checkpoint (``checkpoint_id=``) with one ``mirror`` URL
+        would drain each step over the last: refused before any byte is written."""
+        url = self.mirror_url()
+        earlier = self._mirrored.get(url) if url else None
+        if earlier is not None and earlier != self.path:
+            raise InvalidInputError(
+                f"mirror={url!r} already holds the mirror of {earlier}; draining {self.path} there "
+                f"would replace it. Give the run's mirror as NVMeWriter(mirror_root={url.rsplit('/', 1)[0]!r}) "
+                "(each checkpoint drains to <mirror_root>/<its directory name>), or a mirror per checkpoint")
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator takes the directory's save lock before any rank writes; a refusal here
         # reaches every rank through DCP's scatter of the plan, so none hangs.
+        self._check_mirror_reuse()
         key = new_save_key()
         self._release_lock()
         self._lock = save_lock.acquire(self.path, key)
@@ -178,18 +234,52 @@ class NVMeWriter(StorageWriter):
                 )
             for plan in plans:  # fail before any byte is written, not after
                 encode_json(plan.planner_data)
-            counts = ranks_per_host([getattr(plan.storage_data, "host", None) for plan in plans])
+            tags = [plan.storage_data if isinstance(plan.storage_data, NodeTag) else None for plan in plans]
+            counts = ranks_per_host([tag.host if tag else None for tag in tags])
+            self._topology = decide(_this_rank(), tags, lambda name: probe_visible(self.path, name))
         except BaseException:
             self._release_lock()
             raise
-        return [replace(plan, storage_data=RankPlan(rank, key, counts[rank])) for rank, plan in enumerate(plans)]
+        writers = set(self._topology.node_writers)
+        return [replace(plan, storage_data=RankPlan(rank, key, counts[rank], rank in writers))
+                for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        remove_probe(self.path, self._probe)  # the coordinator has looked
+        self._probe = None
         try:
+            if plan.storage_data.node_writer:
+                self._start_node_copy(plan.storage_data)
             return self._write_rank(plan, planner)
         except BaseException:
-            self._release_lock()  # the coordinator's own failure ends the save: finish never comes
+            if self._committer is not None:  # this node's copy will not come: stop waiting for it
+                self._committer.cancel_if_waiting()
+            else:
+                self._release_lock()  # the coordinator's own failure ends the save: finish never comes
             raise
+
+    def _start_node_copy(self, target: RankPlan) -> None:
+        """On a node writer: this node's lock, then the thread that commits its copy (``node_commit``)."""
+        self._release_lock()
+        lock = save_lock.acquire(self.path, target.save_key)
+        if LocalStore(self.path).has(MANIFEST) and not self.overwrite:
+            lock.release()
+            raise CheckpointExistsError(
+                f"{self.path} on node {node_identity()} already holds a committed checkpoint; pass "
+                "overwrite=True to replace it (it stays loadable until the new one commits) or save elsewhere")
+        self._lock = lock
+        key = target.save_key
+        self._committer = start_committer(NodeCommitter(
+            shared_store(), self.path, key, target.rank, node_identity(),
+            after_commit=lambda: self._after_node_commit(key), release=self._release_lock))
+
+    def _after_node_commit(self, key: str) -> None:
+        """On a node writer, its node's copy committed: what the coordinator does after its own."""
+        try:
+            self._remove_other_saves(LocalStore(self.path), key)
+        except OSError as exc:
+            log.warning("dcp_nvme: %s committed, but removing files of other saves failed: %s", self.path, exc)
+        self._submit_drain()  # each node drains the files on its own disk
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         target: RankPlan = plan.storage_data
@@ -288,6 +378,8 @@ class NVMeWriter(StorageWriter):
                             self.path, exc)
         except BaseException:
             if not committed:  # nothing of this save may stay behind looking like a checkpoint
+                if self._topology is not None and self._topology.mode == NODE_LOCAL:
+                    abort_everywhere(shared_store(), key)  # a no-op where the nodes already decided
                 _remove_save(store, key)
                 if not store.has(MANIFEST):  # no checkpoint here for the pointer to explain
                     store.remove(POINTER)
@@ -298,10 +390,16 @@ class NVMeWriter(StorageWriter):
         self.last_manifest = doc
         if self.last_stats is not None:
             self.last_stats.setdefault("phases", {})["commit"] = round(doc["commit_seconds"], 6)
-        if self.mirror:  # committed locally; the drain runs on in the background
+        self._submit_drain()
+
+    def _submit_drain(self) -> None:
+        """Committed on this node: its drain to the mirror runs on in the background."""
+        url = self.mirror_url()
+        if url:
             from ..tiers import submit_mirror
 
-            self.drain_future = submit_mirror(self.path, self.mirror, self.mirror_options,
+            self._mirrored[url] = self.path
+            self.drain_future = submit_mirror(self.path, url, self.mirror_options,
                                               compress=getattr(self, "compress", None))
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
@@ -321,7 +419,8 @@ class NVMeWriter(StorageWriter):
             dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
             storage_meta=_storage_meta_doc(self.storage_meta()),
             extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats,
-                   "layers": layers},
+                   "layers": layers,
+                   **({"topology": self._topology.to_doc()} if self._topology is not None else {})},
         )
         sealed = seal(doc)  # everything that can fail happens before the commit
         _write_pointer(LocalStore(self.path))
@@ -329,7 +428,13 @@ class NVMeWriter(StorageWriter):
             raise CheckpointLockedError(
                 f"{self.path}: this save ({key}) lost its save lock before its commit (it was "
                 "broken as stale); nothing was committed")
-        write_commit_file(self.path, MANIFEST, sealed, key)  # the commit
+        topology = self._topology
+        if topology is not None and topology.mode == NODE_LOCAL:  # every node's own disk
+            writers = {rank: topology.rank_nodes[rank] for rank in topology.node_writers}
+            commit_on_every_node(shared_store(), self.path, key, sealed,
+                                 [(index_name, index_bytes), (blocks_name, blocks_bytes)], writers)
+        else:
+            write_commit_file(self.path, MANIFEST, sealed, key)  # the commit
         return doc
 
     def _remove_other_saves(self, store: LocalStore, key: str) -> None:
@@ -352,7 +457,7 @@ class NVMeWriter(StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         # a Future does not pickle (PROCESS mode); a lock belongs to the process that took it
-        return {**self.__dict__, "drain_future": None, "_lock": None}
+        return {**self.__dict__, "drain_future": None, "_lock": None, "_committer": None}
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -394,6 +499,12 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _this_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:

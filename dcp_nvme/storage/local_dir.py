@@ -200,12 +200,18 @@ def _unlink_quietly(path: str) -> None:
 def write_commit_file(directory: str | os.PathLike, name: str, data: bytes, save_key: str) -> None:
     """Write ``directory/name`` all or nothing: temp file, write, fsync, rename, fsync of the dir.
 
-    A failure removes the temp file and raises OSError naming the file and the step (the
+    A failure removes the temp file and raises StorageError naming the file and the step (the
     errno is kept: ENOSPC stays ENOSPC). Until the rename nothing under ``name`` changed."""
+    write_prepared(directory, name, data, save_key)
+    commit_prepared(directory, name, save_key)
+
+
+def write_prepared(directory: str | os.PathLike, name: str, data: bytes, save_key: str) -> str:
+    """The first half of ``write_commit_file``: ``data`` durable under the temp name of ``name``
+    (which names the save), nothing under ``name`` changed. Returns the temp path."""
     directory = os.fspath(directory)
     temp = os.path.join(directory, temp_name(name, save_key))
-    final = os.path.join(directory, name)
-    step, subject = "create", temp
+    step = "create"
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -217,13 +223,29 @@ def write_commit_file(directory: str | os.PathLike, name: str, data: bytes, save
             os.fsync(fd)
         finally:
             os.close(fd)
-        step, subject = "rename into place", final
+    except OSError as exc:
+        _unlink_quietly(temp)
+        raise StorageError(exc.errno, f"cannot {step} {temp} while saving: {exc.strerror or exc}") from exc
+    return temp
+
+
+def commit_prepared(directory: str | os.PathLike, name: str, save_key: str) -> None:
+    """The second half: the prepared temp file renamed into place, then the directory fsynced."""
+    directory = os.fspath(directory)
+    temp = os.path.join(directory, temp_name(name, save_key))
+    final = os.path.join(directory, name)
+    try:
         os.replace(temp, final)
     except OSError as exc:
         _unlink_quietly(temp)
-        raise StorageError(exc.errno, f"cannot {step} {subject} while saving: {exc.strerror or exc}") from exc
+        raise StorageError(exc.errno, f"cannot rename into place {final} while saving: "
+                                      f"{exc.strerror or exc}") from exc
     try:
         fsync_dir(directory)
     except OSError as exc:
         raise StorageError(exc.errno, f"{final} was renamed into place but the fsync of {directory} "
-                                 f"failed: {exc.strerror or exc}; it may not survive a power loss") from exc
+                                      f"failed: {exc.strerror or exc}; it may not survive a power loss") from exc
+
+
+def discard_prepared(directory: str | os.PathLike, name: str, save_key: str) -> None:
+    _unlink_quietly(os.path.join(os.fspath(directory), temp_name(name, save_key)))

@@ -8,9 +8,10 @@ See docs/tiers.md. ``register`` adds ``dcp-nvme drain`` and ``dcp-nvme status``.
 
 from ..errors import DrainError
 from .background import Drainer, default_drainer, set_default_drainer
-from .drainer import DrainOptions, DrainResult, drain, verify_mirror
+from .drainer import DrainOptions, DrainResult, drain
 from .journal import DRAINING, FAILED, LOCAL, MIRRORED, UNCOMMITTED, DrainState, drain_state
 from .retention import apply_retention, plan_retention
+from .verify import verify_mirror
 
 __all__ = [
     "DRAINING", "FAILED", "LOCAL", "MIRRORED", "UNCOMMITTED",

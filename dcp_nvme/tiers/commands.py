@@ -11,9 +11,10 @@ from ..config import check_option, parse_size
 from ..errors import InvalidInputError
 from ..storage.run_dir import checkpoints
 from .compress import MODES as COMPRESS_MODES
-from .drainer import DrainOptions, drain, verify_mirror
+from .drainer import DrainOptions, drain
 from .journal import drain_state, load_journal
 from .retention import apply_retention
+from .verify import verify_mirror
 
 
 def register(subparsers) -> None:

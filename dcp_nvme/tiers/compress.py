@@ -221,6 +221,8 @@ class CompressedSource:
             self._codings[coding.name] = coding
             self._plans[coding.name] = plan
         self.manifest = _Names(list(self._codings), inner.manifest.doc)
+        self.names = list(self._codings)
+        self.node_local, self.nodes_here = False, []  # node-local drains are sent plain
         self._manifest_bytes = b""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcp-nvme-coder", daemon=True)

@@ -1,7 +1,6 @@
 """The drain: copy one committed local checkpoint to its mirror, confirmed, manifest last.
 
     drain(local, target)  one checkpoint, in the calling thread, retried with backoff
-    verify_mirror         read a drained checkpoint back and check every byte
     (the background worker, ``Drainer``, is ``tiers.background``)
 
 The save being drained is fixed when the drain starts: its manifest and tables are read once
@@ -33,7 +32,7 @@ from ..format.codec import DEFAULT_LEVEL
 from ..format.names import MANIFEST, save_key_of
 from ..format.pieces import Piece, plan_pieces, verify_piece
 from ..format.tables import FileRecord
-from ..load.coded import readback_coded, same_save
+from ..load.coded import same_save
 from .compress import MODES as COMPRESS_MODES
 from .compress import SUFFIX as CODED_SUFFIX
 from .compress import CompressedSource, default_threads, pick_base, remove_scratch, through_codec
@@ -45,6 +44,7 @@ from .transfer import (
     IncompleteOnTarget,
     MiB,
     SourceChanged,
+    TargetTaken,
     TokenBucket,
     backoff_delay,
     check_coverage,
@@ -114,6 +114,9 @@ class DrainOptions:
     """The link's bytes/s for ``auto`` when no ``bandwidth`` cap says it."""
     delta_every: int = 8
     """``compress="delta"``: a full checkpoint at least every this many (the chain a load reads)."""
+    node_wait: float = 3600.0
+    """A node-local checkpoint: seconds a node's drain waits, its own files sent, for the other
+    nodes' drains before the mirror commits (each node drains the files on its own disk)."""
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESS_MODES:
@@ -130,6 +133,8 @@ class DrainOptions:
             raise InvalidInputError(f"part_size must be >= 1, got {self.part_size}")
         if self.retries < 0:
             raise InvalidInputError(f"retries must be >= 0, got {self.retries}")
+        if not self.node_wait > 0:
+            raise InvalidInputError(f"node_wait must be > 0 seconds, got {self.node_wait}")
 
 
 @dataclass
@@ -148,6 +153,8 @@ class DrainResult:
     errors: list[str] = field(default_factory=list)
     compression: dict[str, Any] = field(default_factory=dict)
     """What compression decided and cost: mode, ratio, stored bytes, encode and CPU seconds."""
+    nodes: list[str] = field(default_factory=list)
+    """Of a node-local checkpoint: the nodes whose files this drain sent."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -180,6 +187,10 @@ def drain(
     _refuse_overlap(location, target, open_sink(target, storage_options, filesystem))
     try:
         with drain_lock(location, target):
+            if options.compress != "off" and DrainSource(location).node_local:
+                raise DrainError(location, target, f"compress={options.compress!r} is not available for a "
+                                 "node-local checkpoint (each node drains its own files); drain it with "
+                                 "compress='off'")
             return _drain_locked(location, target, storage_options, filesystem, options, progress)
     except (DrainBusy, CheckpointNotFoundError) as exc:
         raise DrainError(location, target, str(exc)) from exc
@@ -307,10 +318,11 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
         part_size = max(part_size, S3_MIN_PART)
     with step(f"preparing the target {sink.target}"):
         sink.prepare()
+    _refuse_other_checkpoint(source, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
     streamed: list[str] = []
-    for name in manifest.file_names:
+    for name in source.names:
         entry = journal.file(name)
         if _streams(source, sink, name, entry):
             with journal.lock, step(f"opening the transfer of {sink.location(name)}"):
@@ -354,8 +366,10 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
     for record, pieces, _ in work:
         _finish_file(sink, journal, record, pieces)
     if options.verify == "readback":
-        for name in manifest.file_names:
-            _readback(sink, source.record(name), part_size, options, result)
+        for name in source.names:
+            readback(sink, source.record(name), part_size, options, result)
+    if source.node_local:  # every node drains its own files; the mirror commits once all have
+        _wait_for_every_node(sink, source, options, journal)
     for name, data in source.tables:
         _put_confirmed(sink, name, data)
     _at("before-commit", location=source.location)
@@ -364,6 +378,60 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
         raise overwritten(source.location, why)
     _put_confirmed(sink, MANIFEST, source.manifest_bytes, commit=True)
     _remove_stale(sink, source.save_key, set(manifest.file_names) | {name for name, _ in source.tables})
+    result.nodes = source.nodes_here
+
+
+def _checkpoint_of(manifest: dict[str, Any]) -> str | None:
+    meta = manifest.get("storage_meta")
+    return meta.get("checkpoint_id") if isinstance(meta, dict) else None
+
+
+def _refuse_other_checkpoint(source: DrainSource, sink: Sink) -> None:
+    """A target whose committed manifest is another checkpoint's (another step drained onto the
+    same URL) is never replaced: retention would then trust a mirror that no longer holds the
+    checkpoint it deletes locally."""
+    if not sink.has(MANIFEST):
+        return
+    try:
+        remote = json.loads(sink.read_small(MANIFEST))
+    except ValueError:
+        return  # not a manifest we can read: the drain replaces it as it would any leftover
+    theirs, ours = _checkpoint_of(remote), _checkpoint_of(source.manifest.doc)
+    if theirs and ours and theirs != ours:
+        raise TargetTaken(f"{sink.target} holds the mirror of {theirs}, not of {ours}: one mirror URL holds one "
+                          "checkpoint. Drain to a URL of its own (NVMeWriter(mirror_root=...) appends each "
+                          "checkpoint's directory name)")
+
+
+NODE_MARKER = ".drain-node.{key}.{node}"
+"""On the target: node ``node`` confirmed its files of save ``key`` there (JSON: names, sizes)."""
+
+
+def _wait_for_every_node(sink: Sink, source: DrainSource, options: DrainOptions, journal: Journal) -> None:
+    """A node-local checkpoint's mirror: say which files this node confirmed, then wait until
+    every node has (or the manifest of this save is already committed there). The journal's
+    cause says which nodes it waits for (``dcp-nvme status``)."""
+    key, by_node = source.save_key, source.manifest.files_by_node()
+    for node in source.nodes_here:
+        sizes = {name: source.files[name].size for name in by_node[node]}
+        _put_confirmed(sink, NODE_MARKER.format(key=key, node=node), json.dumps(sizes, sort_keys=True).encode())
+    deadline, pause, said = time.monotonic() + options.node_wait, 0.05, None
+    while True:
+        waiting = [node for node in by_node if not sink.has(NODE_MARKER.format(key=key, node=node))]
+        if not waiting or (sink.has(MANIFEST) and same_save(sink.read_small(MANIFEST), source.manifest_bytes)):
+            journal.update(cause="", nodes_confirmed=sorted(by_node))
+            return
+        if waiting != said:
+            said = waiting
+            journal.update(cause=f"node(s) {', '.join(source.nodes_here)} sent; waiting for node(s) "
+                                 f"{', '.join(waiting)} to drain their files",
+                           nodes_confirmed=sorted(set(by_node) - set(waiting)))
+        if time.monotonic() >= deadline:
+            raise IncompleteOnTarget(
+                f"{sink.target}: node(s) {', '.join(waiting)} did not drain their files of save {key} "
+                f"within {options.node_wait:.0f} s (each node drains its own); not committing")
+        time.sleep(pause)
+        pause = min(pause * 2, 2.0)
 
 
 def _finish_file(sink: Sink, journal: Journal, record: FileRecord, pieces: list[Piece]) -> None:
@@ -410,6 +478,9 @@ def _remove_stale(sink: Sink, save_key: str, sent: set[str]) -> None:
     so do temporary files of drains that were killed (partial files, half-written temps)."""
     try:
         for name in sink.names():
+            if name.startswith(".drain-node.") and not name.startswith(f".drain-node.{save_key}."):
+                sink.remove(name)  # another save's node markers
+                continue
             if name.startswith(".") and (".drain-partial" in name or ".drain-tmp-" in name):
                 if save_key_of(name[1:].split(".drain-", 1)[0].removesuffix(CODED_SUFFIX)) != save_key:
                     sink.remove(name)
@@ -487,7 +558,7 @@ def _send_all(source: DrainSource, sink: Sink, journal: Journal, work, options: 
     run_bounded(options.max_transfers, chain(tasks, coded), lambda task: task[0](*task[1]), "dcp-nvme-drain-io")
 
 
-def _readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptions,
+def readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptions,
               result: DrainResult) -> None:
     where = sink.location(record.name)
     size = sink.remote_size(record.name)
@@ -502,44 +573,3 @@ def _readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOpti
 
     run_bounded(options.max_transfers, pieces, check, "dcp-nvme-readback")
     result.bytes_verified_remote += record.size
-
-
-def verify_mirror(local: str | os.PathLike, target: str, *, storage_options: dict[str, Any] | None = None,
-                  filesystem: Any = None, options: DrainOptions | None = None) -> DrainResult:
-    """Read every byte of a drained checkpoint back from its target and check it against the
-    local blocks table. A mismatch marks the drain ``failed: checksum mismatch`` and raises."""
-    options = options or DrainOptions(verify="readback")
-    location = os.fspath(local)
-    try:
-        with drain_lock(location, target):
-            return _verify_locked(location, target, storage_options, filesystem, options)
-    except DrainBusy as exc:
-        raise DrainError(location, target, str(exc)) from exc
-
-
-def _verify_locked(location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
-                   options: DrainOptions) -> DrainResult:
-    source = DrainSource(location)
-    journal = Journal.open(location, target, source.save_key)
-    result = DrainResult(location, target, source.save_key, int(source.manifest.doc.get("total_bytes", 0)))
-    started = time.perf_counter()
-    sink = open_sink(target, storage_options, filesystem)
-    try:
-        if not sink.has(MANIFEST):
-            raise IncompleteOnTarget(f"{sink.location(MANIFEST)} is missing: the target holds no "
-                                     "committed checkpoint")
-        remote = sink.read_small(MANIFEST)
-        if remote != source.manifest_bytes and not same_save(remote, source.manifest_bytes):
-            raise IncompleteOnTarget(f"{sink.location(MANIFEST)} is not the manifest of save "
-                                     f"{source.save_key} (the target holds another save)")
-        if remote != source.manifest_bytes:  # a compressed mirror: decode every chunk and check it
-            result.bytes_verified_remote += readback_coded(sink.store, sink.target, source.files,
-                                                           options.part_size)
-        else:
-            for name in source.manifest.file_names:
-                _readback(sink, source.files[name], options.part_size, options, result)
-    except Exception as exc:
-        journal.update(state=FAILED, cause=classify(exc))
-        raise
-    result.seconds = time.perf_counter() - started
-    return result

@@ -35,6 +35,23 @@ class DrainSource:
         self.files: dict[str, FileRecord] = read_files(self.store, self.manifest, location)
         self.tables = [(entry["name"], self._table(entry)) for entry in
                        (self.manifest.doc["index"], self.manifest.doc["blocks"])]
+        self.nodes_here, self.names = self._held_here()
+        """The nodes whose files this directory holds, and the data files this drain sends: all
+        of them, except of a node-local checkpoint (each node drains its own)."""
+
+    def _held_here(self) -> tuple[list[str], list[str]]:
+        if not self.manifest.node_local:
+            return [], self.manifest.file_names
+        by_node = self.manifest.files_by_node()
+        here = [node for node, names in by_node.items() if all(self.store.has(n) for n in names)]
+        if not here:
+            raise ManifestError(f"{self.location} is a node-local checkpoint whose directory holds "
+                                "the complete files of no node: nothing here can be drained")
+        return here, [name for node in here for name in by_node[node]]
+
+    @property
+    def node_local(self) -> bool:
+        return self.manifest.node_local
 
     @property
     def save_key(self) -> str:

@@ -29,6 +29,12 @@ class DrainFault(Exception):
     permanent = False
 
 
+class TargetTaken(DrainFault):
+    """The target holds the mirror of another checkpoint: one URL holds one checkpoint."""
+
+    permanent = True
+
+
 class IncompleteOnTarget(DrainFault):
     """A file on the target does not match the manifest after it was sent (size, coverage)."""
 

@@ -62,6 +62,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .inspection import inspect_checkpoint
+    from .status import describe_topology
 
     info = inspect_checkpoint(args.checkpoint, filter=args.filter)
     if args.json:
@@ -73,6 +74,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info.world_size is not None:
         print(f"  ranks {info.world_size}, save {info.save_key}, created {_when(info.created_unix)}, "
               f"{len(info.files)} file(s), {human_bytes(sum(f.get('size', 0) for f in info.files))} on disk")
+    nodes = describe_topology(info.topology, info.elsewhere)
+    if nodes:
+        print(f"  written: {nodes}")
     if info.partial:
         print("  data files found (their own safetensors headers; nothing is loadable):")
         for name, desc in info.partial.items():

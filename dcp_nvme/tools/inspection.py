@@ -50,6 +50,10 @@ class Inspection:
     by_top_key: dict[str, int] = field(default_factory=dict)
     partial: dict[str, Any] = field(default_factory=dict)
     """For a checkpoint without a usable manifest: each data file's safetensors header items."""
+    topology: dict[str, Any] | None = None
+    """Where the ranks' files were written (``mode`` shared or node-local, ``nodes``, ``rank_nodes``)."""
+    elsewhere: list[str] = field(default_factory=list)
+    """Of a node-local checkpoint: the nodes whose files are on their own disks, not here."""
 
     @property
     def ok(self) -> bool:
@@ -89,6 +93,7 @@ def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -
     result.save_key = doc.get("save_key")
     result.created_unix = doc.get("created_unix")
     result.files = [dict(f) for f in doc.get("files", []) if isinstance(f, dict)]
+    result.topology, result.elsewhere = doc.get("topology"), found.elsewhere
     _summarise(result, found, filter)
     return result
 

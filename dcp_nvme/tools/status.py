@@ -26,6 +26,9 @@ class CheckpointState:
     manifest: Manifest | None = None
     data_files: list[str] = field(default_factory=list)
     """dcp_nvme data files present in the directory (of any save)."""
+    elsewhere: list[str] = field(default_factory=list)
+    """Of a node-local checkpoint: the nodes whose files this directory does not hold (they
+    are on those nodes' own disks)."""
 
     @property
     def ok(self) -> bool:
@@ -48,32 +51,66 @@ def checkpoint_state(source: Store) -> CheckpointState:
         return CheckpointState(location, state, str(exc), data_files=data_files)
     except Exception as exc:  # any damage to the manifest or index: report it, never crash
         return CheckpointState(location, CORRUPT, _one_line(exc), data_files=data_files)
-    problems = quick_check(source, manifest)
+    problems, elsewhere = quick_check(source, manifest)
     if problems:
-        return CheckpointState(location, DAMAGED, "; ".join(problems), manifest, data_files)
-    return CheckpointState(location, COMMITTED, "", manifest, data_files)
+        return CheckpointState(location, DAMAGED, "; ".join(problems), manifest, data_files, elsewhere)
+    return CheckpointState(location, COMMITTED, "", manifest, data_files, elsewhere)
 
 
-def quick_check(source: Store, manifest: Manifest) -> list[str]:
-    """Listed files that are missing or have the wrong size (a stat each, no data read)."""
-    problems = []
+def quick_check(source: Store, manifest: Manifest) -> tuple[list[str], list[str]]:
+    """Listed files that are missing or have the wrong size (a stat each, no data read), and
+    of a node-local checkpoint the nodes whose files are all absent: held on their own disks,
+    not missing, as long as this directory holds at least one node's files."""
+    problems, missing = [], set()
     try:
         files = manifest.doc["files"]
         listed = [(f["name"], int(f["size"])) for f in files]
     except (KeyError, TypeError, ValueError) as exc:
-        return [f"{MANIFEST} has a malformed 'files' list ({_one_line(exc)})"]
+        return [f"{MANIFEST} has a malformed 'files' list ({_one_line(exc)})"], []
     for name, size in listed:
         try:
             actual = source.size(name)  # a regular file, or refused unopened
         except FileNotFoundError:
-            problems.append(f"{name} is missing")
+            missing.add(name)
             continue
         except DCPNVMeError as exc:
             problems.append(_one_line(exc))
             continue
         if actual != size:
             problems.append(f"{name} is {actual} bytes, the manifest says {size}")
-    return problems
+    elsewhere = []
+    if manifest.node_local and missing:
+        by_node = manifest.files_by_node()
+        absent = [node for node, names in by_node.items() if set(names) <= missing]
+        if len(absent) < len(by_node):
+            elsewhere = absent
+            missing -= {name for node in absent for name in by_node[node]}
+    problems += [f"{name} is missing" for name, _ in listed if name in missing]
+    return problems, elsewhere
+
+
+def describe_topology(topology: dict | None, elsewhere: list[str]) -> str | None:
+    """``node-local on 2 nodes (node 0: ranks 0-1; node 1: ranks 2-3); node 0's files are on
+    its own disk`` (pure); None for a checkpoint that did not record where it was written."""
+    if not topology:
+        return None
+    ranks: dict[int, list[int]] = {}
+    for rank, node in enumerate(topology["rank_nodes"]):
+        ranks.setdefault(node, []).append(rank)
+    parts = [f"node {topology['nodes'][i]}: ranks {_spans(r)}" for i, r in sorted(ranks.items())]
+    text = f"{topology['mode']} on {len(topology['nodes'])} node(s) ({'; '.join(parts)})"
+    if elsewhere:
+        text += f"; the files of node(s) {', '.join(elsewhere)} are on their own disks, not here"
+    return text
+
+
+def _spans(ranks: list[int]) -> str:
+    out, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,0 +1,294 @@
+"""One save committed on the disk of every node, when nodes do not share the directory.
+
+DCP calls ``finish()`` on the coordinator only; the other ranks wait meanwhile in DCP's broadcast
+of its outcome and get no call after it. So each node whose directory the coordinator cannot
+see (``topology``) has one *node writer* rank, which starts a thread in ``write_data`` that
+commits that node's copy of the metadata, and the coordinator's ``finish`` runs the rounds
+below with those threads over the job's key-value store (the one ``init_process_group`` made;
+keys are named by the save key, so a round of a failed save can never be mistaken for another):
+
+  1. coordinator  tables written, manifest prepared (temp name, fsynced) on its own node;
+                  ``meta``: the manifest and both tables
+  2. node writer  its node holds each of its ranks' data files at the size the manifest says;
+                  tables written, manifest prepared; ``vote/<rank>``: ok, or what is wrong
+  3. coordinator  every vote ok: ``decision`` commit, then its own manifest renamed into place;
+                  else ``decision`` abort, its temps removed, SaveError naming the nodes
+  4. node writer  commit: manifest renamed into place, files of other saves removed; abort:
+                  this save's files on the node removed; ``done/<rank>``
+  5. coordinator  returns once every node said done: "saved" holds on every node's disk.
+
+A save that fails before ``finish`` (a rank's write failed) never sends ``meta``: each node
+writer's thread waits until the next save on its writer or ``timeout``, then removes the
+save's files from its node. A crash between the first and the last rename of step 3/4 (a few
+milliseconds) can leave nodes that disagree on the newest step; docs/design.md says how a
+restart tells.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import ManifestError, SaveError
+from ..format.names import MANIFEST, check_name
+from ..storage.local_dir import (
+    LocalStore,
+    commit_prepared,
+    discard_prepared,
+    write_commit_file,
+    write_prepared,
+)
+
+log = logging.getLogger(__name__)
+
+TIMEOUT = 1800.0
+"""Seconds a round waits for the other side: DCP's and gloo's default collective timeout."""
+_POLL_MAX = 0.2
+
+
+def shared_store() -> Any:
+    """The job's key-value store (``torch.distributed``'s default store).
+
+    The one private touch-point of the protocol: ``_get_default_store`` is how torch's own
+    subsystems reach the store ``init_process_group`` created, for any init method."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return PrefixStore("dcp_nvme/", _get_default_store())
+
+
+# --------------------------------------------------------------------------- the payload (pure)
+
+
+def encode_payload(manifest: bytes, tables: Sequence[tuple[str, bytes]]) -> bytes:
+    """The manifest and the tables in one value: a JSON head (names, sizes), then the bytes."""
+    head = json.dumps({"manifest": len(manifest), "tables": [[n, len(d)] for n, d in tables]}).encode()
+    return struct.pack("<I", len(head)) + head + manifest + b"".join(d for _, d in tables)
+
+
+def decode_payload(data: bytes, key: str) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """What ``encode_payload`` made, checked: it comes from another process."""
+    try:
+        (length,) = struct.unpack_from("<I", data)
+        head = json.loads(data[4:4 + length])
+        offset, sizes = 4 + length, [head["manifest"]] + [size for _, size in head["tables"]]
+        if any(type(s) is not int or s < 0 for s in sizes) or offset + sum(sizes) != len(data):
+            raise ValueError("sizes do not add up")
+        manifest = data[offset:offset + head["manifest"]]
+        offset += head["manifest"]
+        tables = []
+        for name, size in head["tables"]:
+            kind = name.split(".", 1)[0]
+            tables.append((check_name(name, kind, key, "the node commit"), data[offset:offset + size]))
+            offset += size
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(f"the metadata sent for save {key} is malformed: {exc}") from None
+    return manifest, tables
+
+
+# --------------------------------------------------------------------------- waiting on the store
+
+
+def _wait(store: Any, keys: Sequence[str], deadline: float, cancelled: threading.Event | None = None) -> bool:
+    """Whether every key exists before ``deadline`` (and before ``cancelled``)."""
+    pause = 0.005
+    while True:
+        if store.check(list(keys)):
+            return True
+        if time.monotonic() >= deadline or (cancelled is not None and cancelled.is_set()):
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX)
+
+
+def _get_all(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
+    return {key: store.get(key) for key in keys if store.check([key])}
+
+
+# --------------------------------------------------------------------------- coordinator side
+
+
+def commit_on_every_node(store: Any, directory: str, key: str, manifest: bytes,
+                         tables: Sequence[tuple[str, bytes]], writers: dict[int, str], *,
+                         timeout: float = TIMEOUT) -> None:
+    """Steps 1, 3 and 5 on the coordinator (its tables already written). ``writers``: the
+    node writer rank of each other node -> the node's name. Raises SaveError naming the nodes."""
+    prefix = f"{key}/"
+    write_prepared(directory, MANIFEST, manifest, key)
+    store.set(prefix + "meta", encode_payload(manifest, tables))
+    deadline = time.monotonic() + timeout
+    votes = [f"{prefix}vote/{rank}" for rank in writers]
+    _wait(store, votes, deadline)
+    said = _get_all(store, votes)
+    problems = {rank: said.get(f"{prefix}vote/{rank}", b"no answer within %d s" % timeout).decode(errors="replace")
+                for rank in writers}
+    problems = {rank: why for rank, why in problems.items() if why != "ok"}
+    if problems:
+        store.set(prefix + "decision", b"abort")
+        discard_prepared(directory, MANIFEST, key)
+        raise SaveError("the save could not be committed on every node, so it is committed on none: "
+                        + "; ".join(f"node {writers[r]} (rank {r}): {why}" for r, why in sorted(problems.items())))
+    store.set(prefix + "decision", b"commit")
+    commit_prepared(directory, MANIFEST, key)
+    done = [f"{prefix}done/{rank}" for rank in writers]
+    _wait(store, done, deadline)
+    said = _get_all(store, done)
+    missing = {rank: said.get(f"{prefix}done/{rank}", b"no answer").decode(errors="replace")
+               for rank in writers if said.get(f"{prefix}done/{rank}") != b"ok"}
+    store.delete_key(prefix + "meta")  # the largest value; the rest are a few bytes
+    if missing:
+        raise SaveError(f"{directory}: save {key} is committed on the coordinator's node but not on "
+                        + "; ".join(f"node {writers[r]} (rank {r}): {why}" for r, why in sorted(missing.items())))
+
+
+def abort_everywhere(store: Any, key: str) -> None:
+    """The coordinator's finish failed before the decision: release every node writer now."""
+    try:
+        store.set(f"{key}/meta", b"abort")
+        store.set(f"{key}/decision", b"abort")
+    except Exception as exc:  # noqa: BLE001  (the original failure is what the user must see)
+        log.warning("dcp_nvme: could not tell the nodes that save %s failed: %s", key, exc)
+
+
+# --------------------------------------------------------------------------- node writer side
+
+
+_live: dict[str, NodeCommitter] = {}
+_live_lock = threading.Lock()
+
+
+def start_committer(committer: NodeCommitter) -> NodeCommitter:
+    """Start ``committer``, first ending one of an earlier save of the same directory that still
+    waits for its round: a new save there means the coordinator gave that one up."""
+    with _live_lock:
+        earlier = _live.get(committer.directory)
+        _live[committer.directory] = committer
+    if earlier is not None:
+        earlier.cancel_if_waiting()
+        earlier.join(60)
+    return committer.start()
+
+
+class NodeCommitter:
+    """Steps 2 and 4 for one save on one node writer rank, on a thread of its own."""
+
+    def __init__(self, store: Any, directory: str, key: str, rank: int, node: str,
+                 after_commit: Callable[[], None], release: Callable[[], None], *,
+                 timeout: float = TIMEOUT) -> None:
+        self.store, self.directory, self.key, self.rank, self.node = store, directory, key, rank, node
+        self.after_commit, self.release, self.timeout = after_commit, release, timeout
+        self.cancelled = threading.Event()
+        self._voted = threading.Event()
+        self.outcome: str | None = None
+        """``committed``, ``aborted`` or ``abandoned`` (no round came) once the thread ended."""
+        self._thread = threading.Thread(target=self._serve, name=f"dcp-nvme-node-commit-{key}", daemon=True)
+
+    def start(self) -> NodeCommitter:
+        self._thread.start()
+        return self
+
+    def cancel_if_waiting(self) -> None:
+        """Give up waiting for a round that will not come (this save failed elsewhere); a round
+        under way (voted) runs to its end."""
+        if not self._voted.is_set():
+            self.cancelled.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        prefix = f"{self.key}/"
+        try:
+            deadline = time.monotonic() + self.timeout
+            if not _wait(self.store, [prefix + "meta"], deadline, self.cancelled):
+                self.outcome = "abandoned"
+                return
+            meta = self.store.get(prefix + "meta")
+            self._voted.set()
+            problem = "aborted by the coordinator" if meta == b"abort" else self._prepare(meta)
+            self.store.set(f"{prefix}vote/{self.rank}", b"ok" if problem is None else problem.encode())
+            if not _wait(self.store, [prefix + "decision"], deadline):
+                self.outcome = "abandoned"
+                return
+            if self.store.get(prefix + "decision") == b"commit" and problem is None:
+                commit_prepared(self.directory, MANIFEST, self.key)
+                self.outcome = "committed"
+                self.store.set(f"{prefix}done/{self.rank}", b"ok")
+                self.after_commit()
+            else:
+                self.outcome = "aborted"
+        except Exception as exc:  # noqa: BLE001  (a thread's failure is reported through the store)
+            log.error("dcp_nvme: node %s: committing save %s failed: %s", self.node, self.key, exc)
+            self.outcome = "aborted"
+            try:
+                self.store.set(f"{prefix}done/{self.rank}", f"{type(exc).__name__}: {exc}".encode())
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            if self.outcome != "committed":
+                remove_save_files(self.directory, self.key)
+            self.release()
+            with _live_lock:
+                if _live.get(self.directory) is self:
+                    del _live[self.directory]
+
+    def _prepare(self, meta: bytes) -> str | None:
+        """Step 2: None when this node's copy is prepared, else what is wrong."""
+        try:
+            manifest, tables = decode_payload(meta, self.key)
+            doc = json.loads(manifest)
+            problem = _missing_here(self.directory, doc, self.node)
+            if problem:
+                return problem
+            for name, data in tables:
+                write_commit_file(self.directory, name, data, self.key)
+            write_prepared(self.directory, MANIFEST, manifest, self.key)
+        except Exception as exc:  # noqa: BLE001  (the vote carries it to the coordinator)
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _missing_here(directory: str, doc: dict[str, Any], node: str) -> str | None:
+    """Whether ``directory`` holds every data file the manifest places on ``node``, at its size."""
+    topology = doc.get("topology") or {}
+    nodes, rank_nodes = topology.get("nodes", []), topology.get("rank_nodes", [])
+    store = LocalStore(directory)
+    wrong = []
+    for entry in doc.get("files", []):
+        rank = entry.get("rank")
+        if not (isinstance(rank, int) and 0 <= rank < len(rank_nodes) and nodes[rank_nodes[rank]] == node):
+            continue
+        try:
+            size = store.size(entry["name"])
+        except (OSError, ManifestError):
+            size = None
+        if size != entry.get("size"):
+            wrong.append(f"{entry['name']} ({'missing' if size is None else f'{size} bytes'}, "
+                         f"the manifest says {entry.get('size')})")
+    if wrong:
+        return f"{directory} lacks data files of this node: {', '.join(wrong[:4])}"
+    return None
+
+
+def remove_save_files(directory: str, key: str) -> None:
+    """Every file of save ``key`` in ``directory``: data, tables, temps (their names carry the
+    save's random key, so they are provably nobody else's)."""
+    from ..format.names import save_key_of, temp_of
+
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        temp = temp_of(name)
+        if save_key_of(name) == key or (temp and temp[1] == key):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass

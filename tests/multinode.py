@@ -1,0 +1,444 @@
+"""Simulated nodes for multi-node tests: each node's own disk at one common path, its own host name.
+
+A real deployment mounts each node's NVMe at the same path (say ``/nvme``) on every node: a path
+names a different disk on each node, and only the ranks of a node see what they wrote there.
+Ranks spawned side by side on one machine see one shared directory, so they hide every bug of
+the kind "the coordinator wrote it, so every rank can read it". Here each node is a process tree
+in its own namespaces (``unshare``):
+
+* mount: the node's directory (``Cluster.node_disk(i)``, visible from the host) is bind-mounted at
+  ``Cluster.mount``, the same path string on every node; each node also gets its own ``/dev/shm``
+  (node-local lock files live there) and its own ``TMPDIR``;
+* UTS: its own host name ``node<i>``, which ``socket.gethostname()`` returns in its workers (the
+  writer counts the ranks of a node by host name);
+* PID: its own process ids, and one handle on the whole tree: when the namespace's first process
+  dies the kernel kills every process in it, so a timed-out or "lost" node leaves nothing behind
+  (torchrun starts its workers in sessions of their own, out of reach of a process-group kill).
+
+Every node runs ``torchrun --nnodes N --node-rank i --nproc-per-node R --master-addr 127.0.0.1
+--master-port P`` (torchrun's default, static rendezvous) and the workers join one gloo process
+group over loopback (``GLOO_SOCKET_IFNAME=lo``: the node host names resolve nowhere). The network
+is shared; only disks, host names, ``/dev/shm`` and pids are per node. A mount lives only as long
+as its namespace, so nothing needs unmounting and the root directory is removable after a run.
+Needs root (unshare and mount).
+
+    cluster = Cluster(tmp_path / "cluster", nodes=2, ranks_per_node=2)
+    results = cluster.run(SCRIPTS / "hello.py")      # raises NodeFailure (stderr tails) on failure
+    records = all_records(results)                   # the workers' `RESULT {json}` lines
+    cluster.on_node(1, ["ls", str(cluster.mount)])   # a plain command on node 1
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "multinode_scripts"
+RECORD = "RESULT "
+"""Workers report by printing ``RESULT {json}`` lines on stdout (see ``NodeResult.records``)."""
+
+# inside the namespaces: name the host, mount the node's disk and a node-local /dev/shm, run argv
+_NODE_SH = 'set -e; hostname "$1"; mount --bind "$2" "$3"; mount -t tmpfs -o mode=1777 tmpfs /dev/shm; ' \
+           'shift 3; exec "$@"'
+_UNSHARE = ["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc",
+            "--propagation", "private"]
+# launcher and rank variables that must not leak from the calling environment into the nodes
+_DROP = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+         "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+_TAIL = 4000
+
+
+def _tail(text: str, limit: int = _TAIL) -> str:
+    return text if len(text) <= limit else f"[... {len(text) - limit} chars before ...]\n{text[-limit:]}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@functools.lru_cache(maxsize=1)
+def unshare_unavailable() -> str | None:
+    """Why simulated nodes cannot run here (a skip reason), or None when they can.
+
+    Checks root, the tools, and then really tries once: a namespace with its own host name,
+    a bind mount and a private /dev/shm, none of which may show from the host.
+    """
+    if not sys.platform.startswith("linux"):
+        return f"simulated nodes need Linux namespaces (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "simulated nodes need root (unshare --mount --uts --pid, mount --bind)"
+    for tool in ("unshare", "mount", "hostname", "sh"):
+        if shutil.which(tool) is None:
+            return f"simulated nodes need `{tool}` on PATH"
+    host = socket.gethostname()
+    with tempfile.TemporaryDirectory(prefix="multinode-probe-") as tmp:
+        disk, mount = Path(tmp, "disk"), Path(tmp, "mnt")
+        disk.mkdir()
+        mount.mkdir()
+        (disk / "probe").write_text("x")
+        check = f'{_NODE_SH.split("shift")[0]} test -f "$3/probe"; test "$(hostname)" = mn-probe; ' \
+                'test "$$" = 1'
+        try:
+            proc = subprocess.run([*_UNSHARE, "sh", "-c", check, "probe", "mn-probe", str(disk), str(mount)],
+                                  capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"unshare failed: {exc}"
+        if proc.returncode != 0:
+            return f"unshare refused (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
+        if socket.gethostname() != host or (mount / "probe").exists():
+            return "unshare's namespaces leaked into the host (host name or mount changed)"
+    return None
+
+
+@dataclass
+class NodeResult:
+    """How one node's launcher (torchrun, or the command of ``on_node``) ended."""
+
+    node: int
+    """The cluster node: its disk (``Cluster.node_disk``) and host name (``node<i>``)."""
+    node_rank: int
+    """Its ``--node-rank`` (``GROUP_RANK``) in this run."""
+    returncode: int | None
+    """The launcher's exit status (negative: the signal that ended it); None when it never ended."""
+    stdout: str
+    stderr: str
+    killed: str | None = None
+    """Why the harness killed the node (timeout, another node's failure, ``kill_node``), if it did."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.killed is None
+
+    def records(self) -> list[dict]:
+        """The ``RESULT {json}`` records its workers printed, in order.
+
+        A worker should write each record with one ``os.write`` (see ``multinode_scripts``): the
+        ranks of a node share its stdout, and ``print`` may write a line in pieces.
+        """
+        decoder, out = json.JSONDecoder(), []
+        for line in self.stdout.splitlines():
+            at = line.find(RECORD)
+            while at >= 0:  # a record glued to another one still decodes
+                record, end = decoder.raw_decode(line, at + len(RECORD))
+                out.append(record)
+                at = line.find(RECORD, end)
+        return out
+
+    def describe(self, tail: int = _TAIL) -> str:
+        state = f"exit {self.returncode}" + (f", killed: {self.killed}" if self.killed else "")
+        head = f"node{self.node} (node rank {self.node_rank}): {state}"
+        if self.ok:
+            return head
+        return (f"{head}\n--- node{self.node} stdout (tail) ---\n{_tail(self.stdout.strip(), tail // 2)}"
+                f"\n--- node{self.node} stderr (tail) ---\n{_tail(self.stderr.strip(), tail)}")
+
+
+class NodeFailure(AssertionError):
+    """A node failed or timed out; the message holds every node's status and failed nodes' output."""
+
+    def __init__(self, what: str, results: Sequence[NodeResult]):
+        self.results = list(results)
+        super().__init__(f"{what}\n" + "\n".join(r.describe() for r in results))
+
+
+def all_records(results: Sequence[NodeResult]) -> list[dict]:
+    """Every worker's ``RESULT`` records, sorted by their ``rank`` key where they have one."""
+    records = [rec for r in results for rec in r.records()]
+    return sorted(records, key=lambda rec: rec.get("rank", -1))
+
+
+def describe(results: Sequence[NodeResult]) -> str:
+    """Every node's status, with the output of failed ones: for assertion messages."""
+    return "\n".join(r.describe() for r in results)
+
+
+def _descendants(pid: int) -> list[tuple[int, int]]:
+    """(pid, depth below ``pid``) of the live descendants of ``pid``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [(pid, 0)]
+    while todo:
+        parent, depth = todo.pop()
+        for child in children.get(parent, []):
+            out.append((child, depth + 1))
+            todo.append((child, depth + 1))
+    return out
+
+
+@dataclass
+class _Launched:
+    node: int
+    node_rank: int
+    proc: subprocess.Popen
+    out: Path
+    err: Path
+    killed: str | None = None
+
+
+@dataclass
+class ClusterRun:
+    """Nodes started by ``Cluster.start``: wait for them, or kill one (a lost node) first."""
+
+    launched: list[_Launched]
+    port: int
+    done: bool = False
+
+    def _find(self, node: int) -> _Launched:
+        for launched in self.launched:
+            if launched.node == node:
+                return launched
+        raise KeyError(f"node{node} is not part of this run (nodes {[x.node for x in self.launched]})")
+
+    def kill_node(self, node: int, why: str = "kill_node") -> None:
+        """SIGKILL every process of ``node`` at once, as if it lost power."""
+        self._kill(self._find(node), why, dump=False)
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 60, poll: float = 0.05) -> None:
+        """Wait for ``condition()`` (e.g. a file on a node's disk); NodeFailure if a node ends first."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            ended = [x for x in self.launched if x.proc.poll() is not None]
+            if ended or time.monotonic() > deadline:
+                what = f"node{ended[0].node} ended" if ended else f"not there after {timeout:.0f}s"
+                self.kill_all("wait_until failed")
+                raise NodeFailure(f"wait_until: {what} before the condition held", self.wait(10, check=False))
+            time.sleep(poll)
+
+    def _kill(self, launched: _Launched, why: str, dump: bool) -> None:
+        self._kill_many([launched], why, dump)
+
+    def _kill_many(self, targets: Sequence[_Launched], why: str, dump: bool) -> None:
+        live = [x for x in targets if x.proc.poll() is None]
+        fresh = [x for x in live if x.killed is None]
+        for launched in live:
+            launched.killed = launched.killed or why
+        if dump and fresh:  # the workers print their Python stacks first (PYTHONFAULTHANDLER)
+            for launched in fresh:
+                for pid, depth in _descendants(launched.proc.pid):
+                    if depth >= 2:  # unshare -> the namespace's init (torchrun) -> workers
+                        with _quiet():
+                            os.kill(pid, signal.SIGABRT)
+            time.sleep(1.0)
+        for launched in live:  # the group holds unshare and the namespace's init, whose death ends the rest
+            with _quiet():
+                os.killpg(launched.proc.pid, signal.SIGKILL)
+
+    def kill_all(self, why: str, dump: bool = False) -> None:
+        self._kill_many(self.launched, why, dump)
+
+    def wait(self, timeout: float = 120, grace: float = 20, check: bool = True) -> list[NodeResult]:
+        """Wait for every node; kill all that still run after ``timeout`` seconds (their workers
+        print their stacks first), and the rest ``grace`` seconds after a node failed (with a
+        static rendezvous the others may wait for it for a long time).
+
+        Returns the nodes' results in node-rank order; with ``check``, raises NodeFailure
+        unless every node exited 0.
+        """
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        while any(x.proc.poll() is None for x in self.launched):
+            now = time.monotonic()
+            bad = [x for x in self.launched if x.proc.poll() not in (None, 0) or x.killed]
+            if bad and failed_at is None:
+                failed_at = now
+            if now > deadline:
+                self.kill_all(f"timed out after {timeout:.0f}s", dump=True)
+            elif failed_at is not None and now > failed_at + grace:
+                self.kill_all(f"still running {grace:.0f}s after node{bad[0].node} failed", dump=True)
+            time.sleep(0.05)
+        self.done = True
+        results = [NodeResult(x.node, x.node_rank, x.proc.wait(), x.out.read_text(errors="replace"),
+                              x.err.read_text(errors="replace"), x.killed) for x in self.launched]
+        if check and not all(r.ok for r in results):
+            raise NodeFailure(f"multi-node run (master port {self.port}) failed:", results)
+        return results
+
+
+class _quiet:
+    """Ignore ProcessLookupError/PermissionError: the process is already gone."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, tb) -> bool:
+        return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError))
+
+
+@dataclass
+class Cluster:
+    """``nodes`` simulated nodes of ``ranks_per_node`` ranks each, under the directory ``root``."""
+
+    root: Path
+    nodes: int = 2
+    ranks_per_node: int = 2
+    mount: Path | None = None
+    """The path at which every node sees its own disk; ``root / "nvme"`` by default (an empty
+    directory from the host)."""
+    _runs: list[ClusterRun] = field(default_factory=list, repr=False)
+    _count: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).resolve()
+        self.mount = Path(self.mount) if self.mount is not None else self.root / "nvme"
+        self.mount.mkdir(parents=True, exist_ok=True)
+        for i in range(self.nodes):
+            self.node_disk(i).mkdir(parents=True, exist_ok=True)
+            self._tmp(i).mkdir(parents=True, exist_ok=True)
+
+    def node_disk(self, i: int) -> Path:
+        """The host's view of the directory that node ``i`` sees at ``mount``."""
+        self._check_node(i)
+        return self.root / f"node{i}" / "disk"
+
+    def hostname(self, i: int) -> str:
+        self._check_node(i)
+        return f"node{i}"
+
+    def _tmp(self, i: int) -> Path:
+        return self.root / f"node{i}" / "tmp"
+
+    def _check_node(self, i: int) -> None:
+        if not 0 <= i < self.nodes:
+            raise IndexError(f"node {i}: this cluster has nodes 0..{self.nodes - 1}")
+
+    def node_env(self, i: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of node ``i``'s processes (before torchrun adds the rank variables)."""
+        out = {k: v for k, v in os.environ.items()
+               if k not in _DROP and not k.startswith(("PET_", "TORCHELASTIC_"))}
+        paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        out.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", TMPDIR=str(self._tmp(i)),
+                   MULTINODE_MOUNT=str(self.mount), MULTINODE_NODE=str(i))
+        out.update(env or {})
+        return out
+
+    def _wrap(self, i: int, argv: Sequence[str]) -> list[str]:
+        return [*_UNSHARE, "sh", "-c", _NODE_SH, f"node{i}-sh", self.hostname(i), str(self.node_disk(i)),
+                str(self.mount), *map(str, argv)]
+
+    def start(
+        self,
+        script: str | os.PathLike,
+        *args: object,
+        env: Mapping[str, str] | None = None,
+        env_per_node: Mapping[int, Mapping[str, str]] | None = None,
+        nodes: Sequence[int] | None = None,
+        ranks_per_node: int | None = None,
+    ) -> ClusterRun:
+        """Launch torchrun on the nodes at once and return without waiting (see ``run``)."""
+        nodes = list(range(self.nodes)) if nodes is None else list(nodes)
+        if not nodes or len(set(nodes)) != len(nodes):
+            raise ValueError(f"nodes={nodes}: expected distinct cluster node indices")
+        ranks = ranks_per_node or self.ranks_per_node
+        torchrun = Path(sys.executable).with_name("torchrun")
+        launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        port = free_port()
+        self._count += 1
+        logs = self.root / "logs" / f"run{self._count}"
+        logs.mkdir(parents=True)
+        launched = []
+        try:
+            for node_rank, i in enumerate(nodes):
+                argv = [*launcher, "--nnodes", str(len(nodes)), "--node-rank", str(node_rank),
+                        "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                        "--max-restarts", "0", "--monitor-interval", "0.1", os.path.abspath(script), *map(str, args)]
+                out, err = logs / f"node{i}.out", logs / f"node{i}.err"
+                with open(out, "wb") as out_f, open(err, "wb") as err_f:
+                    proc = subprocess.Popen(self._wrap(i, argv), stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL,
+                                            env=self.node_env(i, {**(env or {}), **(env_per_node or {}).get(i, {})}),
+                                            cwd=self._tmp(i), start_new_session=True)
+                launched.append(_Launched(i, node_rank, proc, out, err))
+        finally:
+            run = ClusterRun(launched, port)
+            self._runs.append(run)
+            if len(launched) != len(nodes):
+                run.kill_all("launch failed")
+        return run
+
+    def run(
+        self,
+        script: str | os.PathLike,
+        *args: object,
+        env: Mapping[str, str] | None = None,
+        env_per_node: Mapping[int, Mapping[str, str]] | None = None,
+        timeout: float = 120,
+        nodes: Sequence[int] | None = None,
+        ranks_per_node: int | None = None,
+        check: bool = True,
+    ) -> list[NodeResult]:
+        """Run ``script *args`` under torchrun on every node (or on ``nodes``, in node-rank order:
+        ``nodes=[0]`` is a world of one node on node 0's disk) and wait for all of them.
+
+        ``env`` goes to every node, ``env_per_node[i]`` to node ``i`` on top (e.g. to make one
+        node's ranks fail). Each run gets a fresh master port. With ``check`` (the default) a
+        node that fails or times out raises NodeFailure, whose message holds every node's
+        status and the tails of the failed nodes' stdout/stderr; else the results say it.
+        """
+        run = self.start(script, *args, env=env, env_per_node=env_per_node, nodes=nodes,
+                         ranks_per_node=ranks_per_node)
+        return run.wait(timeout=timeout, check=check)
+
+    def on_node(
+        self,
+        i: int,
+        argv: Sequence[str | os.PathLike],
+        env: Mapping[str, str] | None = None,
+        timeout: float = 60,
+        check: bool = False,
+    ) -> subprocess.CompletedProcess:
+        """Run one plain command inside node ``i`` (its host name, its disk at ``mount``).
+
+        Output is captured as text. On timeout the node's processes are killed and NodeFailure
+        is raised; with ``check``, so is it for a non-zero exit.
+        """
+        argv = [str(a) for a in argv]
+        proc = subprocess.Popen(self._wrap(i, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL, env=self.node_env(i, env), cwd=self._tmp(i),
+                                start_new_session=True, errors="replace")
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with _quiet():
+                os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise NodeFailure(f"on_node({i}, {argv}) timed out after {timeout:.0f}s",
+                              [NodeResult(i, 0, proc.returncode, stdout, stderr, "timeout")]) from None
+        if check and proc.returncode != 0:
+            raise NodeFailure(f"on_node({i}, {argv}) failed", [NodeResult(i, 0, proc.returncode, stdout, stderr)])
+        return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+    def close(self) -> None:
+        """Kill whatever a started run left running (a test that failed before waiting)."""
+        for run in self._runs:
+            if not run.done:
+                run.kill_all("cluster closed")
+                run.wait(timeout=30, check=False)
+        self._runs.clear()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
