@@ -29,7 +29,7 @@ from hostile_kit import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import NVMeReader
-from dcp_nvme.errors import DCPNVMeError, ManifestError
+from dcp_nvme.errors import DCPNVMeError, ManifestError, UnsupportedItemError
 from dcp_nvme.format.manifest import read_manifest
 from dcp_nvme.format.tables import ChunkRecord
 from dcp_nvme.format.validation import check_chunks
@@ -363,3 +363,24 @@ def test_fsspec_store_opens_regular_files_only(ckpt: Path):
         store.read("manifest.json", max_size=10)
     with pytest.raises(ManifestError, match="not a file name inside"):
         store.path("../manifest.json")
+
+
+# --------------------------------------------------------------------------- names a save cannot store
+
+
+@pytest.mark.parametrize("name", ["", "__metadata__", "__pad__.0"])
+@pytest.mark.parametrize("value", [torch.arange(4.0), 7], ids=["tensor", "object"])
+def test_a_name_the_container_cannot_hold_fails_the_save_before_any_byte(tmp_path: Path, name: str, value):
+    """A save that committed such a name could never be loaded: it is refused in write_data,
+    before the container is written, so DCP fails the save and nothing is committed."""
+    path = tmp_path / "c"
+    with pytest.raises(CheckpointException) as info:
+        save(path, {name: value, "w": torch.ones(3)})
+    error = next(iter(info.value.failures.values()))
+    error = error[0] if isinstance(error, tuple) else error
+    assert isinstance(error, UnsupportedItemError), repr(error)
+    assert repr(name) in str(error) and "rename" in str(error)
+    assert not (path / "manifest.json").exists()
+    assert not list(path.glob("*.safetensors")) and not list(path.glob("*.tmp-*"))
+    save(path, {"renamed": value, "w": torch.ones(3)})  # the lock was released: a fixed save commits
+    assert (path / "manifest.json").exists()

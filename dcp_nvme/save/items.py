@@ -16,9 +16,26 @@ from torch.distributed.checkpoint.planner import (
 
 from ..engines.buffers import aligned_buffer, tensor_bytes
 from ..errors import UnsupportedItemError
-from ..format.container import dtype_name, stored_as
+from ..format.container import PAD_PREFIX, dtype_name, stored_as
 from ..format.placement import ITEMSIZE_GAP, ContainerLayout, ItemSpec
 from ..format.tables import ChunkRecord
+
+RESERVED_NAMES = ("__metadata__",)
+"""Container keys safetensors keeps for itself; pad entries (``PAD_PREFIX``) are ours."""
+
+
+def check_item_name(fqn: str) -> None:
+    """Refuse a state-dict name the container cannot hold, so no save of it ever commits: an
+    empty name (the reader refuses an index row without one as forged), safetensors'
+    ``__metadata__`` and the prefix of the container's padding entries."""
+    if not fqn:
+        problem = "an empty name cannot be stored (a dcp_nvme checkpoint refuses it on load)"
+    elif fqn in RESERVED_NAMES or fqn.startswith(PAD_PREFIX):
+        problem = f"the name is reserved by the safetensors container ({RESERVED_NAMES[0]!r}, {PAD_PREFIX!r}...)"
+    else:
+        return
+    raise UnsupportedItemError(f"state-dict item {fqn!r}: {problem}; rename the key in the state dict "
+                               "(e.g. nest it under a module name) and save again")
 
 
 def _item_key(item: WriteItem) -> str:
@@ -30,7 +47,9 @@ def _item_key(item: WriteItem) -> str:
 
 
 def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, ChunkRecord]:
-    """An item's bytes (flat uint8, no copy when contiguous) and how it is described."""
+    """An item's bytes (flat uint8, no copy when contiguous) and how it is described; an item
+    whose name the container cannot hold is refused (``check_item_name``) before any is written."""
+    check_item_name(item.index.fqn)
     key = _item_key(item)
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
