@@ -76,6 +76,16 @@ class CheckpointLockedError(DCPNVMeError, RuntimeError):
     """Another save holds the checkpoint directory's save lock (see dcp_nvme.savelock)."""
 
 
+class LockFileError(DCPNVMeError, ValueError):
+    """``<dir>/.save.lock`` is not a save lock as a save writes it: ``regular`` is False for a
+    FIFO, link, directory or device (no save creates one), True for a regular file that does not
+    parse (torn by a crash, forged, or one a save is creating this very moment)."""
+
+    def __init__(self, message: str, *, regular: bool) -> None:
+        self.regular = regular
+        super().__init__(message)
+
+
 class UnsafeItemError(DCPNVMeError, pickle.UnpicklingError):
     """A non-tensor item would run code (or is not a weights-only pickle) and pickle is not allowed."""
 

@@ -337,3 +337,105 @@ def _ranks_lock_and_failure(rank, world, path):
 
 def test_two_ranks_lock_refusal_and_failed_rank_release(tmp_path):
     run_ranks(2, _ranks_lock_and_failure, str(tmp_path / "ck"))
+
+
+# --------------------------------------------------------------------------- hostile lock files
+
+
+def _lock_entry(path, kind: str, outside) -> None:
+    """Put something that is not a save lock at ``path/.save.lock``: a FIFO, a directory, or a
+    link (to a FIFO, /dev/zero, nothing, or a regular file that must survive the unlock)."""
+    os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, LOCK_NAME)
+    targets = {"link-to-fifo": os.path.join(outside, "fifo"), "link-to-dev-zero": "/dev/zero",
+               "dangling-link": os.path.join(outside, "nothing"), "link-to-file": os.path.join(outside, "file")}
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "directory":
+        os.mkdir(lock)
+    else:
+        if kind == "link-to-fifo":
+            os.mkfifo(targets[kind])
+        elif kind == "link-to-file":
+            with open(targets[kind], "wb") as handle:
+                handle.write(holder_for(1, 1).to_json())
+        os.symlink(targets[kind], lock)
+
+
+HOSTILE_ENTRIES = {"fifo": "a FIFO", "link-to-fifo": "a symbolic link", "link-to-dev-zero": "a symbolic link",
+                   "dangling-link": "a symbolic link", "link-to-file": "a symbolic link", "directory": "a directory"}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE_ENTRIES))
+def test_a_lock_that_is_not_a_regular_file_is_refused_and_unlock_force_removes_only_it(tmp_path, capsys, kind):
+    from hostile_kit import within
+
+    path, outside = tmp_path / "ck", tmp_path / "outside"
+    outside.mkdir()
+    _lock_entry(path, kind, outside)
+    with pytest.raises(CheckpointException) as info:
+        within(30, lambda: dcp.save(state(1), storage_writer=NVMeWriter(path), no_dist=True))
+    (error,) = causes(info.value)
+    assert isinstance(error, CheckpointLockedError), repr(error)
+    assert HOSTILE_ENTRIES[kind] in str(error) and f"dcp-nvme unlock {path}" in str(error)
+    assert "not provably held" in str(error)
+    flags = ["--force"] if kind.startswith("link") else []  # no save creates one: a plain unlock will do
+    assert within(30, lambda: cli_main(["unlock", *flags, str(path)])) == 0
+    assert "removed" in capsys.readouterr().out
+    assert not os.path.lexists(path / LOCK_NAME)
+    assert sorted(os.listdir(outside)) == {"link-to-fifo": ["fifo"], "link-to-file": ["file"]}.get(kind, [])
+    assert os.path.exists("/dev/zero")
+    dcp.save(state(1), storage_writer=NVMeWriter(path), no_dist=True)
+    assert_bitwise(load(path), state(1))
+
+
+MALFORMED_LOCKS = {
+    "pid-beyond-pid_t": lambda doc: {**doc, "pid": 2**63},
+    "negative-pid": lambda doc: {**doc, "pid": -1},
+    "since-beyond-datetime": lambda doc: {**doc, "since_unix": 1e300},
+    "infinite-since": lambda doc: {**doc, "since_unix": float("inf")},
+    "not-an-object": lambda doc: [doc],
+}
+
+
+@pytest.mark.parametrize("forge", list(MALFORMED_LOCKS))
+def test_a_malformed_lock_is_not_provably_held_and_never_crashes(tmp_path, capsys, forge):
+    from hostile_kit import within
+
+    path = tmp_path / "ck"
+    path.mkdir()
+    doc = MALFORMED_LOCKS[forge](json.loads(holder_for(os.getpid(), 1).to_json()))
+    (path / LOCK_NAME).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointException) as info:
+        within(30, lambda: dcp.save(state(1), storage_writer=NVMeWriter(path), no_dist=True))
+    (error,) = causes(info.value)
+    assert isinstance(error, CheckpointLockedError) and "not provably held" in str(error), repr(error)
+    assert cli_main(["unlock", str(path)]) == 1  # young: it may be a save creating its lock
+    assert "not provably held" in capsys.readouterr().err
+    assert cli_main(["unlock", "--force", str(path)]) == 0
+    assert not os.path.lexists(path / LOCK_NAME)
+    (path / LOCK_NAME).write_text(json.dumps(doc))
+    old = time.time() - STALE_AFTER_S - 30
+    os.utime(path / LOCK_NAME, (old, old))
+    assert cli_main(["unlock", str(path)]) == 0  # old: stale by the rule
+    assert not os.path.lexists(path / LOCK_NAME)
+
+
+@pytest.mark.parametrize("content", ["deep", "huge"])
+def test_an_oversized_or_deep_lock_is_read_bounded(tmp_path, content):
+    from hostile_kit import peak_rss_mib
+
+    path = tmp_path / "ck"
+    path.mkdir()
+    with open(path / LOCK_NAME, "wb") as handle:
+        if content == "deep":
+            handle.write(b"[" * 60_000)  # under the size cap: json's recursion limit stops it
+        else:
+            handle.truncate(3 << 30)  # a sparse 3 GiB file
+    code = ("from dcp_nvme.storage import save_lock\n"
+            f"try:\n    save_lock.read_holder({str(path)!r})\nexcept ValueError as exc:\n    print('ERR', exc)\n"
+            f"print('UNLOCK', save_lock.unlock({str(path)!r}, force=True))")
+    peak, out = peak_rss_mib(code, timeout=60)
+    assert "ERR" in out and "does not parse as a save lock" in out and "UNLOCK" in out, out
+    assert peak < 1024, peak
+    assert not os.path.lexists(path / LOCK_NAME)

@@ -74,11 +74,16 @@ def bare_name(name: str) -> str:
     return name
 
 
-def not_regular(path: str, mode: int) -> ManifestError:
-    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``, of ``lstat`` for links) is, for messages."""
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
             else "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-    return ManifestError(f"{path} is {kind}; a checkpoint holds only regular files, so it is refused")
+            else "a socket" if stat.S_ISSOCK(mode) else "a regular file" if stat.S_ISREG(mode)
+            else "not a regular file")
+
+
+def not_regular(path: str, mode: int) -> ManifestError:
+    return ManifestError(f"{path} is {file_kind(mode)}; a checkpoint holds only regular files, so it is refused")
 
 
 def open_regular(path: str | os.PathLike, extra_flags: int = 0) -> int:

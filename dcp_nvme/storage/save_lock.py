@@ -15,8 +15,13 @@ The rule (docs/design.md, "One save at a time"):
     * its holder is on another host (or in another container) and its heartbeat, the lock
       file's mtime, which the holder refreshes every ``HEARTBEAT_S`` seconds, is older than
       ``STALE_AFTER_S``. Clocks of the hosts must agree to within a minute or so.
-  Anything else is live. ``dcp-nvme unlock DIR`` breaks a stale lock, and with ``--force`` any
-  lock (the operator vouches that its save is dead).
+    * it is a regular file that does not parse as a lock (a creator killed before it wrote,
+      or forged) and its mtime is older than ``STALE_AFTER_S``: until then it is not provably
+      held, but may be a lock being created.
+  Anything else is live. An entry that is not a regular file (a FIFO, link, directory) is no
+  save's: it is never opened through (it could hang or lead out) and a save refuses it.
+  ``dcp-nvme unlock DIR`` breaks a stale lock and removes such an entry (never a link's target),
+  and with ``--force`` any lock (the operator vouches that its save is dead).
 
 ``O_EXCL`` creation is atomic on local filesystems, NFSv3+ and Lustre (unlike ``flock``, which
 some NFS clients keep local to one host); breaking a lock renames it away first and checks it
@@ -30,15 +35,18 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
 
-from ..errors import CheckpointLockedError, StorageError
+from ..errors import CheckpointLockedError, LockFileError, ManifestError, StorageError
+from .local_dir import file_kind, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,12 @@ HEARTBEAT_S = 30.0
 """How often a holder refreshes its lock file's mtime."""
 STALE_AFTER_S = 300.0
 """A lock of another host (or an unreadable one) whose mtime is older than this is stale."""
+MAX_LOCK_BYTES = 64 * 1024
+"""A save lock is one short JSON line: a longer file is not one and is never read."""
+PID_MAX = 2**31 - 1
+"""The largest pid_t: a lock naming a larger (or non-positive) pid names no process."""
+LATEST_UNIX = 1e11
+"""Seconds since the epoch past which a lock's ``since_unix`` is not a time (year 5138)."""
 
 
 # --------------------------------------------------------------------------- who holds it
@@ -107,31 +121,74 @@ class LockHolder:
 def read_holder(directory: str | os.PathLike) -> LockHolder | None:
     """The holder named by ``directory``'s lock file; None when there is no lock file.
 
-    Raises ValueError when the file exists but does not parse (torn by a crash, or foreign)."""
+    Raises LockFileError (a ValueError) when something else is there: a FIFO, link, directory
+    or device (never opened through, so it cannot hang or lead out), or a file that does not
+    parse (torn by a crash, or foreign), read no further than ``MAX_LOCK_BYTES``."""
     path = os.path.join(directory, LOCK_NAME)
+    read = _read_lock(path)
+    return None if read is None else _parse(*read, path)
+
+
+def _read_lock(path: str) -> tuple[bytes, float] | None:
+    """The lock file's bytes and mtime; None when there is none."""
     try:
-        with open(path, "rb") as handle:
-            data = handle.read()
-            mtime = os.fstat(handle.fileno()).st_mtime
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
-    return _parse(data, mtime, path)
+    except ManifestError:
+        raise LockFileError(f"{path} is {_entry_kind(path)}, not a save lock (a save creates a regular "
+                            "file)", regular=False) from None
+    try:
+        info = os.fstat(fd)
+        if info.st_size > MAX_LOCK_BYTES:
+            raise LockFileError(f"{path} does not parse as a save lock: it has {info.st_size} bytes, more "
+                                f"than the {MAX_LOCK_BYTES} one may have", regular=True)
+        return os.pread(fd, MAX_LOCK_BYTES, 0), info.st_mtime
+    finally:
+        os.close(fd)
+
+
+def _entry_kind(path: str) -> str:
+    try:
+        return file_kind(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return "gone"
 
 
 def _parse(data: bytes, mtime: float, path: str) -> LockHolder:
     try:
         doc = json.loads(data)
         holder = LockHolder(
-            host=str(doc["host"]), pid=int(doc["pid"]), save_key=str(doc["save_key"]),
-            since_unix=float(doc["since_unix"]), token=str(doc["token"]),
+            host=str(doc["host"]), pid=_pid(doc["pid"]), save_key=str(doc["save_key"]),
+            since_unix=_unix_time(doc["since_unix"]), token=str(doc["token"]),
             pid_space=str(doc["pid_space"]),
-            pid_start=None if doc.get("pid_start") is None else int(doc["pid_start"]),
+            pid_start=None if doc.get("pid_start") is None else _count(doc["pid_start"], "pid_start"),
             heartbeat_unix=mtime,
         )
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"{path} is not a readable save lock ({exc.__class__.__name__}): "
-                         "a crash while it was being created, or not ours") from None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
+        raise LockFileError(f"{path} does not parse as a save lock ({exc.__class__.__name__}: "
+                            f"{str(exc)[:200]}): a crash while it was being created, or not ours",
+                            regular=True) from None
     return holder
+
+
+def _count(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{field} {str(value)[:40]} is not a count")
+    return value
+
+
+def _pid(value: object) -> int:
+    if not 0 < _count(value, "pid") <= PID_MAX:
+        raise ValueError(f"pid {value} is not a process id")
+    return value
+
+
+def _unix_time(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 <= value <= LATEST_UNIX):
+        raise ValueError(f"since_unix {str(value)[:40]} is not a time")
+    return float(value)
 
 
 def _process_gone(pid: int, start: int | None) -> str | None:
@@ -257,12 +314,12 @@ def _take_away(path: str, token: str | None, why: str) -> bool:
     someone else is put back, so a stale lock is broken once, never a live one."""
     aside = f"{path}.{secrets.token_hex(4)}.{why}"
     try:
-        os.rename(path, aside)
+        os.rename(path, aside)  # a link is renamed itself, never its target
     except FileNotFoundError:
         return False
     try:
-        with open(aside, "rb") as handle:
-            taken = _parse(handle.read(), 0.0, path).token
+        read = _read_lock(aside)
+        taken = _parse(*read, path).token if read else None
     except (OSError, ValueError):
         taken = None
     if token is not None and taken != token:
@@ -321,16 +378,12 @@ def _break_if_stale(directory: str, path: str) -> None:
     """Return when the lock is gone or was stale and is now removed; raise if it is live."""
     try:
         holder = read_holder(directory)
-    except ValueError as exc:
-        try:
-            age = time.time() - os.stat(path).st_mtime
-        except FileNotFoundError:
+    except LockFileError as exc:
+        age = _age(path)
+        if age is None:
             return
-        if age <= STALE_AFTER_S:
-            raise CheckpointLockedError(
-                f"{directory} is locked by a save whose lock file is unreadable ({exc}); it counts "
-                f"as stale {STALE_AFTER_S:.0f} s after it was written ({age:.0f} s ago). If no save "
-                f"is running there, run `dcp-nvme unlock --force {directory}`") from None
+        if not exc.regular or age <= STALE_AFTER_S:
+            raise CheckpointLockedError(_malformed_message(directory, exc, age)) from None
         _take_away(path, None, "stale")
         log.warning("dcp_nvme: removed an unreadable stale save lock %s", path)
         return
@@ -342,6 +395,26 @@ def _break_if_stale(directory: str, path: str) -> None:
     if _take_away(path, holder.token, "stale"):
         log.warning("dcp_nvme: broke the stale save lock of %s (%s): %s", directory,
                     holder.describe(), reason)
+
+
+def _age(path: str) -> float | None:
+    """Seconds since the entry at ``path`` (a link itself, not its target) was written."""
+    try:
+        return time.time() - os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _malformed_message(directory: str, exc: LockFileError, age: float) -> str:
+    """Why a save (or a plain unlock) leaves an entry that is not a readable lock in place."""
+    if not exc.regular:
+        return (f"{directory} cannot be saved: {exc}. It is not provably held by any save, but a save does not "
+                f"remove what no save created: check who put it there, then `dcp-nvme unlock {directory}` "
+                "removes it (the entry itself, never what a link points to)")
+    return (f"{directory} is locked by a save lock that cannot be read ({exc}). It is not provably held "
+            f"by any save, but a save creating its lock may not have written it yet, so it counts as "
+            f"live until {STALE_AFTER_S:.0f} s after it was written ({age:.0f} s ago). If no save is "
+            f"running there, run `dcp-nvme unlock --force {directory}`")
 
 
 def _locked_message(directory: str, holder: LockHolder) -> str:
@@ -361,16 +434,14 @@ def unlock(directory: str | os.PathLike, *, force: bool = False) -> tuple[LockHo
     """Remove ``directory``'s save lock if stale (any lock with ``force``).
 
     Returns the holder that was removed (None if there was no lock or it was unreadable) and
-    why; raises CheckpointLockedError for a live lock without ``force``."""
+    why; raises CheckpointLockedError for a live lock without ``force``, and for a lock that
+    does not parse and is younger than ``STALE_AFTER_S`` (it may be a save's being created)."""
     directory = os.fspath(directory)
     path = os.path.join(directory, LOCK_NAME)
     try:
         holder = read_holder(directory)
-    except ValueError:
-        if not force:
-            raise
-        _take_away(path, None, "forced")
-        return None, "unreadable lock removed"
+    except LockFileError as exc:
+        return None, _remove_malformed(directory, path, exc, force)
     if holder is None:
         return None, "not locked"
     reason = stale_reason(holder)
@@ -381,3 +452,24 @@ def unlock(directory: str | os.PathLike, *, force: bool = False) -> tuple[LockHo
         return None, "the lock changed meanwhile; run again"
     return holder, reason or "forced"
 
+
+
+def _remove_malformed(directory: str, path: str, exc: LockFileError, force: bool) -> str:
+    """Remove what is at the lock's name but is not a readable lock: anything that is not a
+    regular file (no save creates one), a regular file when ``force`` or stale by its age. A
+    link goes, never its target; a directory only when empty."""
+    try:
+        entry = os.lstat(path)
+    except FileNotFoundError:
+        return "not locked"
+    if exc.regular and not force and time.time() - entry.st_mtime <= STALE_AFTER_S:
+        raise CheckpointLockedError(_malformed_message(directory, exc, time.time() - entry.st_mtime))
+    if stat.S_ISDIR(entry.st_mode):  # renaming aside and unlinking is for files
+        try:
+            os.rmdir(path)
+        except OSError as error:
+            raise CheckpointLockedError(f"{path} is a directory that is not empty ({error.strerror}), not a "
+                                        "save lock: check what it holds and remove it yourself") from None
+    elif not _take_away(path, None, "forced" if force else "stale"):
+        return "not locked"
+    return f"removed {file_kind(entry.st_mode)} that was not a readable save lock: {exc}"
