@@ -75,6 +75,11 @@ def test_save_drain_restart_and_reshard_on_node_local_disks(cluster, tmp_path):
         got = {"w": torch.empty(4 * SHARD)}
         dcp.load(got, storage_reader=NVMeReader(mirror / f"step_{step}"), no_dist=True)
         assert got["w"].tolist() == [float(10 * step + r) for r in range(4) for _ in range(SHARD)]
+    status = cluster.on_node(1, [sys.executable, "-m", "dcp_nvme", "status", f"{cluster.mount}/run1"], check=True)
+    assert "step_2: mirrored" in status.stdout and "node-local on 2 node(s) (node 0: ranks 0-1; node 1: ranks 2-3)" \
+        in status.stdout, status.stdout
+    inspect = cluster.on_node(1, [sys.executable, "-m", "dcp_nvme", "inspect", f"{cluster.mount}/run1/step_2"], check=True)
+    assert "committed" in inspect.stdout and "files of node(s) 0 are on their own disks" in inspect.stdout, inspect.stdout
     drains = {rec["rank"]: rec["saves"][-1]["drain"] for rec in records}
     assert drains[1] is None and drains[3] is None  # one rank per node drains: ranks 0 and 2
     assert (drains[0]["nodes"], drains[2]["nodes"]) == (["0"], ["1"])  # each its own node's files
@@ -98,9 +103,10 @@ def test_save_drain_restart_and_reshard_on_node_local_disks(cluster, tmp_path):
 
 
 def test_a_node_dying_mid_save_leaves_the_previous_step_newest_everywhere(cluster):
-    results, records = _records(cluster, "save", {"STEPS": "1"})
-    _ok(results, records, 4)
-    results, records = _records(cluster, "save", {"STEPS": "2"}, env_per_node={1: {"CRASH_AT_STEP": "2"}})
+    results, records = _records(cluster, "save", {"STEPS": "1"}, ranks_per_node=1)
+    _ok(results, records, 2)
+    results, records = _records(cluster, "save", {"STEPS": "2"}, env_per_node={1: {"CRASH_AT_STEP": "2"}},
+                                ranks_per_node=1)
     assert not all(r.ok for r in results), describe(results)
     for node in (0, 1):
         code = f"import dcp_nvme; print(dcp_nvme.latest('{cluster.mount}/run1'))"
@@ -113,8 +119,8 @@ def test_a_node_dying_mid_save_leaves_the_previous_step_newest_everywhere(cluste
         unlock = cluster.on_node(node, [sys.executable, "-m", "dcp_nvme", "unlock", "--force",
                                         f"{cluster.mount}/run1/step_2"])
         assert unlock.returncode == 0, (node, unlock.stdout, unlock.stderr)
-    results, records = _records(cluster, "save", {"STEPS": "2"})  # its files are garbage now
-    _ok(results, records, 4)
+    results, records = _records(cluster, "save", {"STEPS": "2"}, ranks_per_node=1)  # its files: garbage
+    _ok(results, records, 2)
     for node in (0, 1):
         assert len(_save_keys(_step_dir(cluster, node, 2))) == 1, os.listdir(_step_dir(cluster, node, 2))
 
@@ -122,12 +128,12 @@ def test_a_node_dying_mid_save_leaves_the_previous_step_newest_everywhere(cluste
 def test_drain_of_every_node_to_s3_loads_at_another_world_size(cluster, s3_server, s3_bucket):
     options = s3_server.storage_options()
     env = {"MIRROR_ROOT": f"s3://{s3_bucket}/run1", "MIRROR_OPTIONS": json.dumps(options), "STEPS": "1"}
-    results, records = _records(cluster, "save", env)
-    _ok(results, records, 4)
+    results, records = _records(cluster, "save", env, ranks_per_node=1)  # one rank per node
+    _ok(results, records, 2)
     assert [r["saves"][0]["drain"]["nodes"] for r in records if r["saves"][0]["drain"]] == [["0"], ["1"]]
-    whole = {"w": torch.empty(4 * SHARD)}  # world size 1, from the mirror every node drained into
+    whole = {"w": torch.empty(2 * SHARD)}  # world size 1, from the mirror every node drained into
     dcp.load(whole, storage_reader=NVMeReader(f"s3://{s3_bucket}/run1/step_1", storage_options=options), no_dist=True)
-    assert whole["w"].tolist() == [float(10 + r) for r in range(4) for _ in range(SHARD)]
+    assert whole["w"].tolist() == [float(10 + r) for r in range(2) for _ in range(SHARD)]
 
 
 def test_nodes_sharing_one_directory_keep_the_shared_mode(cluster):
@@ -135,10 +141,10 @@ def test_nodes_sharing_one_directory_keep_the_shared_mode(cluster):
     disk1 = cluster.node_disk(1)
     disk1.rmdir()
     disk1.symlink_to(shared)  # node 1's mount shows node 0's directory: one filesystem for all
-    results, records = _records(cluster, "save", {"STEPS": "1"})
-    _ok(results, records, 4)
+    results, records = _records(cluster, "save", {"STEPS": "1"}, ranks_per_node=1)
+    _ok(results, records, 2)
     step1 = shared / "run1" / "step_1"
     doc = json.loads((step1 / "manifest.json").read_text())
     assert doc["topology"]["mode"] == "shared"
-    assert len([n for n in os.listdir(step1) if n.startswith("rank_")]) == 4
+    assert len([n for n in os.listdir(step1) if n.startswith("rank_")]) == 2
     assert not [n for n in os.listdir(step1) if n.startswith(".dcp_nvme-probe")]  # probes removed

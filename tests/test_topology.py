@@ -16,13 +16,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import InvalidInputError, NVMeReader, NVMeWriter
 from dcp_nvme.errors import ManifestError
-from dcp_nvme.format.manifest import read_manifest, seal
+from dcp_nvme.format.manifest import describe_topology, read_manifest, seal
 from dcp_nvme.format.validation import check_topology
 from dcp_nvme.save.node_commit import decode_payload, encode_payload
 from dcp_nvme.save.topology import NODE_LOCAL, SHARED, NodeTag, decide, leads_its_node, node_identity
 from dcp_nvme.storage.local_dir import LocalStore
 from dcp_nvme.tiers import DrainError, drain
-from dcp_nvme.tools.status import checkpoint_state, describe_topology
+from dcp_nvme.tools.status import checkpoint_state
 
 
 def _tags(nodes: list[str], leaders: set[int]) -> list[NodeTag]:

@@ -348,3 +348,27 @@ def _load_table(store, entry: dict[str, Any], location: str) -> bytes:
     data = store.read(name, entry["size"])
     check_table(location, entry, data)
     return data
+
+
+def describe_topology(topology: dict | None, elsewhere: list[str]) -> str | None:
+    """``node-local on 2 nodes (node 0: ranks 0-1; node 1: ranks 2-3); node 0's files are on
+    its own disk`` (pure); None for a checkpoint that did not record where it was written."""
+    if not topology:
+        return None
+    ranks: dict[int, list[int]] = {}
+    for rank, node in enumerate(topology["rank_nodes"]):
+        ranks.setdefault(node, []).append(rank)
+    parts = [f"node {topology['nodes'][i]}: ranks {_spans(r)}" for i, r in sorted(ranks.items())]
+    text = f"{topology['mode']} on {len(topology['nodes'])} node(s) ({'; '.join(parts)})"
+    if elsewhere:
+        text += f"; the files of node(s) {', '.join(elsewhere)} are on their own disks, not here"
+    return text
+
+
+def _spans(ranks: list[int]) -> str:
+    out, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)

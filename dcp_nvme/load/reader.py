@@ -287,8 +287,10 @@ class NVMeReader(StorageReader):
         requests, largest = [], self.config.block_size
         for name, needs in batch.needs.items():
             record = files[name]  # read_manifest checked that every row's file is listed
-            if not self._plain_view().has(name):
-                raise self.manifest().missing_file_error(name, record.rank, self.path)
+            try:  # absent (another node's, or lost) is told apart here; not regular: below
+                self._plain_view().size(name)
+            except FileNotFoundError:
+                raise self.manifest().missing_file_error(name, record.rank, self.path) from None
             self._check_container(record)
             blocks, max_request = None, self.config.block_size
             if self.config.verify:

@@ -163,15 +163,19 @@ _live: dict[str, NodeCommitter] = {}
 _live_lock = threading.Lock()
 
 
-def start_committer(committer: NodeCommitter) -> NodeCommitter:
-    """Start ``committer``, first ending one of an earlier save of the same directory that still
-    waits for its round: a new save there means the coordinator gave that one up."""
+def end_waiting(directory: str) -> None:
+    """End a committer of an earlier save of ``directory`` that still waits for its round: a new
+    save there means the coordinator gave that one up. Returns once it has let go of the lock."""
     with _live_lock:
-        earlier = _live.get(committer.directory)
-        _live[committer.directory] = committer
+        earlier = _live.get(directory)
     if earlier is not None:
         earlier.cancel_if_waiting()
         earlier.join(60)
+
+
+def start_committer(committer: NodeCommitter) -> NodeCommitter:
+    with _live_lock:
+        _live[committer.directory] = committer
     return committer.start()
 
 

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -42,7 +43,7 @@ from ..format.names import (
     table_name,
     temp_of,
 )
-from ..format.placement import plan_container
+from ..format.placement import ContainerLayout, plan_container
 from ..format.tables import FileRecord, StoredItem, chunks_table, files_table
 from ..observe.blockdev import warn_once
 from ..observe.drive_health import DriveWatch
@@ -53,7 +54,14 @@ from ..storage.local_dir import LocalStore, is_local_path, local_path, write_com
 from . import waves
 from .items import resolve_item, with_pads
 from .node_budget import budgeted, local_ranks, node_turn, ranks_per_host, this_host
-from .node_commit import NodeCommitter, abort_everywhere, commit_on_every_node, shared_store, start_committer
+from .node_commit import (
+    NodeCommitter,
+    abort_everywhere,
+    commit_on_every_node,
+    end_waiting,
+    shared_store,
+    start_committer,
+)
 from .topology import (
     NODE_LOCAL,
     NodeTag,
@@ -155,6 +163,7 @@ class NVMeWriter(StorageWriter):
         """DCP's ``StorageMeta.save_id``: new at every reset, stored in the manifest."""
         self.use_collectives = True
         """DCP's ``use_collectives`` of the current save (False is refused on several ranks)."""
+        self._rank = 0
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last save: bytes, seconds by phase, GB/s, requests."""
         self.last_manifest: dict[str, Any] | None = None
@@ -179,6 +188,7 @@ class NVMeWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.use_collectives = kwargs.get("use_collectives", True)
+        self._rank = kwargs.get("rank", 0)  # in the save's group: the index of this rank's plan
         # a new save on this writer: its previous one has ended. If that save failed on another
         # rank, DCP never called finish here, so its lock is still ours: release it now.
         self._release_lock()
@@ -236,7 +246,7 @@ class NVMeWriter(StorageWriter):
                 encode_json(plan.planner_data)
             tags = [plan.storage_data if isinstance(plan.storage_data, NodeTag) else None for plan in plans]
             counts = ranks_per_host([tag.host if tag else None for tag in tags])
-            self._topology = decide(_this_rank(), tags, lambda name: probe_visible(self.path, name))
+            self._topology = decide(self._rank, tags, lambda name: probe_visible(self.path, name))
         except BaseException:
             self._release_lock()
             raise
@@ -246,7 +256,7 @@ class NVMeWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         remove_probe(self.path, self._probe)  # the coordinator has looked
-        self._probe = None
+        self._probe, self._committer = None, None
         try:
             if plan.storage_data.node_writer:
                 self._start_node_copy(plan.storage_data)
@@ -261,6 +271,7 @@ class NVMeWriter(StorageWriter):
     def _start_node_copy(self, target: RankPlan) -> None:
         """On a node writer: this node's lock, then the thread that commits its copy (``node_commit``)."""
         self._release_lock()
+        end_waiting(self.path)  # an earlier failed save's committer lets go of this node's lock
         lock = save_lock.acquire(self.path, target.save_key)
         if LocalStore(self.path).has(MANIFEST) and not self.overwrite:
             lock.release()
@@ -271,7 +282,13 @@ class NVMeWriter(StorageWriter):
         key = target.save_key
         self._committer = start_committer(NodeCommitter(
             shared_store(), self.path, key, target.rank, node_identity(),
-            after_commit=lambda: self._after_node_commit(key), release=self._release_lock))
+            after_commit=lambda: self._after_node_commit(key), release=lambda: self._release_this(lock)))
+
+    def _release_this(self, lock: save_lock.SaveLock) -> None:
+        """Release ``lock`` (a committer's, of its own save), whatever save the writer is on now."""
+        if self._lock is lock:
+            self._lock = None
+        lock.release()
 
     def _after_node_commit(self, key: str) -> None:
         """On a node writer, its node's copy committed: what the coordinator does after its own."""
@@ -282,6 +299,8 @@ class NVMeWriter(StorageWriter):
         self._submit_drain()  # each node drains the files on its own disk
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """One rank's part of the save, as named steps: resolve and place its items, write the
+        container through the engine, and hand DCP the results that carry the index rows."""
         target: RankPlan = plan.storage_data
         self.save_key = target.save_key
         future: Future[list[WriteResult]] = Future()
@@ -290,19 +309,32 @@ class NVMeWriter(StorageWriter):
             future.set_result([])
             return future
         timer = PhaseTimer()
+        resolved, layout, data = self._place_items(plan, planner, target, timer)
+        name = data_file_name(target.rank, target.save_key)
+        written, stats = self._write_container(name, layout, data, len(plan.items), target, timer)
+        self.last_stats = stats
+        future.set_result(_results(plan, resolved, layout, written, stats))
+        return future
+
+    def _place_items(self, plan: SavePlan, planner: SavePlanner, target: RankPlan, timer: PhaseTimer):
+        """Each item as bytes (``items``), placed in this rank's container (``format.placement``):
+        host tensors congruent to their addresses, so they are written from their memory."""
         with timer.span("resolve"):
             resolved = [resolve_item(item, planner.resolve_data(item)) for item in plan.items]
-            specs = [spec for spec, _, _ in resolved]
             sources = [source for _, source, _ in resolved]
-        name = data_file_name(target.rank, target.save_key)
         with timer.span("plan"):
-            # host tensors are placed congruent to their addresses: written from their memory
-            layout = plan_container(specs, {
+            layout = plan_container([spec for spec, _, _ in resolved], {
                 "format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "rank": str(target.rank), "save_key": target.save_key,
             }, addresses=[host_address(s) for s in sources])
             data = with_pads(sources, layout)
-        has_device = any(s.device.type != "cpu" for s in sources)
+        return resolved, layout, data
+
+    def _write_container(self, name: str, layout: ContainerLayout, data: list[torch.Tensor], items: int,
+                         target: RankPlan, timer: PhaseTimer):
+        """The container written and fsynced under the node's budget (and turn); a failure
+        leaves no partial file. Returns the engine's result and this rank's figures."""
+        has_device = any(s.device.type != "cpu" for s in data)
         on_node = local_ranks(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
         config = budgeted(self.config, on_node)
         engine, reason = shared_engine(config, has_device, self.path)
@@ -314,8 +346,7 @@ class NVMeWriter(StorageWriter):
         try:
             with timer.span("write"), self._turn(config) as waited:
                 began_unix = time.time()
-                written = engine.write_file(path, layout.header, data, config.checksum_block,
-                                            **progress)
+                written = engine.write_file(path, layout.header, data, config.checksum_block, **progress)
                 write_unix = (began_unix, time.time())  # wall clock: comparable across ranks
             timer.add("turn_wait", waited)  # a part of "write": the other local ranks' turns
             if wave is not None:
@@ -331,7 +362,7 @@ class NVMeWriter(StorageWriter):
         io_stats = written.stats.to_dict()
         timer.add("fsync", written.stats.fsync_seconds)  # a part of "write", shown on its own
         stats = {
-            "rank": target.rank, "file": name, "items": len(plan.items), "bytes": written.size,
+            "rank": target.rank, "file": name, "items": items, "bytes": written.size,
             "engine": engine.name, "engine_reason": reason, "config": config.to_dict(),
             "phases": {k: round(v, 6) for k, v in timer.phases.items()}, "io": io_stats,
             "host": this_host(), "local_ranks": on_node, "write_order": config.node_write_order,
@@ -339,25 +370,8 @@ class NVMeWriter(StorageWriter):
             "drive": drive.finish(),
             "block_layer": [str(a) for a in advice],
         }
-        if stats["drive"]["throttled"]:
-            log.warning("dcp_nvme: rank %d: the drive throttled during the save (%s); see "
-                        "docs/tuning.md, drive health", target.rank,
-                        {d: v["throttle"] for d, v in stats["drive"]["disks"].items() if v["throttle"]})
-        self.last_stats = stats
-        log.info("dcp_nvme: rank %d wrote %s: %.3f GB in %.3f s (%.2f GB/s), %d requests, depth %d, "
-                 "p50 %.2f ms, p99 %.2f ms", target.rank, name, written.size / 1e9,
-                 io_stats["seconds"], io_stats["gbps"], io_stats["requests"],
-                 io_stats["max_inflight"], io_stats["latency_p50_ms"], io_stats["latency_p99_ms"])
-        file_record = FileRecord(name, target.rank, written.size, written.data_start,
-                                 written.checksum_block, written.header_crc, tuple(written.crcs))
-        results = []
-        for position, (item, (_, source, record)) in enumerate(zip(plan.items, resolved)):
-            placed = replace(record, file=name, byte_offset=layout.data_start + layout.offsets[position])
-            stored = StoredItem(placed, file_record if position == 0 else None,
-                                stats if position == 0 else None)
-            results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
-        future.set_result(results)
-        return future
+        _log_write(stats)
+        return written, stats
 
     def _turn(self, config: IOConfig) -> contextlib.AbstractContextManager[float]:
         """The node's write turn when ranks write staggered, else nothing to wait for."""
@@ -495,16 +509,37 @@ def _write_pointer(store: LocalStore) -> None:
             handle.write(POINTER_TEXT)
 
 
+def _log_write(stats: dict[str, Any]) -> None:
+    rank, io = stats["rank"], stats["io"]
+    if stats["drive"]["throttled"]:
+        log.warning("dcp_nvme: rank %d: the drive throttled during the save (%s); see "
+                    "docs/tuning.md, drive health", rank,
+                    {d: v["throttle"] for d, v in stats["drive"]["disks"].items() if v["throttle"]})
+    log.info("dcp_nvme: rank %d wrote %s: %.3f GB in %.3f s (%.2f GB/s), %d requests, depth %d, "
+             "p50 %.2f ms, p99 %.2f ms", rank, stats["file"], stats["bytes"] / 1e9,
+             io["seconds"], io["gbps"], io["requests"], io["max_inflight"],
+             io["latency_p50_ms"], io["latency_p99_ms"])
+
+
+def _results(plan: SavePlan, resolved: list, layout: ContainerLayout, written: Any,
+             stats: dict[str, Any]) -> list[WriteResult]:
+    """DCP's WriteResults: each item's index row at its place in the container; the first also
+    carries the container's blocks-table record and this rank's figures."""
+    name = stats["file"]
+    file_record = FileRecord(name, stats["rank"], written.size, written.data_start,
+                             written.checksum_block, written.header_crc, tuple(written.crcs))
+    results = []
+    for position, (item, (_, source, record)) in enumerate(zip(plan.items, resolved)):
+        placed = replace(record, file=name, byte_offset=layout.data_start + layout.offsets[position])
+        stored = StoredItem(placed, file_record if position == 0 else None, stats if position == 0 else None)
+        results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
+    return results
+
+
 def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _this_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:

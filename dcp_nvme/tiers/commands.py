@@ -9,6 +9,8 @@ import sys
 
 from ..config import check_option, parse_size
 from ..errors import InvalidInputError
+from ..format.manifest import describe_topology, read_manifest
+from ..storage.local_dir import LocalStore
 from ..storage.run_dir import checkpoints
 from .compress import MODES as COMPRESS_MODES
 from .drainer import DrainOptions, drain
@@ -114,7 +116,8 @@ def _status(args: argparse.Namespace) -> int:
     for p in paths:
         state = drain_state(p)
         coded = (load_journal(p) or {}).get("compression") if state.state == "mirrored" else None
-        rows.append({"path": p, **state.to_dict(), "compression": coded if isinstance(coded, dict) else None})
+        rows.append({"path": p, **state.to_dict(), "compression": coded if isinstance(coded, dict) else None,
+                     "topology": _topology(p)})
     if args.json:
         json.dump(rows, sys.stdout)
         print()
@@ -127,5 +130,16 @@ def _status(args: argparse.Namespace) -> int:
         coded = row["compression"] or {}
         ratio = coded.get("ratio")
         zipped = f" [compressed {coded.get('codec')}, {ratio:.3f}x]" if isinstance(ratio, (int, float)) else ""
-        print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}")
+        nodes = describe_topology(row["topology"], []) if row["topology"] else None
+        where = f" [{nodes}]" if nodes and row["topology"]["mode"] == "node-local" else ""
+        print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}{where}")
     return 0
+
+
+def _topology(path: str) -> dict | None:
+    """Where the checkpoint's ranks wrote (the manifest's ``topology``), if it is committed."""
+    try:
+        manifest = read_manifest(LocalStore(path), path)
+    except Exception:  # noqa: BLE001  status reports any checkpoint, committed or not
+        return None
+    return manifest.doc.get("topology")

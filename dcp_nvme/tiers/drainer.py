@@ -32,19 +32,18 @@ from ..format.codec import DEFAULT_LEVEL
 from ..format.names import MANIFEST, save_key_of
 from ..format.pieces import Piece, plan_pieces, verify_piece
 from ..format.tables import FileRecord
-from ..load.coded import same_save
 from .compress import MODES as COMPRESS_MODES
 from .compress import SUFFIX as CODED_SUFFIX
 from .compress import CompressedSource, default_threads, pick_base, remove_scratch, through_codec
 from .journal import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock
 from .sinks import S3Sink, Sink, open_sink
 from .source import DrainSource, overwritten
+from .target import put_confirmed, refuse_other_checkpoint, wait_for_every_node
 from .transfer import (
     S3_MIN_PART,
     IncompleteOnTarget,
     MiB,
     SourceChanged,
-    TargetTaken,
     TokenBucket,
     backoff_delay,
     check_coverage,
@@ -198,81 +197,113 @@ def drain(
 
 def _drain_locked(location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
                   options: DrainOptions, progress: Progress | None) -> DrainResult:
-    started = time.perf_counter()
-    result: DrainResult | None = None
-    journal: Journal | None = None
-    source: DrainSource | None = None
-    coded: CompressedSource | None = None
-    attempt = 0
-    while True:
-        attempt += 1
-        sink: Sink | None = None
-        try:
-            fresh = DrainSource(location)
-            if source is not None and fresh.save_key != source.save_key:
-                raise overwritten(location, f"save {source.save_key} was replaced by save {fresh.save_key}")
-            source = fresh
-            if journal is None:
-                journal = Journal.open(location, target, source.save_key)
-                result = DrainResult(location, target, source.save_key,
-                                     int(source.manifest.doc.get("total_bytes", 0)))
-            result.attempts = attempt
-            journal.update(state=DRAINING, pid=os.getpid(), attempts=journal.doc.get("attempts", 0) + 1,
-                           bytes_total=result.bytes_total, cause="")
-            sink = open_sink(target, storage_options, filesystem)
-            sending = source
-            if options.compress != "off":  # coded once per save, kept across retries
-                if coded is None or coded.save_key != source.save_key:
-                    base, why = None, ""
-                    if options.compress == "delta":
-                        base, why = pick_base(location, target, options.delta_every,
-                                              lambda url: _mirror_manifest(url, storage_options, filesystem))
-                    view, result.compression = through_codec(
-                        source, options.compress, link=options.bandwidth or options.link_rate,
-                        threads=options.codec_threads or default_threads(), level=options.level, base=base)
-                    if why:
-                        result.compression["base"] = why
-                    coded = view if isinstance(view, CompressedSource) else None
-                sending = coded or source
-            _attempt(sending, sink, journal, options, result, progress)
-            if coded is not None:
-                result.compression.update(coded.summary())
-                coded.close()
-            remove_scratch(location)
-            result.seconds = time.perf_counter() - started
-            journal.update(state=MIRRORED, cause="", finished_unix=time.time(),
-                           compression=_summary(result.compression))
-            log.info("dcp_nvme: drained %s to %s: %.3f GB sent (%.3f GB confirmed already there) in %.2f s",
-                     location, target, result.bytes_sent / 1e9, result.bytes_skipped / 1e9, result.seconds)
-            return result
-        except Exception as exc:  # noqa: BLE001  (botocore errors are not OSErrors)
-            if sink is not None:
-                sink.abandon()
-            why = source.changed() if source is not None and not isinstance(exc, SourceChanged) else None
-            if why is not None:  # e.g. a data file the overwrite's cleanup removed under us
-                changed = overwritten(location, why)
-                changed.__cause__ = exc
-                exc = changed
-            cause = classify(exc)
-            if result is not None:
-                result.errors.append(cause)
-            final = is_permanent(exc) or attempt > options.retries
-            if coded is not None and (final or coded.failed):  # a failed coder codes again next time
-                coded.close()
-                coded = None
-            if final and is_permanent(exc) and journal is not None:
-                _discard(sink, journal, lambda: open_sink(target, storage_options, filesystem))
-                remove_scratch(location)
-            if journal is not None:
-                journal.update(state=FAILED if final else DRAINING, cause=cause)
-            if final:
-                log.error("dcp_nvme: drain of %s to %s failed after %d attempt(s): %s",
-                          location, target, attempt, cause)
-                raise DrainError(location, target, cause) from exc
-            delay = backoff_delay(attempt, options.backoff, options.backoff_max)
-            log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
-                        location, target, attempt, cause, delay)
-            time.sleep(delay)
+    return _DrainRun(location, target, storage_options, filesystem, options, progress).run()
+
+
+class _DrainRun:
+    """One drain under its lock, as named steps, attempt after attempt: read the save, code it
+    (when asked), send it (``_attempt``), then mark it mirrored; a failure is retried with
+    backoff until it is permanent or the retries are spent."""
+
+    def __init__(self, location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
+                 options: DrainOptions, progress: Progress | None) -> None:
+        self.location, self.target, self.options, self.progress = location, target, options, progress
+        self.open_sink = lambda: open_sink(target, storage_options, filesystem)
+        self.mirror_manifest = lambda url: _mirror_manifest(url, storage_options, filesystem)
+        self.started = time.perf_counter()
+        self.result: DrainResult | None = None
+        self.journal: Journal | None = None
+        self.source: DrainSource | None = None
+        self.coded: CompressedSource | None = None
+
+    def run(self) -> DrainResult:
+        attempt = 0
+        while True:
+            attempt += 1
+            sink: Sink | None = None
+            try:
+                self._read_source(attempt)
+                sink = self.open_sink()
+                _attempt(self._sending(), sink, self.journal, self.options, self.result, self.progress)
+                return self._mirrored()
+            except Exception as exc:  # noqa: BLE001  (botocore errors are not OSErrors)
+                time.sleep(self._failed(exc, sink, attempt))
+
+    def _read_source(self, attempt: int) -> None:
+        """The save as committed now: the same save as at the first attempt, or a SourceChanged."""
+        fresh = DrainSource(self.location)
+        if self.source is not None and fresh.save_key != self.source.save_key:
+            raise overwritten(self.location, f"save {self.source.save_key} was replaced by save {fresh.save_key}")
+        self.source = fresh
+        if self.journal is None:
+            self.journal = Journal.open(self.location, self.target, fresh.save_key)
+            self.result = DrainResult(self.location, self.target, fresh.save_key,
+                                      int(fresh.manifest.doc.get("total_bytes", 0)))
+        self.result.attempts = attempt
+        self.journal.update(state=DRAINING, pid=os.getpid(), attempts=self.journal.doc.get("attempts", 0) + 1,
+                            bytes_total=self.result.bytes_total, cause="")
+
+    def _sending(self) -> DrainSource | CompressedSource:
+        """What goes to the target: the save itself, or its coded view (coded once per save,
+        kept across retries)."""
+        options, source = self.options, self.source
+        if options.compress == "off":
+            return source
+        if self.coded is None or self.coded.save_key != source.save_key:
+            base, why = None, ""
+            if options.compress == "delta":
+                base, why = pick_base(self.location, self.target, options.delta_every, self.mirror_manifest)
+            view, self.result.compression = through_codec(
+                source, options.compress, link=options.bandwidth or options.link_rate,
+                threads=options.codec_threads or default_threads(), level=options.level, base=base)
+            if why:
+                self.result.compression["base"] = why
+            self.coded = view if isinstance(view, CompressedSource) else None
+        return self.coded or source
+
+    def _mirrored(self) -> DrainResult:
+        result = self.result
+        if self.coded is not None:
+            result.compression.update(self.coded.summary())
+            self.coded.close()
+        remove_scratch(self.location)
+        result.seconds = time.perf_counter() - self.started
+        self.journal.update(state=MIRRORED, cause="", finished_unix=time.time(),
+                            compression=_summary(result.compression))
+        log.info("dcp_nvme: drained %s to %s: %.3f GB sent (%.3f GB confirmed already there) in %.2f s",
+                 self.location, self.target, result.bytes_sent / 1e9, result.bytes_skipped / 1e9, result.seconds)
+        return result
+
+    def _failed(self, exc: Exception, sink: Sink | None, attempt: int) -> float:
+        """Journal the failure; raise DrainError when it is final, else return the backoff."""
+        if sink is not None:
+            sink.abandon()
+        source, journal = self.source, self.journal
+        why = source.changed() if source is not None and not isinstance(exc, SourceChanged) else None
+        if why is not None:  # e.g. a data file the overwrite's cleanup removed under us
+            changed = overwritten(self.location, why)
+            changed.__cause__ = exc
+            exc = changed
+        cause = classify(exc)
+        if self.result is not None:
+            self.result.errors.append(cause)
+        final = is_permanent(exc) or attempt > self.options.retries
+        if self.coded is not None and (final or self.coded.failed):  # a failed coder codes again next time
+            self.coded.close()
+            self.coded = None
+        if final and is_permanent(exc) and journal is not None:
+            _discard(sink, journal, self.open_sink)
+            remove_scratch(self.location)
+        if journal is not None:
+            journal.update(state=FAILED if final else DRAINING, cause=cause)
+        if final:
+            log.error("dcp_nvme: drain of %s to %s failed after %d attempt(s): %s",
+                      self.location, self.target, attempt, cause)
+            raise DrainError(self.location, self.target, cause) from exc
+        delay = backoff_delay(attempt, self.options.backoff, self.options.backoff_max)
+        log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
+                    self.location, self.target, attempt, cause, delay)
+        return delay
 
 
 def _summary(compression: dict[str, Any]) -> dict[str, Any]:
@@ -318,7 +349,7 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
         part_size = max(part_size, S3_MIN_PART)
     with step(f"preparing the target {sink.target}"):
         sink.prepare()
-    _refuse_other_checkpoint(source, sink)
+    refuse_other_checkpoint(source, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
     streamed: list[str] = []
@@ -369,69 +400,16 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
         for name in source.names:
             readback(sink, source.record(name), part_size, options, result)
     if source.node_local:  # every node drains its own files; the mirror commits once all have
-        _wait_for_every_node(sink, source, options, journal)
+        wait_for_every_node(sink, source, options, journal)
     for name, data in source.tables:
-        _put_confirmed(sink, name, data)
+        put_confirmed(sink, name, data)
     _at("before-commit", location=source.location)
     why = source.changed()
     if why is not None:
         raise overwritten(source.location, why)
-    _put_confirmed(sink, MANIFEST, source.manifest_bytes, commit=True)
+    put_confirmed(sink, MANIFEST, source.manifest_bytes, commit=True)
     _remove_stale(sink, source.save_key, set(manifest.file_names) | {name for name, _ in source.tables})
     result.nodes = source.nodes_here
-
-
-def _checkpoint_of(manifest: dict[str, Any]) -> str | None:
-    meta = manifest.get("storage_meta")
-    return meta.get("checkpoint_id") if isinstance(meta, dict) else None
-
-
-def _refuse_other_checkpoint(source: DrainSource, sink: Sink) -> None:
-    """A target whose committed manifest is another checkpoint's (another step drained onto the
-    same URL) is never replaced: retention would then trust a mirror that no longer holds the
-    checkpoint it deletes locally."""
-    if not sink.has(MANIFEST):
-        return
-    try:
-        remote = json.loads(sink.read_small(MANIFEST))
-    except ValueError:
-        return  # not a manifest we can read: the drain replaces it as it would any leftover
-    theirs, ours = _checkpoint_of(remote), _checkpoint_of(source.manifest.doc)
-    if theirs and ours and theirs != ours:
-        raise TargetTaken(f"{sink.target} holds the mirror of {theirs}, not of {ours}: one mirror URL holds one "
-                          "checkpoint. Drain to a URL of its own (NVMeWriter(mirror_root=...) appends each "
-                          "checkpoint's directory name)")
-
-
-NODE_MARKER = ".drain-node.{key}.{node}"
-"""On the target: node ``node`` confirmed its files of save ``key`` there (JSON: names, sizes)."""
-
-
-def _wait_for_every_node(sink: Sink, source: DrainSource, options: DrainOptions, journal: Journal) -> None:
-    """A node-local checkpoint's mirror: say which files this node confirmed, then wait until
-    every node has (or the manifest of this save is already committed there). The journal's
-    cause says which nodes it waits for (``dcp-nvme status``)."""
-    key, by_node = source.save_key, source.manifest.files_by_node()
-    for node in source.nodes_here:
-        sizes = {name: source.files[name].size for name in by_node[node]}
-        _put_confirmed(sink, NODE_MARKER.format(key=key, node=node), json.dumps(sizes, sort_keys=True).encode())
-    deadline, pause, said = time.monotonic() + options.node_wait, 0.05, None
-    while True:
-        waiting = [node for node in by_node if not sink.has(NODE_MARKER.format(key=key, node=node))]
-        if not waiting or (sink.has(MANIFEST) and same_save(sink.read_small(MANIFEST), source.manifest_bytes)):
-            journal.update(cause="", nodes_confirmed=sorted(by_node))
-            return
-        if waiting != said:
-            said = waiting
-            journal.update(cause=f"node(s) {', '.join(source.nodes_here)} sent; waiting for node(s) "
-                                 f"{', '.join(waiting)} to drain their files",
-                           nodes_confirmed=sorted(set(by_node) - set(waiting)))
-        if time.monotonic() >= deadline:
-            raise IncompleteOnTarget(
-                f"{sink.target}: node(s) {', '.join(waiting)} did not drain their files of save {key} "
-                f"within {options.node_wait:.0f} s (each node drains its own); not committing")
-        time.sleep(pause)
-        pause = min(pause * 2, 2.0)
 
 
 def _finish_file(sink: Sink, journal: Journal, record: FileRecord, pieces: list[Piece]) -> None:
@@ -457,20 +435,6 @@ def _finish_file(sink: Sink, journal: Journal, record: FileRecord, pieces: list[
         entry.update(done=True, pieces={})
         entry.pop("upload_id", None)
         journal.save()
-
-
-def _put_confirmed(sink: Sink, name: str, data: bytes, commit: bool = False) -> None:
-    """Write a small file and read it back; a manifest that does not read back is removed."""
-    where = sink.location(name)
-    with step(f"{'committing' if commit else 'writing'} {where}"):
-        sink.put_small(name, data)
-    with step(f"reading back {where}"):
-        back = sink.read_small(name)
-    if back != data:
-        if commit:
-            sink.remove(name)
-        raise IncompleteOnTarget(f"{where} reads back as {len(back)} bytes that differ from the "
-                                 f"{len(data)} written; not committing")
 
 
 def _remove_stale(sink: Sink, save_key: str, sent: set[str]) -> None:

@@ -61,8 +61,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..format.manifest import describe_topology
     from .inspection import inspect_checkpoint
-    from .status import describe_topology
 
     info = inspect_checkpoint(args.checkpoint, filter=args.filter)
     if args.json:

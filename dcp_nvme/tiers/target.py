@@ -1,0 +1,89 @@
+"""The target as a whole: whose mirror it holds, small files written and read back, and
+(node-local) whether every node's files are on it, before the manifest goes."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..format.names import MANIFEST
+from ..load.coded import same_save
+from .journal import Journal
+from .sinks import Sink
+from .source import DrainSource
+from .transfer import (
+    IncompleteOnTarget,
+    TargetTaken,
+    step,
+)
+
+if TYPE_CHECKING:
+    from .drainer import DrainOptions
+
+
+def _checkpoint_of(manifest: dict[str, Any]) -> str | None:
+    meta = manifest.get("storage_meta")
+    return meta.get("checkpoint_id") if isinstance(meta, dict) else None
+
+
+def refuse_other_checkpoint(source: DrainSource, sink: Sink) -> None:
+    """A target whose committed manifest is another checkpoint's (another step drained onto the
+    same URL) is never replaced: retention would then trust a mirror that no longer holds the
+    checkpoint it deletes locally."""
+    if not sink.has(MANIFEST):
+        return
+    try:
+        remote = json.loads(sink.read_small(MANIFEST))
+    except ValueError:
+        return  # not a manifest we can read: the drain replaces it as it would any leftover
+    theirs, ours = _checkpoint_of(remote), _checkpoint_of(source.manifest.doc)
+    if theirs and ours and theirs != ours:
+        raise TargetTaken(f"{sink.target} holds the mirror of {theirs}, not of {ours}: one mirror URL holds one "
+                          "checkpoint. Drain to a URL of its own (NVMeWriter(mirror_root=...) appends each "
+                          "checkpoint's directory name)")
+
+
+NODE_MARKER = ".drain-node.{key}.{node}"
+"""On the target: node ``node`` confirmed its files of save ``key`` there (JSON: names, sizes)."""
+
+
+def wait_for_every_node(sink: Sink, source: DrainSource, options: DrainOptions, journal: Journal) -> None:
+    """A node-local checkpoint's mirror: say which files this node confirmed, then wait until
+    every node has (or the manifest of this save is already committed there). The journal's
+    cause says which nodes it waits for (``dcp-nvme status``)."""
+    key, by_node = source.save_key, source.manifest.files_by_node()
+    for node in source.nodes_here:
+        sizes = {name: source.files[name].size for name in by_node[node]}
+        put_confirmed(sink, NODE_MARKER.format(key=key, node=node), json.dumps(sizes, sort_keys=True).encode())
+    deadline, pause, said = time.monotonic() + options.node_wait, 0.05, None
+    while True:
+        waiting = [node for node in by_node if not sink.has(NODE_MARKER.format(key=key, node=node))]
+        if not waiting or (sink.has(MANIFEST) and same_save(sink.read_small(MANIFEST), source.manifest_bytes)):
+            journal.update(cause="", nodes_confirmed=sorted(by_node))
+            return
+        if waiting != said:
+            said = waiting
+            journal.update(cause=f"node(s) {', '.join(source.nodes_here)} sent; waiting for node(s) "
+                                 f"{', '.join(waiting)} to drain their files",
+                           nodes_confirmed=sorted(set(by_node) - set(waiting)))
+        if time.monotonic() >= deadline:
+            raise IncompleteOnTarget(
+                f"{sink.target}: node(s) {', '.join(waiting)} did not drain their files of save {key} "
+                f"within {options.node_wait:.0f} s (each node drains its own); not committing")
+        time.sleep(pause)
+        pause = min(pause * 2, 2.0)
+
+
+def put_confirmed(sink: Sink, name: str, data: bytes, commit: bool = False) -> None:
+    """Write a small file and read it back; a manifest that does not read back is removed."""
+    where = sink.location(name)
+    with step(f"{'committing' if commit else 'writing'} {where}"):
+        sink.put_small(name, data)
+    with step(f"reading back {where}"):
+        back = sink.read_small(name)
+    if back != data:
+        if commit:
+            sink.remove(name)
+        raise IncompleteOnTarget(f"{where} reads back as {len(back)} bytes that differ from the "
+                                 f"{len(data)} written; not committing")
