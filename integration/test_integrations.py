@@ -107,6 +107,42 @@ def test_lightning_private_touch_point() -> None:
     assert _saves_sharded(NVMeModelParallelStrategy(save_distributed_checkpoint=False)) is False
 
 
+class RunsCodeWhenUnpickled:
+    """A value whose pickle runs a shell command on load (what a hostile checkpoint would hold)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_lightning_metadata_is_unpickled_weights_only_unless_asked(tmp_path, one_rank_group) -> None:
+    """Lightning's default ``weights_only=None`` (and ``True``) refuses a metadata pickle that
+    would run code, as stock Lightning's ``torch.load`` does; only ``weights_only=False`` runs it."""
+    if not _has("lightning"):
+        pytest.skip("lightning is not installed (see integration/requirements.txt)")
+    import torch
+
+    from dcp_nvme.errors import UnsafeItemError
+    from dcp_nvme.integrations.lightning import NVMeModelParallelStrategy
+
+    marker = tmp_path / "code-ran"
+    strategy = NVMeModelParallelStrategy()
+    strategy.model = torch.nn.Linear(3, 2)
+    ckpt = tmp_path / "step-1.ckpt"
+    strategy.save_checkpoint({"state_dict": strategy.model.state_dict(), "global_step": 1,
+                              "hostile": RunsCodeWhenUnpickled(marker)}, ckpt)
+    assert not marker.exists()
+    for weights_only in (None, True):
+        with pytest.raises(UnsafeItemError, match="weights_only=False") as refused:
+            strategy.load_checkpoint(ckpt, weights_only=weights_only)
+        assert str(ckpt) in str(refused.value)
+        assert not marker.exists()
+    loaded = strategy.load_checkpoint(ckpt, weights_only=False)
+    assert marker.exists() and loaded["global_step"] == 1
+
+
 def test_remove_items_rewrites_without_prefix(tmp_path) -> None:
     """What Megatron's remove_sharded_tensors runs: the kept items load bitwise, bytes items are
     carried unpickled, the removed ones are gone, the old files are replaced."""

@@ -36,6 +36,7 @@ the package to install (``pip install lightning``).
 from __future__ import annotations
 
 import io
+import pickle
 import shutil
 from typing import Any
 
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import UnknownOptionError
+from ..errors import UnknownOptionError, UnsafeItemError
 from ..lazy_imports import require
 from ._common import make_reader, make_stager, make_writer, wait_future
 
@@ -69,6 +70,22 @@ def _saves_sharded(strategy: Any) -> bool:
     the same attribute). The one private touch-point of this module; tested by
     integration/test_integrations.py::test_lightning_private_touch_point."""
     return bool(strategy._save_distributed_checkpoint)
+
+
+def _load_metadata(data: bytes, path: str, weights_only: bool | None) -> dict[str, Any]:
+    """The pickled rest of Lightning's checkpoint (what stock Lightning keeps in meta.pt).
+
+    Lightning's default ``None`` is weights-only, as in stock Lightning's ``torch.load``: a
+    full unpickle, which runs whatever code the pickle names, only on an explicit ``False``."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=weights_only is not False)
+    except pickle.UnpicklingError as exc:
+        reason = next((line for line in str(exc).splitlines() if line.strip()), "")[:300]
+        raise UnsafeItemError(
+            f"{path}: Lightning's checkpoint metadata (item {META_KEY!r}) is not a weights-only pickle "
+            f"({reason}); loading it would run the code it names. Only if you trust who wrote this "
+            "checkpoint, load it with weights_only=False (trainer.fit(..., weights_only=False)), or "
+            "allow its classes with torch.serialization.add_safe_globals") from None
 
 
 class NVMeModelParallelStrategy(ModelParallelStrategy):
@@ -166,8 +183,7 @@ class NVMeModelParallelStrategy(ModelParallelStrategy):
         )
         for key, opt in optimizers.items():
             set_optimizer_state_dict(self.model, opt, optim_state_dict=state[key])
-        # the pickled rest of Lightning's checkpoint (what stock Lightning keeps in meta.pt)
-        return torch.load(io.BytesIO(state[META_KEY]), weights_only=bool(weights_only))
+        return _load_metadata(state[META_KEY], path, weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         self.wait_for_checkpoint()
