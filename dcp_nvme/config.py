@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
@@ -52,7 +53,15 @@ def default_tune_file() -> Path:
     return Path(base) / "dcp_nvme" / "tune.json"
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+MAX_DIGITS = 20
+"""Digits of a number given as text: 2**64 has 20; more is a typo or an attack (int() of
+thousands of digits is refused by Python itself, without naming the option)."""
+MAX_SIZE_TEXT = 64
+"""Characters of a size given as text, e.g. ``"1.5MiB"``."""
+
+_SIZE_RE = re.compile(rf"^\s*([0-9]{{1,{MAX_DIGITS}}}(?:\.[0-9]{{1,{MAX_DIGITS}}})?)\s*([kmgt]?)(i?)(b?)\s*$",
+                      re.IGNORECASE | re.ASCII)
+_INT_RE = re.compile(rf"\s*[0-9]{{1,{MAX_DIGITS}}}\s*", re.ASCII)
 
 
 def parse_size(value: int | str) -> int:
@@ -66,9 +75,9 @@ def parse_size(value: int | str) -> int:
         if value < 0:
             raise InvalidInputError(f"not a size: {value!r} (negative)")
         return value
-    match = _SIZE_RE.match(value)
+    match = _SIZE_RE.match(value) if len(value) <= MAX_SIZE_TEXT else None
     if not match:
-        raise InvalidInputError(f"not a size: {value!r} (use e.g. 8388608, '8MiB' or '5GB')")
+        raise InvalidInputError(f"not a size: {_shown(value)} (use ASCII digits, e.g. 8388608, '8MiB' or '5GB')")
     number, unit, binary, byte = match.groups()
     power = "kmgt".index(unit.lower()) + 1 if unit else 0
     decimal = bool(unit) and bool(byte) and not binary
@@ -94,8 +103,17 @@ NODE_QUEUE_DEPTH_RANGE = (1, 65536)
 """A node's shared budget: an NVMe queue holds at most 64 Ki entries, more is a typo."""
 
 
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut short: a message names a value, it does not echo kilobytes of it."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more digits than Python converts to text
+        return f"<an integer of {value.bit_length()} bits>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _invalid(name: str, value: Any, source: str, problem: str) -> InvalidInputError:
-    return InvalidInputError(f"{name}={value!r} from {source} is not valid: {problem}")
+    return InvalidInputError(f"{name}={_shown(value)} from {source} is not valid: {problem}")
 
 
 def check_bool(name: str, value: Any, source: str = "the argument") -> bool:
@@ -110,13 +128,14 @@ def check_bool(name: str, value: Any, source: str = "the argument") -> bool:
 
 
 def check_int(name: str, value: Any, bounds: tuple[int, int], source: str = "the argument") -> int:
-    """An integer (or a string of digits) within ``bounds``, inclusive."""
+    """An integer (or a string of at most ``MAX_DIGITS`` ASCII digits) within ``bounds``, inclusive."""
     lo, hi = bounds
     number = value
-    if isinstance(value, str) and value.strip().isdigit():
-        number = int(value.strip())
+    if isinstance(value, str) and _INT_RE.fullmatch(value):
+        number = int(value)
     if isinstance(number, bool) or not isinstance(number, int):
-        raise _invalid(name, value, source, f"expected an integer from {lo} to {hi}")
+        raise _invalid(name, value, source, f"expected an integer from {lo} to {hi} "
+                                            f"(at most {MAX_DIGITS} ASCII digits)")
     if not lo <= number <= hi:
         raise _invalid(name, value, source, f"must be from {lo} to {hi}")
     return number
@@ -240,16 +259,47 @@ def _from_env() -> dict[str, Any]:
     return found
 
 
+MAX_TUNE_FILE = 1 << 20
+"""A tune file is a few KiB of JSON; a larger one is not read."""
+
+
+def _read_tune_file(path: Path) -> bytes | None:
+    """The tune file's bytes, None when there is none; ValueError when it is not a regular
+    file (opened without blocking, so a FIFO cannot hang) or over ``MAX_TUNE_FILE``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("it is not a regular file (a FIFO, device or directory)")
+        if info.st_size > MAX_TUNE_FILE:
+            raise ValueError(f"it has {info.st_size} bytes, more than the {MAX_TUNE_FILE} a tune file may have")
+        data = b""  # read bounded even if the file grows meanwhile: one byte over tells
+        while len(data) <= MAX_TUNE_FILE and (chunk := os.read(fd, MAX_TUNE_FILE + 1 - len(data))):
+            data += chunk
+        return data
+    finally:
+        os.close(fd)
+
+
 def _from_tune_file() -> dict[str, Any]:
     path = default_tune_file()
-    if not path.is_file():
-        return {}
     try:
-        doc = json.loads(path.read_text())
+        data = _read_tune_file(path)
+        if data is None:
+            return {}
+        if len(data) > MAX_TUNE_FILE:
+            raise ValueError(f"it has more than the {MAX_TUNE_FILE} bytes a tune file may have")
+        doc = json.loads(data)
         best = doc["best"]
         values = {k: best[k] for k in _TUNED if k in best}
+    except RecursionError:
+        log.warning("ignoring tune file %s: its JSON is nested too deeply (rerun `dcp-nvme tune`)", path)
+        return {}
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring tune file %s: %s (rerun `dcp-nvme tune`)", path, exc)
+        log.warning("ignoring tune file %s: %s (rerun `dcp-nvme tune`)", path, str(exc)[:300])
         return {}
     return {k: check_option(k, v, f"tune file {path} (rerun `dcp-nvme tune` or delete it)")
             for k, v in values.items()}

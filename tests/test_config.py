@@ -1,9 +1,14 @@
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from dcp_nvme.config import IOConfig, check_option, parse_size, resolve_config
+from dcp_nvme.errors import InvalidInputError
 
 
 def test_parse_size_units():
@@ -187,3 +192,52 @@ def test_reader_block_size_is_independent_of_the_writers_checksum_block(tmp_path
     loaded = {"big": torch.zeros(300_000), "rows": torch.zeros(64, 1000)}
     dcp.load(loaded, storage_reader=reader, no_dist=True)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+# --------------------------------------------------------------------------- hostile values
+
+
+@pytest.mark.parametrize("env, value", [
+    ("DCP_NVME_QUEUE_DEPTH", "²"), ("DCP_NVME_QUEUE_DEPTH", "¹⁰"), ("DCP_NVME_QUEUE_DEPTH", "٣"),
+    ("DCP_NVME_QUEUE_DEPTH", "9" * 5000), ("DCP_NVME_NODE_QUEUE_DEPTH", "²"),
+    ("DCP_NVME_BLOCK_SIZE", "٨MiB"), ("DCP_NVME_BLOCK_SIZE", "9" * 5000),
+    ("DCP_NVME_BLOCK_SIZE", "1." + "0" * 5000 + "MiB"), ("DCP_NVME_ENGINE", "x" * 5000),
+])
+def test_environment_numbers_are_short_ascii_and_named(monkeypatch, env, value):
+    """Unicode digits (str.isdigit is true, int() may refuse or accept them) and values of
+    thousands of characters are refused by a clear error naming the variable, of bounded length."""
+    monkeypatch.setenv(env, value)
+    with pytest.raises(InvalidInputError, match=f"from environment variable {env} is not valid") as info:
+        resolve_config()
+    assert len(str(info.value)) < 400
+
+
+def _sparse_3gib(path: Path) -> None:
+    with path.open("wb") as handle:
+        handle.truncate(3 << 30)
+
+
+HOSTILE_TUNE_FILES = {
+    "deep": lambda path: path.write_bytes(b"[" * 200_000),
+    "huge": _sparse_3gib,
+    "fifo": lambda path: os.mkfifo(path),
+    "dev-zero": lambda path: os.symlink("/dev/zero", path),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE_TUNE_FILES))
+def test_a_hostile_tune_file_is_ignored_with_a_warning_in_bounded_memory(tmp_path, kind):
+    """As a corrupt tune file: a warning naming the file, and the defaults; read no further than
+    its size cap, without following it into a FIFO or device (run under a 512 MiB address-space
+    limit, so reading it whole fails the test instead of the machine)."""
+    tune = tmp_path / "tune.json"
+    HOSTILE_TUNE_FILES[kind](tune)
+    code = ("import logging, resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))\n"
+            "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+            "from dcp_nvme.config import IOConfig, resolve_config\n"
+            "print('DEFAULTS', resolve_config() == IOConfig())\n")
+    env = {**os.environ, "DCP_NVME_TUNE_FILE": str(tune), "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "DEFAULTS True" in proc.stdout and f"ignoring tune file {tune}" in proc.stdout, proc.stdout
