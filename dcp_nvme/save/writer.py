@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
@@ -31,7 +31,7 @@ from torch.futures import Future
 from ..config import IOConfig, check_option, resolve_config
 from ..engines import shared_engine
 from ..engines.windows import host_address
-from ..errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, SaveError, StorageError
+from ..errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, StorageError
 from ..format.manifest import build_manifest_doc, encode_json, seal, table_entry
 from ..format.names import (
     FORMAT,
@@ -44,7 +44,7 @@ from ..format.names import (
     temp_of,
 )
 from ..format.placement import ContainerLayout, plan_container
-from ..format.tables import FileRecord, StoredItem, chunks_table, files_table
+from ..format.tables import chunks_table, files_table
 from ..observe.blockdev import warn_once
 from ..observe.drive_health import DriveWatch
 from ..observe.stats import PhaseTimer
@@ -62,6 +62,7 @@ from .node_commit import (
     shared_store,
     start_committer,
 )
+from .results import collect, key_from_results, storage_meta_doc, write_results
 from .topology import (
     NODE_LOCAL,
     NodeTag,
@@ -313,7 +314,7 @@ class NVMeWriter(StorageWriter):
         name = data_file_name(target.rank, target.save_key)
         written, stats = self._write_container(name, layout, data, len(plan.items), target, timer)
         self.last_stats = stats
-        future.set_result(_results(plan, resolved, layout, written, stats))
+        future.set_result(write_results(plan, resolved, layout, written, stats))
         return future
 
     def _place_items(self, plan: SavePlan, planner: SavePlanner, target: RankPlan, timer: PhaseTimer):
@@ -380,7 +381,7 @@ class NVMeWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         started = time.perf_counter()
         store = LocalStore(self.path)
-        key = self.save_key or (self._lock.save_key if self._lock else None) or _key_from_results(results)
+        key = self.save_key or (self._lock.save_key if self._lock else None) or key_from_results(results)
         committed = False
         try:
             doc = self._commit(metadata, results, key)
@@ -418,7 +419,7 @@ class NVMeWriter(StorageWriter):
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
         """The tables, then manifest.json renamed into place: the commit. Returns the manifest."""
-        chunks, files, rank_stats = _collect(metadata, results)
+        chunks, files, rank_stats = collect(metadata, results)
         layers = layer_summary(rank_stats)
         log.info("dcp_nvme: save %s: %s", key, format_summary(layers))
         index_bytes = chunks_table(chunks)
@@ -431,7 +432,7 @@ class NVMeWriter(StorageWriter):
             index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
             world_size=len(results), planner_data=metadata.planner_data,
             dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
-            storage_meta=_storage_meta_doc(self.storage_meta()),
+            storage_meta=storage_meta_doc(self.storage_meta()),
             extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats,
                    "layers": layers,
                    **({"topology": self._topology.to_doc()} if self._topology is not None else {})},
@@ -521,68 +522,10 @@ def _log_write(stats: dict[str, Any]) -> None:
              io["latency_p50_ms"], io["latency_p99_ms"])
 
 
-def _results(plan: SavePlan, resolved: list, layout: ContainerLayout, written: Any,
-             stats: dict[str, Any]) -> list[WriteResult]:
-    """DCP's WriteResults: each item's index row at its place in the container; the first also
-    carries the container's blocks-table record and this rank's figures."""
-    name = stats["file"]
-    file_record = FileRecord(name, stats["rank"], written.size, written.data_start,
-                             written.checksum_block, written.header_crc, tuple(written.crcs))
-    results = []
-    for position, (item, (_, source, record)) in enumerate(zip(plan.items, resolved)):
-        placed = replace(record, file=name, byte_offset=layout.data_start + layout.offsets[position])
-        stored = StoredItem(placed, file_record if position == 0 else None, stats if position == 0 else None)
-        results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
-    return results
-
-
 def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:
-    """DCP's StorageMeta as JSON; ``load_id`` belongs to a load, never to the checkpoint."""
-    return {"checkpoint_id": os.fspath(meta.checkpoint_id) if meta.checkpoint_id is not None else None,
-            "save_id": meta.save_id, "modules": list(meta.modules)}
-
-
-def _key_from_results(results: list[list[WriteResult]]) -> str:
-    for rank_results in results:
-        for result in rank_results:
-            key = save_key_of(result.storage_data.chunk.file)
-            if key:
-                return key
-    return new_save_key()  # nothing was written by any rank (an empty state dict)
-
-
-def _collect(metadata: Metadata, results: list[list[WriteResult]]):
-    """Chunk records in the metadata's order, file records by rank, and each rank's figures."""
-    order: dict[MetadataIndex, int] = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        chunks = getattr(entry, "chunks", None)
-        if chunks is None:
-            order[MetadataIndex(fqn)] = len(order)
-        else:
-            for chunk in chunks:
-                order[MetadataIndex(fqn, chunk.offsets)] = len(order)
-    records, files, stats = [], [], []
-    for rank_results in results:
-        for result in rank_results:
-            stored: StoredItem = result.storage_data
-            records.append(stored.chunk)
-            if stored.file is not None:
-                files.append(stored.file)
-            if stored.stats is not None:
-                stats.append(stored.stats)
-    written = {r.index for r in records}
-    missing = [index for index in order if index not in written]
-    if missing:
-        raise SaveError(f"no rank wrote {len(missing)} item(s) of the plan, e.g. {missing[0]}")
-    records.sort(key=lambda r: order.get(r.index, len(order)))
-    files.sort(key=lambda f: f.rank)
-    return records, files, stats
 
 
 def _remove_save(store: LocalStore, key: str) -> None:
