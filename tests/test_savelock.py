@@ -439,3 +439,14 @@ def test_an_oversized_or_deep_lock_is_read_bounded(tmp_path, content):
     assert "ERR" in out and "does not parse as a save lock" in out and "UNLOCK" in out, out
     assert peak < 1024, peak
     assert not os.path.lexists(path / LOCK_NAME)
+
+
+@pytest.mark.parametrize("what", ["missing", "a-file"])
+def test_unlock_of_a_path_that_is_no_directory_fails_naming_it(tmp_path, capsys, what):
+    path = tmp_path / "no-such-dir"
+    if what == "a-file":
+        path.write_bytes(b"")
+    assert cli_main(["unlock", str(path)]) == 1
+    assert cli_main(["unlock", "--force", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path} is not a directory" in err and "not locked" not in err

@@ -131,6 +131,27 @@ def test_drain_to_second_directory_plain_and_file_url(tmp_path):
     assert drain_state(local).target == url
 
 
+@pytest.mark.parametrize("kind", ["empty", "stock-dcp", "uncommitted"])
+def test_a_refused_drain_leaves_nothing_in_a_directory_without_a_committed_checkpoint(tmp_path, capsys, kind):
+    """A directory that holds no committed dcp_nvme checkpoint is refused, by the API and the
+    CLI, without a drain lock (or anything else) left in it."""
+    local = tmp_path / kind
+    local.mkdir()
+    if kind == "stock-dcp":
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(local), no_dist=True)
+    elif kind == "uncommitted":
+        (local / "rank_00000.0badc0de.safetensors").write_bytes(b"\0" * 64)
+    before = sorted(os.listdir(local))
+    words = {"empty": "no manifest.json", "stock-dcp": "FileSystemWriter",
+             "uncommitted": "no committed manifest.json"}[kind]
+    with pytest.raises(DrainError, match=words):
+        drain(local, str(tmp_path / "mirror"), options=DrainOptions(**FAST))
+    assert cli_main(["drain", str(local), "--to", str(tmp_path / "mirror")]) == 1
+    assert words in capsys.readouterr().err
+    assert sorted(os.listdir(local)) == before
+    assert not (tmp_path / "mirror").exists() or not os.listdir(tmp_path / "mirror")
+
+
 # --------------------------------------------------------------------------- resume
 
 

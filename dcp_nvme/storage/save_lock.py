@@ -45,7 +45,13 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 
-from ..errors import CheckpointLockedError, LockFileError, ManifestError, StorageError
+from ..errors import (
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    LockFileError,
+    ManifestError,
+    StorageError,
+)
 from .local_dir import file_kind, open_regular
 
 log = logging.getLogger(__name__)
@@ -437,6 +443,11 @@ def unlock(directory: str | os.PathLike, *, force: bool = False) -> tuple[LockHo
     why; raises CheckpointLockedError for a live lock without ``force``, and for a lock that
     does not parse and is younger than ``STALE_AFTER_S`` (it may be a save's being created)."""
     directory = os.fspath(directory)
+    if not os.path.isdir(directory):  # "not locked" would pass a mistyped path as unlocked
+        kind = _entry_kind(directory)
+        what = "it does not exist" if kind == "gone" else f"it is {kind}"
+        raise CheckpointNotFoundError(f"{directory} is not a directory ({what}): there is no save lock to "
+                                      "remove; give the checkpoint directory the save was writing")
     path = os.path.join(directory, LOCK_NAME)
     try:
         holder = read_holder(directory)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from ..format.manifest import MAX_MANIFEST
+from ..format.manifest import MAX_MANIFEST, missing_manifest_error
 from ..format.names import MANIFEST
 from ..format.pieces import Piece
 from ..storage.local_dir import LocalStore, read_regular
@@ -137,9 +137,15 @@ def drain_lock(path: str | os.PathLike, target: str) -> Iterator[None]:
     the holder's pid and target. The kernel drops the lock when its holder dies, so a killed
     drain never leaves the checkpoint locked. Where the filesystem has no flock (a Lustre
     mount without ``-o flock``) the drain runs unlocked, with a warning.
+
+    A directory without a manifest (empty, a stock DCP checkpoint, a save that never
+    committed) has nothing to drain: CheckpointNotFoundError says why, and no lock file is
+    left in a directory that is not a dcp_nvme checkpoint.
     """
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
+    if not os.path.lexists(os.path.join(path, MANIFEST)):  # one in any form: the drain says what is wrong
+        raise missing_manifest_error(LocalStore(path), os.fspath(path))
     lock_path = os.path.join(path, LOCK)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
