@@ -109,3 +109,26 @@ def test_unconfirmed_self_mirror_and_locked_checkpoints_are_kept(tmp_path):
     assert apply_retention(run, keep_last=1) == [paths[3]]  # once the save is over
     for step in (1, 2, 4):
         assert_loads(paths[step], step)
+
+
+def test_a_mirror_replaced_or_unreachable_since_its_drain_keeps_the_local_copy(tmp_path):
+    """The journal says mirrored, but the target now holds another save (another step written
+    over the same URL by other means), or is gone: retention must not trust the journal alone."""
+    run, pfs = tmp_path / "run", tmp_path / "pfs"
+    for step in (1, 2, 3):
+        save(run / f"step_{step}", step)
+    drain(str(run / "step_1"), str(pfs / "a"), options=OPTIONS)
+    drain(str(run / "step_2"), str(pfs / "b"), options=OPTIONS)
+    drain(str(run / "step_3"), str(pfs / "other"), options=OPTIONS)
+    for name in os.listdir(pfs / "other"):  # step 3's mirror copied over step 1's
+        (pfs / "a" / name).write_bytes((pfs / "other" / name).read_bytes())
+    os.rename(pfs / "b", pfs / "b.gone")  # step 2's mirror is gone
+    assert drain_state(run / "step_1").state == MIRRORED == drain_state(run / "step_2").state
+    decisions = {os.path.basename(d.path): d for d in plan_retention(run, keep_last=1)}
+    assert decisions["step_1"].keep and "no longer holds this save" in decisions["step_1"].reason
+    assert decisions["step_2"].keep and "cannot be confirmed now" in decisions["step_2"].reason
+    assert apply_retention(run, keep_last=1) == []
+    assert_loads(run / "step_1", 1)
+    assert_loads(run / "step_2", 2)
+    os.rename(pfs / "b.gone", pfs / "b")  # reachable and right again: removable
+    assert apply_retention(run, keep_last=1) == [str(run / "step_2")]

@@ -45,7 +45,7 @@ class Drainer:
 
                 run_dir = os.path.dirname(os.path.abspath(os.fspath(local)))
                 try:  # the drain succeeded: a broken sibling must not turn it into a failure
-                    apply_retention(run_dir, self.keep_last)
+                    apply_retention(run_dir, self.keep_last, storage_options=storage_options)
                 except Exception as exc:  # noqa: BLE001
                     log.error("dcp_nvme: %s is mirrored, but retention in %s failed: %s", local, run_dir, exc)
                     result.errors.append(f"retention in {run_dir}: {type(exc).__name__}: {exc}")

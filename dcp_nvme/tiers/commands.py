@@ -88,8 +88,8 @@ def _drain(args: argparse.Namespace) -> int:
         result = verify_mirror(args.path, target, storage_options=storage_options, options=options)
     else:
         result = drain(args.path, target, storage_options=storage_options, options=options)
-    removed = apply_retention(os.path.dirname(os.path.abspath(args.path)), args.keep_last) \
-        if args.keep_last else []
+    removed = apply_retention(os.path.dirname(os.path.abspath(args.path)), args.keep_last,
+                              storage_options=storage_options) if args.keep_last else []
     if args.json:
         print(json.dumps({**result.to_dict(), "removed": removed}))
     else:

@@ -8,7 +8,9 @@ A checkpoint is removed only when all of these hold (docs/tiers.md, "Retention")
 - it is not among the newest ``keep_last`` whose manifest reads back valid (never the newest
   loadable one: ``keep_last >= 1``; a broken directory with a higher step does not count);
 - its drain state is ``mirrored`` (the drainer confirmed every file on the target) to a
-  target that is not the checkpoint itself or inside it;
+  target that is not the checkpoint itself or inside it, and that target's committed manifest
+  is still this save's (a mirror replaced since, e.g. by another step drained onto the same URL,
+  or unreachable now, keeps the local copy);
 - no save holds its save lock (an overwrite in progress).
 
 A checkpoint whose manifest or drain state cannot be read is kept and reported; it never stops
@@ -23,10 +25,13 @@ import os
 import shutil
 import stat
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InvalidInputError
-from ..format.manifest import read_manifest
+from ..format.manifest import MAX_MANIFEST, read_manifest
 from ..format.names import MANIFEST
+from ..load.coded import same_save
+from ..storage.fsspec_dir import open_store
 from ..storage.local_dir import LocalStore, is_local_path, local_path
 from ..storage.run_dir import NVME, checkpoints
 from ..storage.save_lock import read_holder, stale_reason
@@ -46,8 +51,20 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _judge_old(path: str) -> RetentionDecision:
-    """An old checkpoint: removable only when mirrored elsewhere and no save is writing it."""
+def _mirror_problem(path: str, target: str, storage_options: dict[str, Any] | None) -> str | None:
+    """Why the target cannot be shown to hold the save committed at ``path`` now, or None."""
+    try:
+        local = LocalStore(path).read(MANIFEST, MAX_MANIFEST)
+        remote = open_store(target, storage_options).read(MANIFEST, MAX_MANIFEST)
+    except Exception as exc:  # noqa: BLE001  unreachable, gone, not a file: not confirmed
+        return f"its mirror {target} cannot be confirmed now ({exc.__class__.__name__}: {exc})"
+    if remote != local and not same_save(remote, local):
+        return f"its mirror {target} no longer holds this save (it was replaced since the drain)"
+    return None
+
+
+def _judge_old(path: str, storage_options: dict[str, Any] | None = None) -> RetentionDecision:
+    """An old checkpoint: removable only when its mirror holds it and no save is writing it."""
     try:
         state = drain_state(path)
     except Exception as exc:  # a broken sibling is kept, never fatal to the others
@@ -63,6 +80,9 @@ def _judge_old(path: str) -> RetentionDecision:
         return RetentionDecision(path, True, "its save lock is unreadable (a save may be in progress)")
     if holder is not None and stale_reason(holder) is None:
         return RetentionDecision(path, True, f"a save is writing it ({holder.describe()})")
+    problem = _mirror_problem(path, target, storage_options)
+    if problem is not None:
+        return RetentionDecision(path, True, problem)
     return RetentionDecision(path, False, f"mirrored to {target}")
 
 
@@ -75,8 +95,10 @@ def _unreadable(path: str) -> str | None:
     return None
 
 
-def plan_retention(run_dir: str | os.PathLike, keep_last: int) -> list[RetentionDecision]:
-    """What :func:`apply_retention` would do, oldest checkpoint first."""
+def plan_retention(run_dir: str | os.PathLike, keep_last: int, *,
+                   storage_options: dict[str, Any] | None = None) -> list[RetentionDecision]:
+    """What :func:`apply_retention` would do, oldest checkpoint first. ``storage_options``:
+    how to reach the mirrors (to confirm each still holds its save)."""
     if keep_last < 1:
         raise InvalidInputError(f"keep_last must be >= 1, got {keep_last}")
     found = [os.fspath(c.path) for c in checkpoints(run_dir, kinds=(NVME,))]
@@ -89,7 +111,7 @@ def plan_retention(run_dir: str | os.PathLike, keep_last: int) -> list[Retention
         elif path in newest:
             decisions.append(RetentionDecision(path, True, f"among the newest {keep_last}"))
         else:
-            decisions.append(_judge_old(path))
+            decisions.append(_judge_old(path, storage_options))
     return decisions
 
 
@@ -104,11 +126,12 @@ def _still_removable(run_dir: str, path: str) -> bool:
     return parent == os.path.realpath(run_dir)
 
 
-def apply_retention(run_dir: str | os.PathLike, keep_last: int) -> list[str]:
+def apply_retention(run_dir: str | os.PathLike, keep_last: int, *,
+                    storage_options: dict[str, Any] | None = None) -> list[str]:
     """Remove mirrored checkpoints older than the newest ``keep_last``; returns those removed."""
     run_dir = os.fspath(run_dir)
     removed = []
-    for decision in plan_retention(run_dir, keep_last):
+    for decision in plan_retention(run_dir, keep_last, storage_options=storage_options):
         if decision.keep:
             if not decision.reason.startswith("among the newest"):
                 log.info("dcp_nvme: retention keeps %s: %s", decision.path, decision.reason)
