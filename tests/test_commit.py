@@ -248,3 +248,20 @@ def test_a_full_disk_at_preallocation_names_the_file_and_commits_nothing(tmp_pat
     assert ".safetensors" in message  # the rank file it was reserving
     assert not os.path.exists(tmp_path / "c" / MANIFEST)
     assert not [n for n in os.listdir(tmp_path / "c") if n.endswith(".safetensors")]
+
+
+def test_the_stock_dcp_pointer_never_fails_a_save(tmp_path, monkeypatch):
+    """`.metadata.HOW_TO_LOAD.txt` is not a part of the checkpoint: a full disk while writing it,
+    or a link planted under its name, costs the pointer only; the link's target is untouched."""
+    full = tmp_path / "full"
+    hits = _fail_on(monkeypatch, "write", ".metadata.HOW_TO_LOAD")
+    _save(full, 1)
+    monkeypatch.undo()
+    assert hits and _load(full) == 1
+    assert not (full / ".metadata.HOW_TO_LOAD.txt").exists()  # no half-written pointer left
+    planted, victim = tmp_path / "planted", tmp_path / "victim.txt"
+    planted.mkdir()
+    victim.write_text("mine")
+    (planted / ".metadata.HOW_TO_LOAD.txt").symlink_to(victim)
+    _save(planted, 2)
+    assert _load(planted) == 2 and victim.read_text() == "mine"

@@ -504,10 +504,30 @@ or convert the checkpoint for tools that only read the stock layout or torch.sav
 
 
 def _write_pointer(store: LocalStore) -> None:
-    """The pointer for stock DCP users (not a part of the checkpoint; written once per directory)."""
-    if not store.has(POINTER):
-        with open(store.path(POINTER), "w") as handle:
-            handle.write(POINTER_TEXT)
+    """The pointer for stock DCP users (written once per directory). It is not a part of the
+    checkpoint, so it never fails a save: a full disk or a planted link only costs the pointer
+    (a link is refused, not followed: O_NOFOLLOW | O_EXCL)."""
+    path = store.path(POINTER)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        log.warning("dcp_nvme: %s not written (%s); the checkpoint does not need it", path, exc.strerror or exc)
+        return
+    try:
+        os.write(fd, POINTER_TEXT.encode())
+    except OSError as exc:
+        log.warning("dcp_nvme: %s not written (%s); the checkpoint does not need it", path, exc.strerror or exc)
+        os.close(fd)
+        fd = -1
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _log_write(stats: dict[str, Any]) -> None:
