@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -335,3 +336,17 @@ def test_delta_chain_loads_through_its_bases_and_a_missing_base_is_refused(tmp_p
     assert isinstance(error, codec.CodecError)
     assert f"delta against {tmp_path / 'pfs' / 'step_1'}" in str(error) and "missing" in str(error)
     assert_same(load(NVMeReader(str(tmp_path / "pfs" / "step_4")), states[3]), states[3])  # full: unaffected
+
+
+def test_a_delta_base_given_as_a_relative_path_loads_from_any_working_directory(tmp_path, monkeypatch):
+    """Drained with relative paths from one directory, the delta names its base so that a load
+    from anywhere else finds it (not 'pfs/step_1' relative to wherever the load runs)."""
+    work, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(work)
+    states, _ = delta_chain(Path("."), make_state(31), 2, 31, mirror="pfs")
+    base = mirror_doc(work / "pfs" / "step_2")["compression"]["delta"]["base"]
+    assert base == str(work / "pfs" / "step_1")
+    monkeypatch.chdir(elsewhere)
+    assert_same(load(NVMeReader(str(work / "pfs" / "step_2")), states[1]), states[1])
