@@ -210,6 +210,12 @@ class NVMeWriter(StorageWriter):
         # the coordinator counts ranks per host, and finds which nodes share its directory
         return replace(plan, storage_data=NodeTag(this_host(), node_identity(), self._probe))
 
+    def _refuse_existing(self, where: str) -> None:
+        if LocalStore(self.path).has(MANIFEST) and not self.overwrite:
+            raise CheckpointExistsError(
+                f"{where} already holds a committed checkpoint; pass overwrite=True to replace it (it "
+                "stays loadable until the new one commits) or save elsewhere")
+
     def mirror_url(self) -> str | None:
         """Where this checkpoint drains: ``mirror``, or ``mirror_root`` + its directory name."""
         if self.mirror_root is None:
@@ -237,12 +243,7 @@ class NVMeWriter(StorageWriter):
         self._release_lock()
         self._lock = save_lock.acquire(self.path, key)
         try:
-            store = LocalStore(self.path)
-            if store.has(MANIFEST) and not self.overwrite:
-                raise CheckpointExistsError(
-                    f"{self.path} already holds a committed checkpoint; pass overwrite=True to "
-                    "replace it (it stays loadable until the new one commits) or save elsewhere"
-                )
+            self._refuse_existing(self.path)
             for plan in plans:  # fail before any byte is written, not after
                 encode_json(plan.planner_data)
             tags = [plan.storage_data if isinstance(plan.storage_data, NodeTag) else None for plan in plans]
@@ -274,11 +275,11 @@ class NVMeWriter(StorageWriter):
         self._release_lock()
         end_waiting(self.path)  # an earlier failed save's committer lets go of this node's lock
         lock = save_lock.acquire(self.path, target.save_key)
-        if LocalStore(self.path).has(MANIFEST) and not self.overwrite:
+        try:
+            self._refuse_existing(f"{self.path} on node {node_identity()}")
+        except BaseException:
             lock.release()
-            raise CheckpointExistsError(
-                f"{self.path} on node {node_identity()} already holds a committed checkpoint; pass "
-                "overwrite=True to replace it (it stays loadable until the new one commits) or save elsewhere")
+            raise
         self._lock = lock
         key = target.save_key
         self._committer = start_committer(NodeCommitter(
