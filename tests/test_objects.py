@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -172,4 +173,54 @@ def test_verify_reports_items_that_need_the_opt_in(hostile):
                               timeout=120, env=env)
     assert accepted.returncode == 0, accepted.stderr
     assert len(json.loads(accepted.stdout)["needs_pickle"]) == 2
+    assert not marker.exists()
+
+
+class BufferState:
+    """A Stateful that keeps a buffer, as in PyTorch's own test_e2e_save_and_load."""
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = io.BytesIO(data)
+
+    def state_dict(self) -> dict:
+        return {"buffer": self.buffer}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer = state["buffer"]
+
+
+def test_a_bytesio_round_trips_safely_as_its_bytes(tmp_path: Path):
+    """A BytesIO is only bytes: it loads without the opt-in, with the same bytes and position,
+    top-level, in a Stateful, and next to other values; verify does not call it unsafe."""
+    data = bytes(range(256)) * 9
+    saved = io.BytesIO(data)
+    saved.seek(17)
+    ckpt = save(tmp_path / "ckpt", {"b": saved, "empty": io.BytesIO(), "s": BufferState(b"stateful"),
+                                    "w": torch.arange(3.0), "no_bytes": b""})
+    loaded = {"b": io.BytesIO(), "empty": io.BytesIO(b"x"), "s": BufferState(b""), "w": torch.zeros(3),
+              "no_bytes": b"x"}
+    dcp.load(loaded, storage_reader=NVMeReader(ckpt, direct_io=False), no_dist=True)
+    assert isinstance(loaded["b"], io.BytesIO) and loaded["b"].getvalue() == data and loaded["b"].tell() == 17
+    assert loaded["empty"].getvalue() == b""
+    assert loaded["s"].buffer.getvalue() == b"stateful"
+    assert torch.equal(loaded["w"], torch.arange(3.0)) and loaded["no_bytes"] == b""
+    assert verify_checkpoint(ckpt).ok
+
+
+class HugeBytes:
+    """A pickle that names only ``bytes``, but calls it to allocate a TiB."""
+
+    def __reduce__(self):
+        return (bytes, (1 << 40,))
+
+
+@pytest.mark.parametrize("value", ["code", "huge"])
+def test_a_bytesio_next_to_code_is_still_refused(tmp_path: Path, value):
+    """Allowing bytes and BytesIO allows nothing else: a pickle naming them and a callable is
+    refused, and so is ``bytes(n)`` (only ``bytes()`` is how ``b""`` is pickled)."""
+    marker = tmp_path / "marker"
+    hostile = Payload(str(marker)) if value == "code" else HugeBytes()
+    ckpt = save(tmp_path / "ckpt", {"mix": [io.BytesIO(b"x"), hostile]})
+    with pytest.raises(CheckpointException, match="UnsafeItemError"):
+        dcp.load({"mix": None}, storage_reader=NVMeReader(ckpt, direct_io=False), no_dist=True)
     assert not marker.exists()

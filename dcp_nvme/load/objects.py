@@ -6,6 +6,10 @@ checkpoint from a stranger could run any code on load. NVMeReader therefore deco
 itself with torch's weights-only unpickler, which builds only allow-listed types (plain Python
 values, containers, tensors, dtypes, and whatever the user added with
 ``torch.serialization.add_safe_globals``) and refuses everything else before calling anything.
+An ``io.BytesIO`` (DCP saves one as the pickle of the object, e.g. from a Stateful) is only
+its bytes, and so is ``b""`` (pickled as a call of ``bytes``, which that list lacks): a pickle
+that names nothing else beyond the list is decoded by an unpickler that builds plain values,
+bytes and BytesIO and nothing else (``_BytesUnpickler``).
 The decoded value is then saved again by us, so the bytes any planner unpickles were written
 from safe objects in this process, not by the checkpoint's author. Full pickle is an explicit
 opt-in: ``NVMeReader(path, allow_pickle=True)``.
@@ -13,7 +17,10 @@ opt-in: ``NVMeReader(path, allow_pickle=True)``.
 
 from __future__ import annotations
 
+import codecs
 import io
+import pickle
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,13 +48,77 @@ def _reason(data: bytes, exc: BaseException) -> str:
     return detail or (lines[0] if lines else type(exc).__name__)
 
 
+BYTES_GLOBALS = frozenset({"_io.BytesIO", "builtins.bytes"})
+"""What the weights-only unpickler refuses in a BytesIO or an empty ``bytes``, and
+``_BytesUnpickler`` builds."""
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()``, as a pickle of ``b""`` calls it; with arguments (``bytes(10**12)``) refused."""
+    if args:
+        raise pickle.UnpicklingError("bytes(...) is only built empty here")
+    return b""
+
+
+def _latin1(text: str, encoding: str) -> bytes:
+    """How a protocol-2 pickle spells non-empty bytes: ``_codecs.encode(text, "latin1")``."""
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r} is not how bytes are pickled")
+    return codecs.encode(text, encoding)
+
+
+class _BytesUnpickler(pickle.Unpickler):
+    """Plain values, bytes and ``io.BytesIO`` only (the "restricting globals" of Python's pickle
+    docs): every class or callable a pickle names comes through ``find_class``, which knows
+    these three, and tensor storages (persistent ids) are refused. ``BytesIO.__setstate__``
+    takes only bytes, a position and a dict of the plain values this builds."""
+
+    _ALLOWED = {("_io", "BytesIO"): io.BytesIO, ("_codecs", "encode"): _latin1,
+                ("builtins", "bytes"): _empty_bytes,
+                ("__builtin__", "bytes"): _empty_bytes}  # protocol 2 spells it so; no fix_imports here
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a plain value, bytes or io.BytesIO") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a tensor next to bytes or an io.BytesIO is not decoded here")
+
+
+def _load_bytes(data: bytes) -> Any:
+    """The value of a ``torch.save`` archive of plain values, bytes and BytesIO objects."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        entry = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
+        if entry is None or entry.file_size > len(data):  # torch stores it uncompressed: no bomb
+            raise pickle.UnpicklingError("not a torch.save archive")
+        return _BytesUnpickler(io.BytesIO(archive.read(entry))).load()
+
+
+def safe_load(data: bytes) -> Any:
+    """An item's value built without running its code: by torch's weights-only unpickler, or,
+    when all it refuses is bytes or BytesIO, by ``_BytesUnpickler``. Raises what the
+    weights-only unpickler raised when neither builds it."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as refused:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
+        names = set(unsafe_globals(data))
+        if not names or not names <= BYTES_GLOBALS:
+            raise
+        try:
+            return _load_bytes(data)
+        except Exception:  # noqa: BLE001 - any failure here is the weights-only refusal
+            raise refused from None
+
+
 def decode_item(data: bytes, key: str, where: str) -> Any:
-    """The value of one non-tensor item, built by the weights-only unpickler; never runs its code.
+    """The value of one non-tensor item, built without running its code (``safe_load``).
 
     Raises UnsafeItemError naming the item and what it would import.
     """
     try:
-        return torch.load(io.BytesIO(data), weights_only=True)
+        return safe_load(data)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
         raise UnsafeItemError(
             f"{where}: non-tensor item {key!r} cannot be loaded safely ({_reason(data, exc)}); "
@@ -105,7 +176,7 @@ def items_needing_pickle(store: Any, chunks: Any) -> list[tuple[str, str, str]]:
         got = store.read_into(chunk.file, chunk.byte_offset, memoryview(buffer))
         data = bytes(buffer[:got])
         try:
-            torch.load(io.BytesIO(data), weights_only=True)
+            safe_load(data)
         except Exception as exc:  # noqa: BLE001 - whatever the unpickler refuses is reported
             found.append((chunk.fqn, chunk.file, _reason(data, exc)))
     return found
