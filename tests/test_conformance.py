@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import time
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -216,16 +217,19 @@ def test_bytes_items(backend, tmp_path):
 
 def test_pickled_class_item_is_the_documented_difference(backend, tmp_path):
     """Stock unpickles any item (a checkpoint's pickle can run any code); ours refuses an item
-    whose pickle imports a class unless allow_pickle=True, naming the item and the opt-in."""
+    whose pickle imports a class unless allow_pickle=True, naming the item and the opt-in. A
+    BytesIO is only its bytes: it loads by default in both."""
     blob = os.urandom(5000)
-    dcp.save({"blob": io.BytesIO(blob)}, storage_writer=backend.writer(tmp_path / "c"))
-    dest = {"blob": io.BytesIO()}
+    dcp.save({"blob": io.BytesIO(blob), "ratio": Fraction(1, 3)}, storage_writer=backend.writer(tmp_path / "c"))
+    dest = {"blob": io.BytesIO(), "ratio": None}
     if backend.name == "nvme":
-        with pytest.raises(CheckpointException, match=r"'blob'.*allow_pickle=True"):
+        with pytest.raises(CheckpointException, match=r"'ratio'.*allow_pickle=True"):
             dcp.load(dest, storage_reader=backend.reader(tmp_path / "c"))
+    only_blob = {"blob": io.BytesIO()}
+    dcp.load(only_blob, storage_reader=backend.reader(tmp_path / "c"))
+    assert only_blob["blob"].getvalue() == blob
     dcp.load(dest, storage_reader=backend.reader(tmp_path / "c", trusted=True))
-    got = dest["blob"].getvalue() if isinstance(dest["blob"], io.BytesIO) else dest["blob"]
-    assert got == blob
+    assert dest["blob"].getvalue() == blob and dest["ratio"] == Fraction(1, 3)
 
 
 def test_partial_load_of_chosen_keys(backend, tmp_path):
