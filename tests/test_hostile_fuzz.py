@@ -1,6 +1,7 @@
 """Seeded mutation fuzzing of every file kind of a checkpoint.
 
-Each mutant is loaded, verified, inspected and listed. Each must end, within a time limit, in
+Each mutant is loaded, verified, inspected and listed (one with something planted under a
+drain's own file names is drained instead). Each must end, within a time limit, in
 either a dcp_nvme error or the exact original tensors (verify: a report); nothing is read or
 written outside the checkpoint directory; the run's peak memory stays bounded. Mutations are
 raw byte edits (caught by checksums) and re-sealed structural edits (caught by validation).
@@ -174,8 +175,27 @@ def _replace_with_special(rng: random.Random, ckpt: Path) -> None:
         os.mkdir(ckpt / name)
 
 
+def _plant_in_drain_names(rng: random.Random, ckpt: Path) -> None:
+    """A FIFO, directory or link out under a name a (compressed) drain creates: its lock, its
+    journal's temp file, its scratch directory or a coded file in it."""
+    doc = doc_of(ckpt)
+    scratch = f".drain-zip.{doc['save_key']}"
+    name = rng.choice([".drain.lock", f"..drain.json.tmp-{os.getpid()}", scratch,
+                       f"{scratch}/{doc['files'][0]['name']}.dcz"])
+    (ckpt / name).parent.mkdir(exist_ok=True)
+    kind = rng.choice(["fifo", "link_out", "dir"])
+    outside = ckpt.parent.parent / "outside"
+    if kind == "fifo":
+        os.mkfifo(ckpt / name)
+    elif kind == "link_out":
+        os.symlink(outside if name == scratch else outside / "bait.bin", ckpt / name)
+    else:
+        os.mkdir(ckpt / name)
+
+
 MUTATORS = {"manifest": _mutate_manifest, "index": _mutate_index, "blocks": _mutate_blocks,
-            "header": _mutate_header, "data": _mutate_data, "special": _replace_with_special}
+            "header": _mutate_header, "data": _mutate_data, "special": _replace_with_special,
+            "drain_names": _plant_in_drain_names}
 
 
 DCP_CLEAR = ("metadata read failed", "Missing key in checkpoint state_dict")
@@ -192,7 +212,23 @@ def _is_ours(exc: BaseException) -> bool:
     return False
 
 
-def _exercise(ckpt: Path, state: dict[str, torch.Tensor]) -> str:
+def _drain(ckpt: Path) -> str:
+    """A compressed drain of a checkpoint with something planted under a drain's name: it ends
+    drained or with a dcp_nvme error, within the limit, and never writes through what was planted."""
+    from dcp_nvme.tiers import DrainOptions, drain
+
+    try:
+        within(LIMIT_S, lambda: drain(ckpt, str(ckpt.parent / "mirror"),
+                                      options=DrainOptions(retries=0, compress="bytegroup")))
+        return "drained"
+    except BaseException as exc:  # noqa: BLE001
+        assert isinstance(exc, DCPNVMeError), f"drain raised {type(exc).__name__}: {str(exc)[:500]}"
+        return "drain refused"
+
+
+def _exercise(ckpt: Path, state: dict[str, torch.Tensor], kind: str = "") -> str:
+    if kind == "drain_names":
+        return _drain(ckpt)
     dest = {k: torch.full_like(v, 7) for k, v in state.items()}
     try:
         within(LIMIT_S, lambda: dcp.load(dest, storage_reader=NVMeReader(ckpt), no_dist=True))
@@ -223,7 +259,8 @@ def fuzz(work: Path, seed: int = SEED, per_kind: int = MUTANTS_PER_KIND) -> dict
     pristine = save(work / "pristine", state)
     outside = work / "outside"
     outside.mkdir()
-    (outside / "bait.bin").write_bytes(os.urandom(1 << 16))
+    bait = os.urandom(1 << 16)
+    (outside / "bait.bin").write_bytes(bait)
     before = sorted(p.name for p in work.iterdir())
     counts: dict[str, int] = {}
     for kind, mutate in MUTATORS.items():
@@ -232,11 +269,12 @@ def fuzz(work: Path, seed: int = SEED, per_kind: int = MUTANTS_PER_KIND) -> dict
             shutil.rmtree(work / "runs", ignore_errors=True)
             shutil.copytree(pristine, run)
             mutate(rng, run)
-            outcome = _exercise(run, state)
+            outcome = _exercise(run, state, kind)
             counts[f"{kind}:{outcome}"] = counts.get(f"{kind}:{outcome}", 0) + 1
     shutil.rmtree(work / "runs", ignore_errors=True)
     assert sorted(p.name for p in work.iterdir()) == before, "a file appeared outside the checkpoint"
     assert sorted(p.name for p in outside.iterdir()) == ["bait.bin"]
+    assert (outside / "bait.bin").read_bytes() == bait, "a file outside the checkpoint was written"
     return counts
 
 

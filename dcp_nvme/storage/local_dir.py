@@ -5,6 +5,7 @@ Bulk data goes through an engine; this is for the manifest, the index and cleanu
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -126,6 +127,99 @@ def read_regular(path: str | os.PathLike, max_size: int | None = None) -> bytes:
         os.close(fd)
 
 
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _link_refused(path: str, what: str) -> StorageError:
+    return StorageError(errno.ELOOP, f"{path} is a symbolic link; dcp_nvme never writes {what} through a "
+                                     "link (it could lead outside the directory), so it was refused: remove "
+                                     "the link and run again")
+
+
+def create_no_follow(path: str | os.PathLike, flags: int = os.O_WRONLY, mode: int = 0o644, *,
+                     fresh: bool = False) -> int:
+    """The one way dcp_nvme creates or rewrites a file in a directory others may write to.
+
+    Opens ``path`` with O_CREAT | O_NOFOLLOW (plus ``flags``): a symbolic link there is refused
+    with a StorageError naming it, never followed, and anything but a regular file (a FIFO, a
+    device) is refused too. ``fresh`` is for a scratch or temp file the caller owns: whatever is
+    under the name (a leftover, a planted link: unlinking a link never touches its target) is
+    removed first and the file is created with O_EXCL, so only a file made here is written."""
+    path = os.fspath(path)
+    flags |= os.O_CREAT | NO_FOLLOW | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
+    if fresh:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            raise StorageError(errno.EISDIR, f"{path} is a directory where dcp_nvme writes a file; "
+                                             "remove it and run again") from None
+        except OSError as exc:
+            if not os.path.isdir(path) or os.path.islink(path):
+                raise StorageError(exc.errno, f"cannot remove the leftover {path}: {exc.strerror or exc}") from exc
+            raise StorageError(errno.EISDIR, f"{path} is a directory where dcp_nvme writes a file; "
+                                             "remove it and run again") from None
+        flags |= os.O_EXCL
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise _link_refused(path, "a file") from None
+        if exc.errno == errno.EEXIST:  # a fresh file raced by another writer of this name
+            raise StorageError(exc.errno, f"{path} appeared while dcp_nvme was creating it; another "
+                                          "process writes there: stop it and run again") from exc
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader
+            raise StorageError(exc.errno, f"{path} is a FIFO; dcp_nvme writes only regular files, "
+                                          "so it was refused: remove it and run again") from exc
+        raise StorageError(exc.errno, f"cannot create {path}: {exc.strerror or exc}") from exc
+    mode_now = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode_now):
+        os.close(fd)
+        raise StorageError(errno.EINVAL, f"{path} is {file_kind(mode_now)}; dcp_nvme writes only regular "
+                                         "files, so it was refused: remove it and run again")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def make_private_dir(path: str | os.PathLike) -> str:
+    """``path`` as a directory (made here if missing), never a symbolic link to one.
+
+    An existing link is refused with a StorageError naming it: files are later created inside
+    by name, and a link would put them wherever it points."""
+    path = os.fspath(path)
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StorageError(exc.errno, f"cannot create the directory {path}: {exc.strerror or exc}") from exc
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise _link_refused(path, "into a directory")
+    if not stat.S_ISDIR(info.st_mode):
+        raise StorageError(errno.ENOTDIR, f"{path} is {file_kind(info.st_mode)} where dcp_nvme keeps a "
+                                          "directory; remove it and run again")
+    return path
+
+
+def write_file_fresh(path: str | os.PathLike, data: bytes) -> None:
+    """``data`` as the new temp or scratch file ``path`` (``create_no_follow(fresh=True)``), fsynced."""
+    fd = create_no_follow(path, os.O_WRONLY, fresh=True)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError as exc:
+        os.close(fd)
+        _unlink_quietly(os.fspath(path))
+        if isinstance(exc, StorageError):
+            raise
+        raise StorageError(exc.errno, f"cannot write {os.fspath(path)}: {exc.strerror or exc}") from exc
+    os.close(fd)
+
+
 class LocalStore:
     """A checkpoint directory on a local (or locally mounted) filesystem."""
 
@@ -177,11 +271,8 @@ class LocalStore:
     def write_atomic(self, name: str, data: bytes) -> None:
         """Temp name, fsync, rename, fsync of the directory: readers see all of it or none."""
         final = self.root / name
-        temp = self.root / f".{name}.tmp-{os.getpid()}"
-        with open(temp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        temp = self.root / f".{bare_name(name)}.tmp-{os.getpid()}"
+        write_file_fresh(temp, data)  # a link planted under the temp name is removed, never followed
         os.replace(temp, final)
         fsync_dir(self.root)
 
@@ -218,7 +309,7 @@ def write_prepared(directory: str | os.PathLike, name: str, data: bytes, save_ke
     temp = os.path.join(directory, temp_name(name, save_key))
     step = "create"
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = create_no_follow(temp, os.O_WRONLY, fresh=True)
         try:
             step = "write"
             view = memoryview(data)

@@ -31,6 +31,7 @@ from ..format import codec
 from ..format.manifest import SELF_CRC, Manifest, seal
 from ..format.pieces import Piece, plan_pieces, verify_piece
 from ..format.tables import FileRecord
+from ..storage.local_dir import create_no_follow, make_private_dir
 from .compress_sample import measure, pays
 from .encoder import DEPTH, CodecStats, Encoder, Window, chunks_in, regions
 from .source import DrainSource
@@ -210,7 +211,7 @@ class CompressedSource:
         self.tables = inner.tables
         self.scratch = os.path.join(inner.location, f".drain-zip.{inner.save_key}")
         self.stats = CodecStats()
-        os.makedirs(self.scratch, exist_ok=True)
+        make_private_dir(self.scratch)  # a link planted as the scratch directory is refused
         self._plans = {}
         self._codings: dict[str, _Coding] = {}
         for name in inner.manifest.file_names:
@@ -268,7 +269,8 @@ class CompressedSource:
         lengths: list[tuple[int, int]] = []
         record = coding.original
         with step(f"compressing {record.name} into {coding.path}"):
-            with open(coding.path, "wb") as out:
+            # a fresh file: a link (or leftover) planted under its name is removed, never followed
+            with os.fdopen(create_no_follow(coding.path, os.O_WRONLY, fresh=True), "wb") as out:
                 position = codec.HEADER_SIZE + codec.ENTRY_SIZE * len(chunks)
                 out.seek(position)
                 for coded in self.encoder.code_windows(self._windows(coding, base_record), self.depth):

@@ -26,7 +26,7 @@ from ..errors import CheckpointNotFoundError
 from ..format.manifest import MAX_MANIFEST, missing_manifest_error
 from ..format.names import MANIFEST
 from ..format.pieces import Piece
-from ..storage.local_dir import LocalStore, read_regular
+from ..storage.local_dir import LocalStore, create_no_follow, read_regular
 from .transfer import piece_entry
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def drain_lock(path: str | os.PathLike, target: str) -> Iterator[None]:
     if not os.path.lexists(os.path.join(path, MANIFEST)):  # one in any form: the drain says what is wrong
         raise missing_manifest_error(LocalStore(path), os.fspath(path))
     lock_path = os.path.join(path, LOCK)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = create_no_follow(lock_path, os.O_RDWR)  # a planted link is refused, never written through
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

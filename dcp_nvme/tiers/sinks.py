@@ -29,7 +29,14 @@ from ..errors import BucketMissingError, ChecksumMismatchError
 from ..format.pieces import Piece, verify_piece
 from ..format.tables import FileRecord
 from ..storage.fsspec_dir import FsspecStore, filesystem, is_local_fs
-from ..storage.local_dir import LocalStore, fsync_dir, is_remote_url, local_path
+from ..storage.local_dir import (
+    LocalStore,
+    create_no_follow,
+    fsync_dir,
+    is_remote_url,
+    local_path,
+    write_file_fresh,
+)
 
 LocalPiece = Callable[[FileRecord, Piece], bytes]
 """Reads one piece of a local data file, checked against the blocks table."""
@@ -137,8 +144,10 @@ class LocalSink(Sink):
         return os.path.join(self.root, self._partial_name(name))
 
     def begin(self, name: str, record: FileRecord, entry: dict[str, Any], resuming: bool) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | (0 if resuming else os.O_TRUNC)
-        fd = os.open(self._partial(name), flags, 0o644)
+        # the partial file is ours: a link planted under its name is removed and the file made
+        # fresh (the pieces the journal claims then fail their read-back and are sent again)
+        partial = self._partial(name)
+        fd = create_no_follow(partial, os.O_WRONLY, fresh=not resuming or os.path.islink(partial))
         try:
             os.ftruncate(fd, record.size)  # a longer leftover is cut; a hole never passes a checksum
         finally:
@@ -150,7 +159,7 @@ class LocalSink(Sink):
         return {i: tag for i, tag in claimed.items() if self._read_back_ok(name, record, pieces[i], partial)}
 
     def put_piece(self, name: str, piece: Piece, data: bytes, entry: dict[str, Any]) -> str:
-        fd = os.open(self._partial(name), os.O_WRONLY)
+        fd = create_no_follow(self._partial(name), os.O_WRONLY)  # a link planted since begin: refused
         try:
             view, offset = memoryview(data), piece.offset
             while len(view):
@@ -176,10 +185,7 @@ class LocalSink(Sink):
         final = os.path.join(self.root, name)
         temp = os.path.join(self.root, f".{name}.drain-tmp-{os.getpid()}")
         try:
-            with open(temp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+            write_file_fresh(temp, data)  # a link planted under the temp name is removed, never followed
             os.replace(temp, final)
         except BaseException:
             try:
