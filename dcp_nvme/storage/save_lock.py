@@ -292,7 +292,7 @@ class SaveLock:
     def beat(self) -> None:
         now = time.time()
         try:
-            os.utime(self.path, (now, now))  # our clock, not the file server's
+            os.utime(self.path, (now, now), follow_symlinks=False)  # our clock; never a swapped-in link's target
         except FileNotFoundError:
             log.warning("dcp_nvme: the save lock %s vanished while held", self.path)
 
