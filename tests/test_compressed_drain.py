@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -274,8 +275,8 @@ def test_tools_read_a_compressed_mirror(tmp_path, capsys):
     blob = bytearray(open(path, "rb").read())
     blob[-5] ^= 0xFF  # inside the last chunk
     open(path, "wb").write(blob)
-    with pytest.raises(codec.CodecError, match=os.path.basename(path)):
-        verify_checkpoint(target, progress=False)
+    report = verify_checkpoint(target, progress=False)  # a report, not a raise (test_compressed_verify)
+    assert not report.ok and any(os.path.basename(path) in p.message for p in report.problems)
 
 
 def _step(sd: dict, seed: int) -> dict:
@@ -350,3 +351,59 @@ def test_a_delta_base_given_as_a_relative_path_loads_from_any_working_directory(
     assert base == str(work / "pfs" / "step_1")
     monkeypatch.chdir(elsewhere)
     assert_same(load(NVMeReader(str(work / "pfs" / "step_2")), states[1]), states[1])
+
+
+@pytest.fixture
+def small_tier(tmp_path):
+    """A 48 MiB filesystem of its own (tmpfs; root only): the fast tier that fills up."""
+    mount = tmp_path / "tier"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_coded_drain_never_fills_the_fast_tier(small_tier, tmp_path):
+    """26 MiB of incompressible state on a 48 MiB tier: the coded copy would not fit, so the
+    drain sends it plain (and says why) instead of dying on ENOSPC with its scratch and journal
+    temp left behind; the next save still takes its lock and commits."""
+    g = torch.Generator().manual_seed(7)
+    sd = {"noise": torch.randint(0, 256, (26 << 20,), dtype=torch.uint8, generator=g)}
+    run = small_tier / "run"
+    dcp.save(sd, storage_writer=NVMeWriter(str(run / "step_1")), no_dist=True)
+    result = drain(str(run / "step_1"), str(tmp_path / "pfs" / "step_1"),
+                   options=DrainOptions(**FAST, compress="bytegroup"))
+    assert "sent plain, not coded" in result.compression["decision"]
+    assert drain_state(run / "step_1").state == "mirrored"
+    leftovers = [n for n in os.listdir(run / "step_1") if n.startswith((".drain-zip", "..drain", ".drain.json.tmp"))]
+    assert leftovers == []
+    out = {"noise": torch.zeros(26 << 20, dtype=torch.uint8)}
+    dcp.load(out, storage_reader=NVMeReader(str(tmp_path / "pfs" / "step_1")), no_dist=True)
+    assert torch.equal(out["noise"], sd["noise"])
+    small = {"w": torch.ones(1024)}
+    dcp.save(small, storage_writer=NVMeWriter(str(run / "step_2")), no_dist=True)  # lock and commit work
+    assert (run / "step_2" / "manifest.json").exists()
+
+
+def test_a_drain_that_fails_on_a_full_disk_still_reports_a_drain_error(tmp_path, monkeypatch):
+    """The journal update of the failure path hits the same full disk: the caller still gets a
+    DrainError naming the drain's own failure, and the coded scratch is gone."""
+    from dcp_nvme.tiers.journal import Journal
+
+    local = save(tmp_path / "run" / "step_1", make_state(5))
+    (tmp_path / "blocker").write_text("a file where the target's parent directory should be")
+    real = Journal.update
+
+    def full_when_failing(self, **fields):
+        if fields.get("state") == "failed":
+            raise OSError(28, "No space left on device")
+        return real(self, **fields)
+
+    monkeypatch.setattr(Journal, "update", full_when_failing)
+    with pytest.raises(DrainError):
+        drain(local, str(tmp_path / "blocker" / "step_1"), options=DrainOptions(**FAST, compress="bytegroup"))
+    assert not [n for n in os.listdir(local) if n.startswith(".drain-zip")]

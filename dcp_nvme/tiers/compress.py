@@ -423,6 +423,24 @@ def mirror_codec(doc: dict[str, Any]) -> dict[str, Any] | None:
     return section if isinstance(section, dict) else None
 
 
+SCRATCH_RESERVE = 16 << 20
+"""Bytes left free on the fast tier beside a coded copy: the next save's lock and manifest."""
+
+
+def scratch_shortfall(source: DrainSource) -> str | None:
+    """Why the fast tier has no room for the coded copy of ``source`` (at most its plain size:
+    incompressible chunks are stored raw), or None when it has."""
+    needed = sum(source.files[name].size for name in source.names)
+    try:
+        free = shutil.disk_usage(source.location).free
+    except OSError:
+        return None  # cannot tell: coding fails cleanly (DrainError, scratch removed) if it must
+    if free >= needed + needed // 100 + SCRATCH_RESERVE:
+        return None
+    return (f"{source.location}'s filesystem has {free >> 20} MiB free, and the coded copy could "
+            f"take {needed >> 20} MiB of it: sent plain, not coded")
+
+
 def through_codec(source: DrainSource, mode: str, *, link: float | None, threads: int,
                   level: int, base: Base | None = None) -> tuple[DrainSource | CompressedSource, dict[str, Any]]:
     """The source the drain sends for ``mode``, and what was decided (for DrainResult). A
@@ -430,6 +448,10 @@ def through_codec(source: DrainSource, mode: str, *, link: float | None, threads
     ``summary()`` adds the figures once it is done)."""
     if mode == "off":
         return source, {"mode": "off"}
+    short = scratch_shortfall(source)
+    if short is not None:  # the coded copy is made on the fast tier: never fill it
+        log.warning("dcp_nvme: compress=%s for %s: %s", mode, source.location, short)
+        return source, {"mode": mode, "decision": short}
     encoder = Encoder(threads, level)
     try:
         info: dict[str, Any] = {"mode": mode, "threads": threads, "level": level}

@@ -296,9 +296,14 @@ class _DrainRun:
             self.coded = None
         if final and is_permanent(exc) and journal is not None:
             _discard(sink, journal, self.open_sink)
+        if final:  # a later drain codes again (deterministic): the fast tier gets its space back
             remove_scratch(self.location)
         if journal is not None:
-            journal.update(state=FAILED if final else DRAINING, cause=cause)
+            try:
+                journal.update(state=FAILED if final else DRAINING, cause=cause)
+            except OSError as journal_error:  # e.g. the same full disk: the drain's own error is the news
+                log.warning("dcp_nvme: the drain journal of %s could not record the failure: %s",
+                            self.location, journal_error)
         if final:
             log.error("dcp_nvme: drain of %s to %s failed after %d attempt(s): %s",
                       self.location, self.target, attempt, cause)
