@@ -24,7 +24,7 @@ import torch
 from ..config import IOConfig
 from ..engines.bounded import run_bounded
 from ..engines.requests import ReadRequest
-from ..errors import ManifestError
+from ..errors import ChecksumMismatchError, ManifestError
 from ..format import codec
 from ..format.manifest import Manifest
 from ..format.pieces import plan_pieces, verify_piece
@@ -459,6 +459,30 @@ class DecodedStore:
         data = self._coded(name).read(offset, offset + len(buffer))
         buffer[: len(data)] = data
         return len(data)
+
+    def read_into_checked(self, name: str, offset: int, buffer: memoryview) -> tuple[int, list[tuple[int, int, str]]]:
+        """``read_into`` that does not stop at a damaged chunk (verify's read): returns the bytes
+        read and the damaged ``(start, end, why)`` ranges, in decoded offsets of ``name``, one per
+        chunk that fails to decode or to match its crc32c (its bytes are left zero, ``why`` names
+        the ``.dcz`` file and the chunk); every other chunk of the range is still decoded."""
+        if name not in self.files:
+            return self.inner.read_into(name, offset, buffer), []
+        try:
+            return self.read_into(name, offset, buffer), []
+        except (codec.CodecError, ChecksumMismatchError):
+            pass  # decoded again chunk by chunk, to tell the damaged ones from the rest
+        coded = self._coded(name)
+        end = min(offset + len(buffer), coded.size)
+        damaged: list[tuple[int, int, str]] = []
+        for entry in codec.overlapping(coded.entries, offset, end):
+            lo, hi = max(offset, entry.offset), min(end, entry.end)
+            try:
+                data = coded.read(lo, hi)
+                buffer[lo - offset: lo - offset + len(data)] = data
+            except (codec.CodecError, ChecksumMismatchError) as exc:
+                buffer[lo - offset: hi - offset] = bytes(hi - lo)
+                damaged.append((lo, hi, f"chunk [{entry.offset}, {entry.end}) cannot be decoded: {exc}"))
+        return max(end - offset, 0), damaged
 
 
 def decoded_view(store: Any) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ItemKindError, UnsafeItemError
+from ..errors import DCPNVMeError, ItemKindError, UnsafeItemError
 
 OPT_IN = "NVMeReader(path, allow_pickle=True)"
 
@@ -166,14 +166,18 @@ def items_needing_pickle(store: Any, chunks: Any) -> list[tuple[str, str, str]]:
             continue
         try:
             size = store.size(chunk.file)
-        except OSError as exc:
+        except (OSError, DCPNVMeError) as exc:  # missing, or a compressed file whose table is damaged
             found.append((chunk.fqn, chunk.file, f"unreadable: {exc}"))
             continue
         if chunk.byte_offset < 0 or chunk.length < 0 or chunk.byte_offset + chunk.length > size:
             found.append((chunk.fqn, chunk.file, "its recorded byte range lies outside the file"))
             continue
         buffer = bytearray(chunk.length)
-        got = store.read_into(chunk.file, chunk.byte_offset, memoryview(buffer))
+        try:
+            got = store.read_into(chunk.file, chunk.byte_offset, memoryview(buffer))
+        except (OSError, DCPNVMeError) as exc:  # a damaged chunk of a compressed mirror
+            found.append((chunk.fqn, chunk.file, f"unreadable: {exc}"))
+            continue
         data = bytes(buffer[:got])
         try:
             safe_load(data)

@@ -16,7 +16,8 @@ from typing import Any
 from ..humanize import format_size as human_bytes
 
 
-def _table(rows: list[list[str]], out=sys.stdout) -> None:
+def _table(rows: list[list[str]], out=None) -> None:
+    out = out or sys.stdout  # the stdout of this call (bound at import, a replaced one would stay)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip(), file=out)

@@ -6,7 +6,8 @@ its data region, no shared bytes, tiling; the first failure there ends the check
 after it can be trusted); each container is a regular file of the recorded size, its header
 bytes match ``header_crc``, its safetensors header parses and places, types and shapes every
 item exactly as the index does; every ``checksum_block`` of every data region matches its
-crc32c. Container problems are all collected, with the file, byte range and items they hit.
+crc32c. Container problems are all collected, with the file, byte range and items they hit; in
+a compressed mirror a chunk that does not decode is one such problem (``DecodedStore.read_into_checked``).
 """
 
 from __future__ import annotations
@@ -163,11 +164,14 @@ def _check_header(source: Store, record: FileRecord, rows: list[ChunkRecord], re
                   actual: int) -> bool:
     """Header crc, safetensors parse, and agreement with the index; False when unreadable."""
     prefix = bytearray(min(record.data_start, actual))  # what the file really holds, at most
-    got = source.read_into(record.name, 0, memoryview(prefix))
+    got, damaged = _read(source, record.name, 0, memoryview(prefix))
     report.bytes_read += got
     if got < record.data_start:
         report.problems.append(Problem(record.name, "size", f"ends at byte {got}, inside its header"))
         return False
+    if damaged:  # a compressed mirror's chunk: the header is unknown, its data still checked
+        report.problems.extend(Problem(record.name, "header", why, lo, hi) for lo, hi, why in damaged)
+        return True
     if crc32c.crc32c(prefix) != record.header_crc:
         report.problems.append(Problem(record.name, "header", "header bytes do not match their crc32c",
                                        0, record.data_start))
@@ -217,14 +221,25 @@ def _check_span(source: Store, task: _Task, buffer: bytearray) -> tuple[int, lis
     """Read one task's blocks; return the bytes read and the bad ``(start, end, why)`` ranges."""
     record, length = task.record, task.length
     view = memoryview(buffer)[:length]
-    got = source.read_into(record.name, task.start, view)
+    got, damaged = _read(source, record.name, task.start, view)
     checks = checks_within(record, task.start, task.start + length)
     bad = [(task.start + rel, task.start + rel + n, "unreadable: the file ends before this block")
            for rel, n, _ in checks if rel + n > got]
     readable = checks[: len(checks) - len(bad)]
     bad += [(task.start + rel, task.start + rel + n, "data does not match its crc32c")
             for (rel, n, _), _ in mismatches(readable, host_crcs([view], readable))]
+    if damaged:  # a chunk that did not decode is its own problem, not also its blocks' crcs
+        bad = [b for b in bad if not any(lo < b[1] and b[0] < hi for lo, hi, _ in damaged)] + damaged
     return got, bad
+
+
+def _read(source: Store, name: str, offset: int, view: memoryview) -> tuple[int, list[tuple[int, int, str]]]:
+    """Bytes read, and the damaged ranges of a compressed mirror's chunks (reported as problems
+    rather than raised, so that verify lists every damaged chunk; ``DecodedStore``)."""
+    checked = getattr(source, "read_into_checked", None)
+    if checked is None:
+        return source.read_into(name, offset, view), []
+    return checked(name, offset, view)
 
 
 def _merge(ranges: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
