@@ -2,18 +2,9 @@
 node. The checkpoints themselves are tested on such nodes in tests/test_node_local.py."""
 
 import pytest
-from multinode import SCRIPTS, Cluster, NodeFailure, all_records, describe, unshare_unavailable
+from multinode import SCRIPTS, NodeFailure, all_records, describe
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    reason = unshare_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with Cluster(tmp_path / "cluster", nodes=2, ranks_per_node=2) as c:
-        yield c
 
 
 def _mounts_under(path) -> list[str]:

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from multinode import SCRIPTS, Cluster, all_records, describe, unshare_unavailable
+from multinode import SCRIPTS, all_records, describe
 from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket)
 
 from dcp_nvme import NVMeReader
@@ -21,15 +21,6 @@ from dcp_nvme.tiers import drain_state
 pytestmark = pytest.mark.slow
 SCRIPT = SCRIPTS / "node_local.py"
 SHARD = 4
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    reason = unshare_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with Cluster(tmp_path / "cluster", nodes=2, ranks_per_node=2) as c:
-        yield c
 
 
 def _records(cluster, action, env, timeout=150, **kwargs):
