@@ -12,7 +12,7 @@ ACTION (one per torchrun launch, as a job would do it):
             fail where the bytes are on another node) and from $MIRROR_ROOT/step_$STEP
 
 Each rank prints one ``RESULT {json}`` line: what it did, figures, and any error.
-$MIRROR_OPTIONS: storage options (JSON) for an s3:// mirror.
+$MIRROR_OPTIONS: storage options (JSON) for an s3:// mirror. $SHARD_ELEMS: float32 elements per rank (4).
 """
 
 import json
@@ -32,7 +32,7 @@ from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.engines import files
 from dcp_nvme.tiers import Drainer, DrainOptions, set_default_drainer
 
-SHARD = 4  # elements per rank of the saved world
+SHARD = int(os.environ.get("SHARD_ELEMS", "4"))  # elements per rank of the saved world (a bench sets more)
 
 action, run_dir = sys.argv[1], sys.argv[2]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -93,7 +93,8 @@ def do_load(record: dict) -> None:
     loaded = state(saved_world * SHARD)
     dcp.load(loaded, storage_reader=NVMeReader(str(found)))
     record["load_seconds"] = round(time.perf_counter() - began, 3)
-    record["loaded"] = loaded["w"].to_local().tolist()
+    values = loaded["w"].to_local()
+    record["loaded"] = values.tolist() if values.numel() <= 64 else [float(v) for v in values.unique()]
 
 
 def do_reshard(record: dict) -> None:
