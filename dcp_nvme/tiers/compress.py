@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -414,7 +415,15 @@ def remove_scratch(location: str, keep: str | None = None) -> None:
         return
     for name in names:
         if name.startswith(".drain-zip.") and name != f".drain-zip.{keep}":
-            shutil.rmtree(os.path.join(location, name), ignore_errors=True)
+            path = os.path.join(location, name)
+            try:
+                real_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+                if not real_dir:  # a link, FIFO or file under our name: the entry goes, never its target
+                    os.unlink(path)
+            except OSError:
+                continue
+            if real_dir:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def mirror_codec(doc: dict[str, Any]) -> dict[str, Any] | None:

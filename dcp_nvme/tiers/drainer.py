@@ -32,7 +32,7 @@ from ..format.codec import DEFAULT_LEVEL
 from ..format.names import MANIFEST, save_key_of
 from ..format.pieces import Piece, plan_pieces, verify_piece
 from ..format.tables import FileRecord
-from ..storage.local_dir import is_local_path, local_path
+from ..storage.local_dir import is_local_path
 from .compress import MODES as COMPRESS_MODES
 from .compress import SUFFIX as CODED_SUFFIX
 from .compress import CompressedSource, default_threads, pick_base, remove_scratch, through_codec
@@ -184,8 +184,8 @@ def drain(
     """
     options = options or DrainOptions()
     location = os.fspath(local)
-    if is_local_path(target):  # recorded (journal, a delta's base) as an absolute path: it then
-        target = os.path.abspath(local_path(target))  # resolves from any working directory
+    if is_local_path(target) and "://" not in target:  # a plain path is recorded (journal, a delta's
+        target = os.path.abspath(target)  # base) absolute: it resolves from any working directory
     _refuse_overlap(location, target, open_sink(target, storage_options, filesystem))
     try:
         with drain_lock(location, target):
