@@ -193,9 +193,23 @@ def _plant_in_drain_names(rng: random.Random, ckpt: Path) -> None:
         os.mkdir(ckpt / name)
 
 
+def _plant_in_save_names(rng: random.Random, ckpt: Path) -> None:
+    """A FIFO, directory or link out under a name a save creates beside the checkpoint: the save
+    lock, or the pointer for stock DCP users."""
+    name = rng.choice([".save.lock", ".metadata.HOW_TO_LOAD.txt"])
+    kind = rng.choice(["fifo", "link_out", "dir"])
+    (ckpt / name).unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(ckpt / name)
+    elif kind == "link_out":
+        os.symlink(ckpt.parent.parent / "outside" / "bait.bin", ckpt / name)
+    else:
+        os.mkdir(ckpt / name)
+
+
 MUTATORS = {"manifest": _mutate_manifest, "index": _mutate_index, "blocks": _mutate_blocks,
             "header": _mutate_header, "data": _mutate_data, "special": _replace_with_special,
-            "drain_names": _plant_in_drain_names}
+            "drain_names": _plant_in_drain_names, "save_names": _plant_in_save_names}
 
 
 DCP_CLEAR = ("metadata read failed", "Missing key in checkpoint state_dict")
@@ -226,9 +240,24 @@ def _drain(ckpt: Path) -> str:
         return "drain refused"
 
 
+def _save_over(ckpt: Path, state: dict[str, torch.Tensor]) -> str:
+    """A save (overwrite) into a checkpoint with something planted under a save's name: it ends
+    saved or with a dcp_nvme error, within the limit, and never writes through what was planted."""
+    from dcp_nvme import NVMeWriter
+
+    try:
+        within(LIMIT_S, lambda: dcp.save(state, storage_writer=NVMeWriter(ckpt, overwrite=True), no_dist=True))
+        return "saved"
+    except BaseException as exc:  # noqa: BLE001
+        assert _is_ours(exc), f"save raised {type(exc).__name__}: {str(exc)[:500]}"
+        return "save refused"
+
+
 def _exercise(ckpt: Path, state: dict[str, torch.Tensor], kind: str = "") -> str:
     if kind == "drain_names":
         return _drain(ckpt)
+    if kind == "save_names":
+        return _save_over(ckpt, state)
     dest = {k: torch.full_like(v, 7) for k, v in state.items()}
     try:
         within(LIMIT_S, lambda: dcp.load(dest, storage_reader=NVMeReader(ckpt), no_dist=True))
