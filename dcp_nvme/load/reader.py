@@ -287,10 +287,6 @@ class NVMeReader(StorageReader):
         requests, largest = [], self.config.block_size
         for name, needs in batch.needs.items():
             record = files[name]  # read_manifest checked that every row's file is listed
-            try:  # absent (another node's, or lost) is told apart here; not regular: below
-                self._plain_view().size(name)
-            except FileNotFoundError:
-                raise self.manifest().missing_file_error(name, record.rank, self.path) from None
             self._check_container(record)
             blocks, max_request = None, self.config.block_size
             if self.config.verify:
@@ -303,9 +299,15 @@ class NVMeReader(StorageReader):
         return requests, largest
 
     def _check_container(self, record: FileRecord) -> None:
-        """Before reading a container: its own header agrees with the index (once per load)."""
+        """Before reading a container: it is here (an absent one, another node's or lost, is
+        told apart from a damaged one), and its own header agrees with the index (once per load)."""
         if record.name not in self._checked:
-            check_container(self._plain_view(), record, self.manifest(), self.path, self.config.verify)
+            view = self._plain_view()
+            try:
+                view.size(record.name)
+            except FileNotFoundError:
+                raise self.manifest().missing_file_error(record.name, record.rank, self.path) from None
+            check_container(view, record, self.manifest(), self.path, self.config.verify)
             self._checked.add(record.name)
 
     def _plain_view(self) -> Any:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ManifestError, SaveError
-from ..format.names import MANIFEST, check_name
+from ..format.names import MANIFEST, check_name, save_key_of, temp_of
 from ..storage.local_dir import (
     LocalStore,
     commit_prepared,
@@ -282,9 +282,8 @@ def _missing_here(directory: str, doc: dict[str, Any], node: str) -> str | None:
 
 def remove_save_files(directory: str, key: str) -> None:
     """Every file of save ``key`` in ``directory``: data, tables, temps (their names carry the
-    save's random key, so they are provably nobody else's)."""
-    from ..format.names import save_key_of, temp_of
-
+    save's random key, so they are provably nobody else's). Used by the coordinator's failed
+    commit too."""
     try:
         names = os.listdir(directory)
     except OSError:

@@ -59,6 +59,7 @@ from .node_commit import (
     abort_everywhere,
     commit_on_every_node,
     end_waiting,
+    remove_save_files,
     shared_store,
     start_committer,
 )
@@ -396,7 +397,7 @@ class NVMeWriter(StorageWriter):
             if not committed:  # nothing of this save may stay behind looking like a checkpoint
                 if self._topology is not None and self._topology.mode == NODE_LOCAL:
                     abort_everywhere(shared_store(), key)  # a no-op where the nodes already decided
-                _remove_save(store, key)
+                remove_save_files(self.path, key)
                 if not store.has(MANIFEST):  # no checkpoint here for the pointer to explain
                     store.remove(POINTER)
             raise
@@ -547,12 +548,3 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _remove_save(store: LocalStore, key: str) -> None:
-    """A failed save removes what it wrote: its rank files, tables and temp files (their names
-    carry its own random key, so they are provably nobody else's)."""
-    for name in store.names():
-        temp = temp_of(name)
-        if save_key_of(name) == key or (temp and temp[1] == key):
-            store.remove(name)
