@@ -15,9 +15,13 @@ from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format.container import (
     MAX_HEADER,
+    DTYPE_ALIASES,
+    DTYPE_ITEMSIZE,
     ST_DTYPES,
     build_header,
+    dtype_itemsize,
     header_length,
+    parse_dtype,
     parse_header,
     stored_as,
 )
@@ -43,6 +47,21 @@ def test_containers_open_in_safetensors_with_the_real_dtype(tmp_path, dtype):
     dest = {"t": torch.zeros_like(tensor)}
     dcp.load(dest, storage_reader=NVMeReader(tmp_path / "c"), no_dist=True)
     assert torch.equal(dest["t"].view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_dtype_tables_hold_every_torch_dtype():
+    """The tools check an index by dtype name without importing torch: the static tables must
+    be torch's own, every dtype and every other name of one."""
+    dtypes = {name: value for name in dir(torch) if isinstance(value := getattr(torch, name), torch.dtype)}
+    canonical = {str(d).removeprefix("torch."): d.itemsize for d in dtypes.values()}
+    assert DTYPE_ITEMSIZE == canonical
+    assert DTYPE_ALIASES == {name: str(d).removeprefix("torch.") for name, d in dtypes.items()
+                             if str(d).removeprefix("torch.") != name}
+    for name in dtypes:
+        assert dtype_itemsize(name) == parse_dtype(name).itemsize
+        assert stored_as(name, (3,), 3 * dtypes[name].itemsize) == stored_as(dtypes[name], (3,), 3 * dtypes[name].itemsize)
+    with pytest.raises(ManifestError, match="unknown dtype"):
+        dtype_itemsize("nn")
 
 
 def test_dtypes_safetensors_lacks_are_raw_bytes():

@@ -21,8 +21,8 @@ import threading
 
 from ..config import IOConfig
 from ..errors import EngineUnavailableError
+from ..lazy_imports import lazy_names
 from .base import Engine, FileWriteResult
-from .posix import PosixEngine
 
 __all__ = [
     "Engine",
@@ -34,6 +34,15 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# The engines import torch; ``dcp_nvme.engines.bounded`` (the tools' thread runner) must not.
+__getattr__, __dir__ = lazy_names(__name__, globals(), {"PosixEngine": ".posix"})
+
+
+def _posix(config: IOConfig) -> Engine:
+    from .posix import PosixEngine
+
+    return PosixEngine(config)
 
 _probe_lock = threading.Lock()
 _probes: dict[str, str | None] = {}  # directory -> why kvikio failed there (None: it works)
@@ -96,7 +105,7 @@ def _uring_engine(config: IOConfig) -> tuple[Engine, str]:
         _logged.add(("uring-fallback", reason))
         log.warning("dcp_nvme: engine='uring' cannot run here: %s; using the threads engine (posix)",
                     reason)
-    return _chosen(PosixEngine(config), why)
+    return _chosen(_posix(config), why)
 
 
 def select_engine(
@@ -107,7 +116,7 @@ def select_engine(
     ``directory`` is where the files are; the kvikio probe runs there (default: the temp dir).
     """
     if config.engine == "posix":
-        return _chosen(PosixEngine(config), "requested")
+        return _chosen(_posix(config), "requested")
     if config.engine == "uring":
         return _uring_engine(config)
     if config.engine == "kvikio":
@@ -122,10 +131,10 @@ def select_engine(
         if config.host_engine == "uring":  # what ``dcp-nvme tune`` measured better here
             engine, why = _uring_engine(config)
             return engine, f"auto: no device tensors, host_engine=uring; {why}"
-        return _chosen(PosixEngine(config), "auto: no device tensors")
+        return _chosen(_posix(config), "auto: no device tensors")
     reason = kvikio_unavailable_reason(directory)
     if reason:
-        return _chosen(PosixEngine(config), f"auto: {reason}")
+        return _chosen(_posix(config), f"auto: {reason}")
     engine, how = _kvikio_engine(config)
     return _chosen(engine, f"auto: device tensors, {how}")
 

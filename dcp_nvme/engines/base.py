@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from ..config import IOConfig
 from ..observe.stats import IOStats
 from .requests import ReadRequest
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

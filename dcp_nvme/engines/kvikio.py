@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from ..config import ALIGN, IOConfig
-from ..format.checksums import check_device, device_crc32c_async, finish_crc32c
+from ..format.checksums import check_device
+from ..format.device_checksums import device_crc32c_async, finish_crc32c
 from ..observe.stats import IOStats
 from .base import FileWriteResult, PicklesAsConfig
 from .bounded import run_bounded

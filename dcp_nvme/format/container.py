@@ -7,18 +7,20 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ManifestError
 
-ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+if TYPE_CHECKING:
+    import torch
+
+ST_NAMES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
+    "bool": "BOOL", "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
 }
 """torch dtypes safetensors' torch API (0.8, ``safetensors.torch._TYPES``) maps by name, fnuz
 float8 included; tests/test_format.py holds the table to it. Any other dtype (float8 e8m0,
@@ -26,7 +28,38 @@ float4, complex32, sub-byte ints) is stored as raw U8 bytes and the index keeps 
 a container written before fnuz joined this table holds them as U8, which reading accepts."""
 
 
-ST_ITEMSIZE: dict[str, int] = {name: dtype.itemsize for dtype, name in ST_DTYPES.items()}
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1,
+    "complex128": 16, "complex32": 4, "complex64": 8, "float16": 2, "float32": 4,
+    "float4_e2m1fn_x2": 1, "float64": 8, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "int1": 1, "int16": 2, "int2": 1, "int3": 1,
+    "int32": 4, "int4": 1, "int5": 1, "int6": 1, "int64": 8, "int7": 1, "int8": 1, "qint32": 4,
+    "qint8": 1, "quint2x4": 1, "quint4x2": 1, "quint8": 1, "uint1": 1, "uint16": 2, "uint2": 1,
+    "uint3": 1, "uint32": 4, "uint4": 1, "uint5": 1, "uint6": 1, "uint64": 8, "uint7": 1,
+    "uint8": 1,
+}
+"""Bytes per element of every torch dtype, by the name torch gives it (``torch.<name>``), so that
+the tools check an index without importing torch; tests/test_format.py holds it to torch's own
+dtypes. A name torch adds later is looked up in torch itself (``dtype_itemsize``)."""
+
+
+DTYPE_ALIASES: dict[str, str] = {
+    "bit": "uint1", "cdouble": "complex128", "cfloat": "complex64", "chalf": "complex32",
+    "double": "float64", "float": "float32", "half": "float16", "int": "int32", "long": "int64",
+    "short": "int16",
+}
+"""torch's other names of some dtypes (``torch.half is torch.float16``)."""
+
+
+ST_ITEMSIZE: dict[str, int] = {st: DTYPE_ITEMSIZE[name] for name, st in ST_NAMES.items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ST_DTYPES":  # torch-keyed, for the code that already holds torch dtypes
+        import torch
+
+        return {getattr(torch, n): st for n, st in ST_NAMES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 RAW_DTYPE = "U8"
@@ -38,15 +71,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def parse_dtype(name: object, where: str = "the index") -> torch.dtype:
     """A torch dtype by name; never evaluates anything."""
+    import torch  # here, not at import: the tools read an index without torch
+
     value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(value, torch.dtype):
         raise ManifestError(f"{where}: unknown dtype {name!r} (written by a newer torch?)")
     return value
 
 
-def stored_as(dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> tuple[str, tuple[int, ...]]:
-    """The safetensors dtype and shape a tensor of ``dtype`` is stored under in a container."""
-    st_dtype = ST_DTYPES.get(dtype)
+def dtype_itemsize(name: object, where: str = "the index") -> int:
+    """Bytes per element of the torch dtype called ``name``, without importing torch for the
+    dtypes it has today; raises ManifestError for a name that is no dtype."""
+    if isinstance(name, str) and DTYPE_ALIASES.get(name, name) in DTYPE_ITEMSIZE:
+        return DTYPE_ITEMSIZE[DTYPE_ALIASES.get(name, name)]
+    return parse_dtype(name, where).itemsize
+
+
+def stored_as(dtype: torch.dtype | str, shape: Sequence[int], nbytes: int) -> tuple[str, tuple[int, ...]]:
+    """The safetensors dtype and shape a tensor of ``dtype`` (a torch dtype or its name) is
+    stored under in a container."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    st_dtype = ST_NAMES.get(DTYPE_ALIASES.get(name, name))
     return (st_dtype, tuple(shape)) if st_dtype else (RAW_DTYPE, (nbytes,))
 
 

@@ -13,21 +13,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from ..errors import (
     CheckpointNotCommittedError,
@@ -59,6 +49,9 @@ from .tables import (
     parse_files,
 )
 from .validation import check_chunks, check_doc, check_files
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 MAX_MANIFEST = 256 << 20
 """Largest manifest.json accepted (planner data included)."""
@@ -157,8 +150,18 @@ class Manifest:
 
     def to_metadata(self) -> Metadata:
         """DCP's Metadata, rebuilt from data."""
+        import torch  # here, not at import: the tools read a manifest without torch
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
         state: dict[str, Any] = {}
-        storage: dict[MetadataIndex, ChunkRecord] = {}
+        storage: dict[Any, ChunkRecord] = {}
         for chunk in self.chunks:
             if chunk.kind == "bytes":
                 state[chunk.fqn] = BytesStorageMetadata()

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from torch.distributed.checkpoint.metadata import (
-    MetadataIndex,
-)
 
 from ..errors import (
     ManifestError,
@@ -26,6 +23,9 @@ from ..errors import (
 from .container import (
     MAX_NDIM,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class ChunkRecord:
 
     @property
     def index(self) -> MetadataIndex:
+        from torch.distributed.checkpoint.metadata import MetadataIndex  # the tools run without torch
+
         return MetadataIndex(self.fqn, self.offsets if self.kind == "tensor" else None)
 
 

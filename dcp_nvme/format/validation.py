@@ -19,8 +19,8 @@ from .container import (
     MAX_NDIM,
     RAW_DTYPE,
     HeaderItem,
+    dtype_itemsize,
     header_length,
-    parse_dtype,
     parse_header,
     stored_as,
 )
@@ -149,7 +149,7 @@ def chunk_problem(chunk: ChunkRecord) -> str:
     if chunk.kind != "tensor":
         return f"unknown kind {chunk.kind!r}"
     try:
-        itemsize = parse_dtype(chunk.dtype).itemsize
+        itemsize = dtype_itemsize(chunk.dtype)
     except ManifestError as exc:
         return str(exc)
     dims = (len(chunk.offsets), len(chunk.sizes), len(chunk.global_shape))
@@ -282,7 +282,8 @@ def header_mismatches(items: Sequence[HeaderItem], rows: Sequence[ChunkRecord], 
             expected = [raw]
         else:
             try:
-                expected = [stored_as(parse_dtype(row.dtype), row.sizes, row.length), raw]
+                dtype_itemsize(row.dtype)  # a name that is no dtype is a problem of its own
+                expected = [stored_as(row.dtype, row.sizes, row.length), raw]
             except ManifestError as exc:
                 problems.append(f"item {row.key!r}: {exc}")
                 continue

@@ -17,9 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..config import IOConfig
 from ..engines.bounded import run_bounded
@@ -30,6 +28,9 @@ from ..format.manifest import Manifest
 from ..format.pieces import plan_pieces, verify_piece
 from ..format.tables import FileRecord
 from ..observe.stats import IOStats
+
+if TYPE_CHECKING:
+    import torch
 
 FETCH = 32 << 20
 """Stored bytes per ranged read of a load (at least): an object store answers a few large

@@ -24,8 +24,6 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from ..errors import DCPNVMeError, ItemKindError, UnsafeItemError
 
 OPT_IN = "NVMeReader(path, allow_pickle=True)"
@@ -33,6 +31,8 @@ OPT_IN = "NVMeReader(path, allow_pickle=True)"
 
 def unsafe_globals(data: bytes) -> list[str]:
     """Names the item's pickle would import beyond the weights-only allow-list (nothing is run)."""
+    import torch  # here, not at import: ``dcp-nvme verify`` of plain values runs without torch
+
     try:
         return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
     except Exception:  # noqa: BLE001 - not even a readable torch.save file: no names to give
@@ -100,6 +100,8 @@ def safe_load(data: bytes) -> Any:
     """An item's value built without running its code: by torch's weights-only unpickler, or,
     when all it refuses is bytes or BytesIO, by ``_BytesUnpickler``. Raises what the
     weights-only unpickler raised when neither builds it."""
+    import torch
+
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as refused:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ...
@@ -132,6 +134,8 @@ def bytes_for_planner(data: bytes, key: str, where: str, *, allow_pickle: bool) 
     else the weights-only decoded value saved again here."""
     if allow_pickle:
         return io.BytesIO(data)
+    import torch
+
     value = decode_item(data, key, where)
     out = io.BytesIO()
     torch.save(value, out)
@@ -148,12 +152,40 @@ def check_destination_kind(planner: Any, fqn: str, where: str) -> None:
     state = getattr(planner, "state_dict", None)
     if not isinstance(state, Mapping) or fqn not in state:
         return
+    import torch
+
     if isinstance(state[fqn], torch.Tensor):
         raise ItemKindError(
             f"{where}: {fqn!r} is a tensor in the state_dict being loaded but a non-tensor object "
             "in the checkpoint; refusing to replace the tensor (was the checkpoint written for "
             "another model, or tampered with?)"
         )
+
+
+_PLAIN_RECORDS = {"data.pkl", "version", ".format_version", ".storage_alignment", "byteorder",
+                  ".data/serialization_id"}
+"""The records of a ``torch.save`` archive that holds no tensor (torch 2.x)."""
+
+
+def _plain(data: bytes) -> bool:
+    """Whether the item is a ``torch.save`` archive of exactly the shape torch writes for a value
+    without tensors, which ``_BytesUnpickler`` builds (an int, a dict of floats, bytes): then
+    ``safe_load`` builds it too, and torch need not be imported to say so. Anything unusual is
+    left to ``safe_load`` (False)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = archive.infolist()
+            prefix = entries[0].filename.split("/", 1)[0] + "/" if entries else ""
+            names = {e.filename.removeprefix(prefix) for e in entries if e.filename.startswith(prefix)}
+            if (len(names) != len(entries) or not {"data.pkl", "version"} <= names <= _PLAIN_RECORDS
+                    or any(e.compress_type != zipfile.ZIP_STORED for e in entries)
+                    or archive.read(prefix + "version").strip() not in (b"1", b"2", b"3")
+                    or ("byteorder" in names and archive.read(prefix + "byteorder") != b"little")):
+                return False
+        _load_bytes(data)
+    except Exception:  # noqa: BLE001 - anything else is for the weights-only unpickler to judge
+        return False
+    return True
 
 
 def items_needing_pickle(store: Any, chunks: Any) -> list[tuple[str, str, str]]:
@@ -179,6 +211,8 @@ def items_needing_pickle(store: Any, chunks: Any) -> list[tuple[str, str, str]]:
             found.append((chunk.fqn, chunk.file, f"unreadable: {exc}"))
             continue
         data = bytes(buffer[:got])
+        if _plain(data):
+            continue
         try:
             safe_load(data)
         except Exception as exc:  # noqa: BLE001 - whatever the unpickler refuses is reported
