@@ -35,8 +35,8 @@ def test_nvme_partition_resolves_to_its_disk_with_hw_queues(tmp_path, data):
 
 def test_raid0_over_two_nvme_lists_both_members_and_warns_for_each(tmp_path, data):
     sysfs = tmp_path / "sys"
-    first = add_disk(sysfs, "nvme0n1", nr_requests=64, hw_queues=4)
-    second = add_disk(sysfs, "nvme1n1", "devices/pci0000:00/0000:00:05.0", nr_requests=64, hw_queues=4)
+    first = add_disk(sysfs, "nvme0n1", nr_requests=32, hw_queues=4)
+    second = add_disk(sysfs, "nvme1n1", "devices/pci0000:00/0000:00:05.0", nr_requests=32, hw_queues=4)
     md = add_virtual(sysfs, "md0", "md", [add_partition(first, "nvme0n1p1"), second], "raid0")
     link_dev(sysfs, majmin(data), md)
     device = device_of(data, sysfs)
@@ -46,7 +46,12 @@ def test_raid0_over_two_nvme_lists_both_members_and_warns_for_each(tmp_path, dat
     assert [a.fix.split(" (")[0] for a in advice] == [
         "echo 128 > /sys/block/nvme0n1/queue/nr_requests", "echo 128 > /sys/block/nvme1n1/queue/nr_requests"]
     assert "8 rank(s) x queue_depth 16 = 128" in advice[0].problem
-    assert "DCP_NVME_NODE_QUEUE_DEPTH=64" in advice[0].fix
+    assert "DCP_NVME_NODE_QUEUE_DEPTH=32" in advice[0].fix
+    # 64 tags of 1 MiB hold 64 MiB: enough for any drive, so more would not help
+    assert check_queues(device, per_rank_depth=16, local_ranks=8, request_bytes=1 << 20) != []
+    for disk in (first, second):
+        (disk / "queue" / "nr_requests").write_text("64\n")
+    assert check_queues(device_of(data, sysfs), per_rank_depth=16, local_ranks=8, request_bytes=1 << 20) == []
 
 
 def test_dm_device_resolves_through_its_slave_and_flags_its_scheduler(tmp_path, data):
@@ -62,29 +67,46 @@ def test_dm_device_resolves_through_its_slave_and_flags_its_scheduler(tmp_path, 
     assert advice.fix == "echo none > /sys/block/sdb/queue/scheduler"
 
 
-def test_virtio_disk_splits_large_requests_and_names_the_limit(tmp_path, data):
+def test_a_split_that_fits_the_queue_is_normal_and_not_advised(tmp_path, data):
+    """A typical NVMe (max_hw_sectors_kb 128-512) splits every 8 MiB request; the pieces fit its
+    queue, so nothing would help: no advice, above all never a smaller block_size."""
+    sysfs = tmp_path / "sys"
+    nvme = add_disk(sysfs, "nvme0n1", max_sectors_kb=128, max_hw_sectors_kb=128, nr_requests=1023, hw_queues=8)
+    link_dev(sysfs, majmin(data), nvme)
+    assert check_queues(device_of(data, sysfs), per_rank_depth=8, local_ranks=8, request_bytes=8 << 20) == []
+    # this development VM's disk: mq-deadline, 8 MiB requests in 2 pieces, 16 of 256 tags
+    vda = add_disk(sysfs, "vda", driver="virtio_blk", scheduler="none [mq-deadline] kyber bfq", nr_requests=256,
+                   max_sectors_kb=4096, max_hw_sectors_kb=2147483647, rotational=1)
+    os.unlink(sysfs / "dev" / "block" / majmin(data))
+    link_dev(sysfs, majmin(data), vda)
+    assert check_queues(device_of(data, sysfs), per_rank_depth=8, local_ranks=1, request_bytes=8 << 20) == []
+
+
+def test_a_split_that_overflows_the_queue_names_the_raise_that_fits_it(tmp_path, data):
     sysfs = tmp_path / "sys"
     vda = add_disk(sysfs, "vda", driver="virtio_blk", scheduler="[none] mq-deadline", max_sectors_kb=1280,
-                   max_hw_sectors_kb=2147483647, hw_queues=1, rotational=1)
+                   max_hw_sectors_kb=2147483647, hw_queues=1, rotational=1, nr_requests=16)
     link_dev(sysfs, majmin(data), vda)
     device = device_of(data, sysfs)
     assert device.disks[0].transport == "virtio"
     [advice] = check_queues(device, per_rank_depth=8, local_ranks=4, request_bytes=8 << 20)
-    assert "8192 KiB requests are above max_sectors_kb 1280: each is split into 7" in advice.problem
-    assert "up to 224 requests" in advice.problem
+    assert "each 8192 KiB split into 7 above max_sectors_kb 1280: its nr_requests 16 hold only 20 MiB" in advice.problem
     assert advice.fix == "echo 8192 > /sys/block/vda/queue/max_sectors_kb"
-    capped = add_disk(sysfs, "vdb", driver="virtio_blk", max_sectors_kb=512, max_hw_sectors_kb=512)
+    capped = add_disk(sysfs, "vdb", driver="virtio_blk", max_sectors_kb=512, max_hw_sectors_kb=512, nr_requests=8)
     os.unlink(sysfs / "dev" / "block" / majmin(data))
     link_dev(sysfs, majmin(data), capped)
-    [advice] = check_queues(device_of(data, sysfs), 1, 1, 1 << 20)
-    assert advice.fix == "the hardware limit is 512 KiB; use block_size <= that"
+    assert check_queues(device_of(data, sysfs), 4, 1, 1 << 20) == []  # 8 pieces fit 8 tags
+    [advice] = check_queues(device_of(data, sysfs), 8, 1, 1 << 20)  # at the hardware cap only the queue helps
+    assert "(16 after the kernel splits them), above nr_requests 8" in advice.problem
+    assert advice.fix == ("echo 16 > /sys/block/vdb/queue/nr_requests "
+                          "(or set node_queue_depth / DCP_NVME_NODE_QUEUE_DEPTH=4)")
 
 
 def test_loop_device_follows_its_backing_file_to_the_disk_beneath(tmp_path, data):
     sysfs = tmp_path / "sys"
     backing = tmp_path / "disk.img"
     backing.write_bytes(b"\0" * 4096)
-    vda = add_disk(sysfs, "vda", driver="virtio_blk", scheduler="none [mq-deadline]", nr_requests=256)
+    vda = add_disk(sysfs, "vda", driver="virtio_blk", scheduler="none [mq-deadline]", nr_requests=32)
     link_dev(sysfs, majmin(backing), vda)
     loop = add_loop(sysfs, "loop3", str(backing))
     # the checkpoint must sit on another filesystem than the image: /proc stands in for the loop's
@@ -120,13 +142,13 @@ def test_this_machine(tmp_path):
         assert os.path.isdir(f"/sys/block/{disk.name}/queue")
         if disk.nr_requests is not None:
             assert disk.nr_requests == int(open(f"/sys/block/{disk.name}/queue/nr_requests").read())
-    huge = check_queues(device, per_rank_depth=256, local_ranks=1024, request_bytes=1 << 30)
+    huge = check_queues(device, per_rank_depth=256, local_ranks=1024, request_bytes=4096)
     assert any("nr_requests" in a.fix or "nr_requests" in a.problem for a in huge if a.disk in
                {d.name for d in device.disks if d.nr_requests})
     print("\n".join(format_device(device) + [str(a) for a in check_queues(device, 8, 2, 8 << 20)]))
 
 
-def test_warn_once_logs_each_setting_once_and_only_on_local_rank_zero(tmp_path, data, monkeypatch, caplog):
+def test_warn_once_logs_once_per_process_and_disk_and_only_on_local_rank_zero(tmp_path, data, monkeypatch, caplog):
     import logging
 
     from dcp_nvme.observe import blockdev
@@ -143,6 +165,10 @@ def test_warn_once_logs_each_setting_once_and_only_on_local_rank_zero(tmp_path, 
     monkeypatch.setenv("LOCAL_RANK", "0")
     for _ in range(2):
         [advice] = blockdev.warn_once(device, 8, 8, 1 << 20, logger)
-    assert [r.getMessage() for r in caplog.records] == [f"dcp_nvme: block layer: {advice} (docs/tuning.md)"]
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"dcp_nvme: block layer: {advice} (as root;")
+    assert "echo 64 > /sys/block/nvme0n1/queue/nr_requests" in message and "docs/" not in message
+    [_] = blockdev.warn_once(device, 16, 8, 1 << 20, logger)  # other settings, same disk: said already
+    assert len(caplog.records) == 1
     assert blockdev.warn_once(device, 4, 8, 1 << 20, logger) == []  # 32 fit: nothing to say
     assert blockdev.warn_once(None, 8, 8, 1 << 20, logger) == []

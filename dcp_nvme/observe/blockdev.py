@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..humanize import format_size
+
 SYSFS = "/sys"
 REORDERING_SCHEDULERS = ("mq-deadline", "bfq", "kyber")
 _MAX_DEPTH = 8  # dm over md over loop over ...: deeper chains are not real; stop instead of looping
@@ -216,41 +218,58 @@ def _next_power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
 
+SMALL_REQUEST = 1 << 20
+"""At or below this request size a scheduler's per-request work shows; above it (the 8 MiB
+default is a few hundred requests a second per GB/s) it does not."""
+
+QUEUE_ENOUGH = 64 << 20
+"""Bytes queued at a disk that keep any drive busy (14 GB/s x 1 ms is 14 MB): a queue that holds
+this much gains nothing from holding more, however the kernel splits the requests."""
+
+
 def check_queues(device: BlockDevice, per_rank_depth: int, local_ranks: int,
                  request_bytes: int) -> list[Advice]:
-    """Where the block layer will not pass on what the writers send, and the line that fixes it.
+    """Where a change to the block layer would let the disk see more of what the writers send,
+    with the line that makes it; nothing where the settings already keep it busy.
 
     ``per_rank_depth x local_ranks`` requests of ``request_bytes`` each reach every disk at once
-    at worst (a striped array splits each large request over all its members)."""
+    at worst (a striped array splits each large request over all its members). The kernel splits
+    a request above ``max_sectors_kb`` into pieces, each taking one of ``nr_requests`` tags: that
+    is normal and costs nothing while the tags hold ``QUEUE_ENOUGH`` bytes or all that is sent."""
     advice: list[Advice] = []
     aggregate = per_rank_depth * local_ranks
     request_kb = -(-request_bytes // 1024)
     queues = [device.top] if device.top and device.top.transport in ("dm", "md") else []
     for queue in queues + device.disks:
         sysdir = f"/sys/block/{queue.name}/queue"
-        if queue.nr_requests is not None and queue.transport not in ("dm", "md") and aggregate > queue.nr_requests:
+        limit = min(queue.max_sectors_kb or request_kb, request_kb)
+        pieces = -(-request_kb // limit)
+        raised = min(max(queue.max_hw_sectors_kb or limit, limit), request_kb)
+        tags = queue.nr_requests if queue.transport not in ("dm", "md") else None
+        sent = aggregate * request_kb * 1024
+        if tags is not None and aggregate * pieces > tags and tags * limit * 1024 < min(sent, QUEUE_ENOUGH):
+            held = f"{local_ranks} rank(s) x queue_depth {per_rank_depth} = {aggregate} requests in flight"
+            if raised > limit:
+                advice.append(Advice(
+                    queue.name,
+                    f"{held}, each {request_kb} KiB split into {pieces} above max_sectors_kb {limit}: its "
+                    f"nr_requests {tags} hold only {format_size(tags * limit * 1024)} of them",
+                    f"echo {raised} > {sysdir}/max_sectors_kb"))
+            best = -(-request_kb // raised)
+            if aggregate * best > tags and tags * raised * 1024 < min(sent, QUEUE_ENOUGH):
+                advice.append(Advice(
+                    queue.name,
+                    f"{held}" + (f" ({aggregate * best} after the kernel splits them)" if best > 1 else "")
+                    + f", above nr_requests {tags}: the kernel holds the rest back",
+                    f"echo {_next_power_of_two(aggregate * best)} > {sysdir}/nr_requests "
+                    f"(or set node_queue_depth / DCP_NVME_NODE_QUEUE_DEPTH={max(1, tags // best)})"))
+        if (queue.scheduler in REORDERING_SCHEDULERS and "none" in queue.schedulers
+                and request_bytes <= SMALL_REQUEST and not queue.rotational):
             advice.append(Advice(
                 queue.name,
-                f"{local_ranks} rank(s) x queue_depth {per_rank_depth} = {aggregate} requests in flight, "
-                f"above nr_requests {queue.nr_requests}: the kernel holds the rest back",
-                f"echo {_next_power_of_two(aggregate)} > {sysdir}/nr_requests "
-                f"(or set node_queue_depth / DCP_NVME_NODE_QUEUE_DEPTH={queue.nr_requests})"))
-        if queue.max_sectors_kb and request_kb > queue.max_sectors_kb:
-            pieces = -(-request_kb // queue.max_sectors_kb)
-            hw = queue.max_hw_sectors_kb
-            if hw and hw > queue.max_sectors_kb:
-                fix = f"echo {min(hw, request_kb)} > {sysdir}/max_sectors_kb"
-            else:
-                fix = f"the hardware limit is {hw or queue.max_sectors_kb} KiB; use block_size <= that"
-            advice.append(Advice(
-                queue.name,
-                f"{request_kb} KiB requests are above max_sectors_kb {queue.max_sectors_kb}: each is split "
-                f"into {pieces}, so the disk sees up to {aggregate * pieces} requests", fix))
-        if queue.scheduler in REORDERING_SCHEDULERS and "none" in queue.schedulers:
-            advice.append(Advice(
-                queue.name,
-                f"the {queue.scheduler} scheduler may reorder and merge sequential checkpoint writes "
-                "(none passes them straight to the drive's queues)",
+                f"the {queue.scheduler} scheduler does work per request, which shows at "
+                f"{request_kb} KiB requests on a solid-state disk (none passes them straight to "
+                "the drive's queues)",
                 f"echo none > {sysdir}/scheduler"))
     return advice
 
@@ -271,18 +290,19 @@ def format_device(device: BlockDevice | None) -> list[str]:
     return lines
 
 
-_WARNED: set[tuple[str, int, int, int]] = set()
+_WARNED: set[str] = set()
 
 
 def warn_once(device: BlockDevice | None, per_rank_depth: int, local_ranks: int, request_bytes: int,
               logger) -> list[Advice]:
-    """The advice for a save's settings, logged once per process and setting (saves repeat)."""
+    """The advice for a save's settings, logged once per process and disk (saves repeat), by
+    one rank per node (the node's ranks share the disks), with the fix in the message."""
     if device is None:
         return []
     advice = check_queues(device, per_rank_depth, local_ranks, request_bytes)
-    key = (device.name, per_rank_depth, local_ranks, request_bytes)
-    if advice and key not in _WARNED and os.environ.get("LOCAL_RANK", "0") == "0":
-        _WARNED.add(key)  # one rank per node says it: the node's ranks share the disks
+    if advice and device.name not in _WARNED and os.environ.get("LOCAL_RANK", "0") == "0":
+        _WARNED.add(device.name)
         for item in advice:
-            logger.warning("dcp_nvme: block layer: %s (docs/tuning.md)", item)
+            logger.warning("dcp_nvme: block layer: %s (as root; lasts until reboot, a udev rule keeps it)",
+                           item)
     return advice
