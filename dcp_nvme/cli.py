@@ -39,10 +39,28 @@ BROKEN_PIPE_STATUS = 141
 """128 + SIGPIPE: what a shell reports for a tool whose reader went away (``... | head``)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other failure (``--help`` has the rest)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+GLOBAL_FLAGS = ("--debug", "-v", "--verbose")
+"""Options of ``dcp-nvme`` itself, accepted before or after the command."""
+
+
+def _global_flags_first(argv: list[str]) -> list[str]:
+    """``dcp-nvme verify X --debug`` as ``dcp-nvme --debug verify X`` (nothing after ``--`` moves)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    flags = [a for a in argv[:end] if a in GLOBAL_FLAGS]
+    return flags + [a for a in argv[:end] if a not in GLOBAL_FLAGS] + argv[end:]
+
+
 def build_parser(modules: set[str] | None = None) -> argparse.ArgumentParser:
     """The full parser, with the commands of ``modules`` (default: all) really registered and
     the others as placeholders that only show in the command list."""
-    parser = argparse.ArgumentParser(prog="dcp-nvme", description=DESCRIPTION)
+    parser = _Parser(prog="dcp-nvme", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"dcp-nvme {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     parser.add_argument("--debug", action="store_true", help="log at DEBUG and show tracebacks of errors")
@@ -87,7 +105,7 @@ def _silence_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _global_flags_first(list(sys.argv[1:] if argv is None else argv))
     debug, command = "--debug" in argv, _command_in(argv)
     try:
         modules = {COMMANDS[command][0]} if command in COMMANDS else set()

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -24,10 +26,33 @@ def format_size(nbytes: float | None) -> str:
     return f"{int(nbytes)} B"
 
 
+PROGRESS_MIN_BYTES = 256 << 20
+"""Below this a byte count is done before a bar would say anything: no bar."""
+
+
 def progress_bar(total: int, enabled: bool, desc: str = "", unit: str = "B") -> tqdm:
     """A progress bar on stderr (``update(n)``, ``set_description``, ``close``), removed when
-    done; a silent one when not ``enabled``. ``unit="B"`` counts bytes in binary units."""
+    done; a silent one when not ``enabled``, when stderr is not a terminal (a SLURM log or a
+    pipe gets no carriage-return redraws) or for fewer than ``PROGRESS_MIN_BYTES`` bytes.
+    ``unit="B"`` counts bytes in binary units."""
     from tqdm import tqdm  # when drawn, not when the CLI starts
 
-    return tqdm(total=total, disable=not enabled, desc=desc or None, unit=unit, file=sys.stderr,
+    shown = enabled and _is_terminal(sys.stderr) and (unit != "B" or total >= PROGRESS_MIN_BYTES)
+    return tqdm(total=total, disable=not shown, desc=desc or None, unit=unit, file=sys.stderr,
                 leave=False, unit_scale=unit == "B", unit_divisor=1024)
+
+
+def _is_terminal(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def print_json(value: Any, checkpoint: str | os.PathLike | None = None) -> None:
+    """What every ``--json`` prints: one object per checkpoint, whose ``checkpoint`` key names
+    it (the path or URL as given), or a list of them for a command about many (``list``,
+    ``status`` of a run directory)."""
+    if checkpoint is not None:
+        value = {"checkpoint": os.fspath(checkpoint), **value}
+    print(json.dumps(value, indent=2, default=str))

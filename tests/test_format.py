@@ -14,9 +14,9 @@ from safetensors import safe_open
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format.container import (
-    MAX_HEADER,
     DTYPE_ALIASES,
     DTYPE_ITEMSIZE,
+    MAX_HEADER,
     ST_DTYPES,
     build_header,
     dtype_itemsize,

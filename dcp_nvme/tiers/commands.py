@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from ..config import check_option, parse_size
 from ..errors import InvalidInputError
 from ..format.manifest import describe_topology, read_manifest
+from ..humanize import format_size, print_json, progress_bar
 from ..storage.local_dir import LocalStore
 from ..storage.run_dir import checkpoints
 from .compress import MODES as COMPRESS_MODES
@@ -53,6 +53,7 @@ def register(subparsers) -> None:
                         help=f"seconds before the first retry, doubling after (default {DrainOptions.backoff:g})")
     parser.add_argument("--keep-last", type=int, default=None,
                         help="then prune the parent run directory to the K newest checkpoints")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=_drain)
 
@@ -87,23 +88,38 @@ def _drain(args: argparse.Namespace) -> int:
     if args.verify_only:
         result = verify_mirror(args.path, target, storage_options=storage_options, options=options)
     else:
-        result = drain(args.path, target, storage_options=storage_options, options=options)
+        bar = progress_bar(_local_bytes(args.path), not args.no_progress and not args.json, "drain")
+        try:
+            result = drain(args.path, target, storage_options=storage_options, options=options,
+                           progress=lambda _name, piece: bar.update(piece.length))
+        finally:
+            bar.close()
     removed = apply_retention(os.path.dirname(os.path.abspath(args.path)), args.keep_last,
                               storage_options=storage_options) if args.keep_last else []
     if args.json:
-        print(json.dumps({**result.to_dict(), "removed": removed}))
+        print_json({**result.to_dict(), "removed": removed}, args.path)
     else:
-        print(f"{args.path}: mirrored to {target}: {result.bytes_sent} bytes sent, "
-              f"{result.bytes_skipped} already there, {result.seconds:.2f} s")
+        print(f"{args.path}: mirrored to {target}: {format_size(result.bytes_sent)} sent, "
+              f"{format_size(result.bytes_skipped)} already there, {result.seconds:.2f} s")
         if result.compression.get("codec"):
             c = result.compression
-            print(f"compressed ({c['codec']}): {c['bytes']} -> {c['stored_bytes']} bytes ({c['ratio']:.3f}x), "
+            print(f"compressed ({c['codec']}): {format_size(c['bytes'])} -> {format_size(c['stored_bytes'])} "
+                  f"({c['ratio']:.3f}x), "
                   f"{c['encode_seconds']:.2f} s, {c['cpu_seconds']:.2f} CPU s on {c['threads']} thread(s)")
         elif result.compression.get("decision"):
             print(f"compress=auto: {result.compression['decision']}")
         for path in removed:
             print(f"removed {path} (retention)")
     return 0
+
+
+def _local_bytes(path: str) -> int:
+    """The committed checkpoint's bytes (the progress bar's total); 0 when unreadable, which the
+    drain itself then reports."""
+    try:
+        return int(read_manifest(LocalStore(path), path).doc.get("total_bytes") or 0)
+    except Exception:  # noqa: BLE001 - the drain names the problem; the bar only stays hidden
+        return 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -116,15 +132,15 @@ def _status(args: argparse.Namespace) -> int:
     for p in paths:
         state = drain_state(p)
         coded = (load_journal(p) or {}).get("compression") if state.state == "mirrored" else None
-        rows.append({"path": p, **state.to_dict(), "compression": coded if isinstance(coded, dict) else None,
+        rows.append({"checkpoint": p, "path": p, **state.to_dict(), "compression": coded if isinstance(coded, dict) else None,
                      "topology": _topology(p)})
-    if args.json:
-        json.dump(rows, sys.stdout)
-        print()
+    if args.json:  # one checkpoint: its object; a run directory: a list, one per checkpoint
+        print_json(rows[0] if paths == [path] else rows)
         return 0
     for row in rows:
         extra = f" -> {row['target']}" if row["target"] else ""
-        progress = f" ({row['bytes_sent']}/{row['bytes_total']} bytes)" if row["state"] == "draining" else ""
+        progress = (f" ({format_size(row['bytes_sent'])} of {format_size(row['bytes_total'])})"
+                    if row["state"] == "draining" else "")
         note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
         why = f" ({row['cause']})" if row["cause"] and row["state"] != "failed" else ""
         coded = row["compression"] or {}

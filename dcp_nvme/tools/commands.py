@@ -8,12 +8,12 @@ runs, not when its arguments are registered, so ``--help`` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 from ..humanize import format_size as human_bytes
+from ..humanize import print_json
 
 
 def _table(rows: list[list[str]], out=None) -> None:
@@ -23,8 +23,8 @@ def _table(rows: list[list[str]], out=None) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip(), file=out)
 
 
-def _json(value: Any) -> None:
-    print(json.dumps(value, indent=2, default=str))
+def _json(value: Any, checkpoint: Any = None) -> None:
+    print_json(value, checkpoint)
 
 
 def _when(unix: float | None) -> str:
@@ -39,7 +39,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     entries = list_checkpoints(args.dir)
     if args.json:
-        _json([e.to_dict() for e in entries])
+        _json([{"checkpoint": e.path, **e.to_dict()} for e in entries])
         return 0
     if not entries:
         print(f"no checkpoints under {args.dir}")
@@ -67,7 +67,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     info = inspect_checkpoint(args.checkpoint, filter=args.filter)
     if args.json:
-        _json(info.to_dict())
+        _json(info.to_dict(), info.location)
         return 0 if info.ok else 1
     print(f"checkpoint {info.location}: {info.state}")
     if info.reason:
@@ -125,7 +125,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     report = verify_checkpoint(args.checkpoint, jobs=args.jobs, progress=progress,
                                allow_pickle=args.allow_pickle)
     if args.json:
-        _json(report.to_dict())
+        _json(report.to_dict(), report.location)
         return 0 if report.ok else 1
     for problem in report.problems:
         print(f"BAD {problem}")
@@ -152,7 +152,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                        dtype=args.dtype, max_shard_size=args.max_shard_size,
                        overwrite=args.overwrite, progress=progress)
     if args.json:
-        _json(result.to_dict())
+        _json(result.to_dict(), args.checkpoint)
         return 0
     print(f"exported {result.tensors} tensor(s), {human_bytes(result.total_size)}, into "
           f"{len(result.shards)} shard(s) in {result.out} ({result.seconds:.2f} s)")
@@ -170,7 +170,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     result = convert(args.src, args.dst, args.to, memory_budget=args.memory_budget, overwrite=args.overwrite)
     if args.json:
-        _json(result.to_dict())
+        _json(result.to_dict(), args.src)
         return 0
     print(f"converted {result.src_format} {result.src} -> {result.to} {result.dst}: {result.tensors} tensor(s), "
           f"{result.objects} other item(s), {human_bytes(result.tensor_bytes)} in {result.seconds:.2f} s")
@@ -194,6 +194,13 @@ def cmd_unlock(args: argparse.Namespace) -> int:
     from ..storage.save_lock import unlock
 
     holder, why = unlock(args.path, force=args.force)
+    if args.json:
+        from dataclasses import asdict
+
+        _json({"removed": holder is not None, "reason": why,
+               "holder": None if holder is None else {k: v for k, v in asdict(holder).items() if k != "token"}},
+              args.path)
+        return 0
     if holder is None:
         print(f"{args.path}: {why}")
     else:
@@ -212,6 +219,7 @@ def register_unlock(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--force", action="store_true",
                    help="remove the lock even if its holder looks alive (you know it is dead)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_unlock)
 
 
