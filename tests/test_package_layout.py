@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dcp_nvme"
 
 # lowest first; a layer may import any layer before it, never one after it
 LAYERS = [
-    {"errors", "humanize", "lazy_imports", "config"},
+    {"errors", "humanize", "lazy_imports", "config", "compat"},
     {"format"},
     {"observe", "storage"},
     {"engines"},

@@ -58,9 +58,10 @@ def shared_store() -> Any:
     The one private touch-point of the protocol: ``_get_default_store`` is how torch's own
     subsystems reach the store ``init_process_group`` created, for any init method."""
     from torch.distributed import PrefixStore
-    from torch.distributed.distributed_c10d import _get_default_store
 
-    return PrefixStore("dcp_nvme/", _get_default_store())
+    from ..compat import default_store
+
+    return PrefixStore("dcp_nvme/", default_store())
 
 
 # --------------------------------------------------------------------------- the payload (pure)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..compat import dcp_version
 from ..config import IOConfig, check_option, resolve_config
 from ..engines import shared_engine
 from ..engines.windows import host_address
@@ -433,7 +433,7 @@ class NVMeWriter(StorageWriter):
             save_key=key, files=files,
             index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
             world_size=len(results), planner_data=metadata.planner_data,
-            dcp_version=metadata.version or CURRENT_DCP_VERSION,  # what the stock writer records
+            dcp_version=metadata.version or dcp_version(),  # what the stock writer records
             storage_meta=storage_meta_doc(self.storage_meta()),
             extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats,
                    "layers": layers,

@@ -1,0 +1,69 @@
+"""The torch versions dcp_nvme runs on, and every torch name it uses that torch does not promise
+to keep (not in its module's ``__all__``, or named with a leading underscore), in one place.
+
+When a torch release moves one of these, this table is where to look, and
+``tests/test_compat.py`` is the test that says so. The public DCP API (``StorageWriter``,
+``StorageReader``, ``Metadata``, the planners) is used directly elsewhere and is not listed.
+Nothing here imports torch until a name is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+TESTED_TORCH = ("2.13", "2.13")
+"""The oldest and newest torch releases (major.minor) the test suite has run on."""
+
+MIN_TORCH = "2.13"
+"""The declared floor (``pyproject.toml``): the oldest release the tests run on."""
+
+PRIVATE_NAMES: dict[str, str] = {
+    "torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION":
+        "the DCP version the stock writer records; ours records the same (save/writer.py)",
+    "torch.distributed.checkpoint.metadata.STATE_DICT_TYPE":
+        "the state_dict type of AsyncStager.stage (save/stager.py)",
+    "torch.distributed.distributed_c10d._get_default_store":
+        "the process group's key-value store, how the node-local commit tells every node "
+        "(save/node_commit.py); torch's own checkpoint code reaches it the same way",
+    "torch.distributed.PrefixStore":
+        "a namespace of our own in that store (save/node_commit.py)",
+}
+"""Fully qualified name -> what dcp_nvme uses it for."""
+
+RELIED_ON: dict[str, str] = {
+    "torch.distributed.checkpoint.api.CheckpointException":
+        "its ``failures`` (rank -> error): a failed save shown as one line (dcp_nvme.cli)",
+    "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner":
+        "its ``state_dict`` after ``set_up_planner``: the destination, to refuse an object "
+        "over a tensor (load/objects.py)",
+    "torch.serialization.get_unsafe_globals_in_checkpoint":
+        "what a non-tensor item would import, named when it is refused (load/objects.py)",
+}
+"""Attributes of public classes whose behaviour dcp_nvme depends on (documented by torch, but
+easy to change in passing)."""
+
+
+def resolve(dotted: str) -> Any:
+    """The object a name of ``PRIVATE_NAMES`` (or any dotted module attribute) names, imported
+    now; ImportError/AttributeError as torch raises them when a release moved it."""
+    parts = dotted.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            value: Any = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[split:]:
+            value = getattr(value, attr)
+        return value
+    raise ModuleNotFoundError(f"no module of {dotted!r} can be imported")
+
+
+def dcp_version() -> str:
+    """The DCP format version the installed torch's FileSystemWriter records."""
+    return resolve("torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION")
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (torch.distributed must be initialised)."""
+    return resolve("torch.distributed.distributed_c10d._get_default_store")()
