@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -169,7 +170,8 @@ def test_bench_cli_smoke(tmp_path):
         command += ["--plot", str(png)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "SAVE" in done.stdout and "dcp_nvme save (sync) [ours]" in done.stdout and "TARGETS" in done.stdout
+    assert "SAVE" in done.stdout and "dcp_nvme save (sync) [ours]" in done.stdout and "RATIOS" in done.stdout
+    assert not re.search(r"\bMISSED\b|\bmet\b|TARGETS|issue \d", done.stdout)  # figures, no verdicts
     doc = json.loads(out.read_text())
     assert doc["format"] == "dcp_nvme.bench" and doc["format_version"] == 1
     config = doc["config"]

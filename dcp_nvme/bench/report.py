@@ -67,11 +67,12 @@ def format_report(doc: dict[str, Any]) -> str:
     if layer_lines:
         lines += layer_lines
     lines.append("")
-    lines.append("TARGETS")
-    for target in doc["targets"]:
-        mark = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
-        value = "-" if target["value"] is None else f"{target['value']:.2f}"
-        lines.append(f"  {target['target']:<58} {value:>6}  {mark}")
+    from .targets import RATIO_LABELS
+
+    lines.append("RATIOS (this run)")
+    for key, label in RATIO_LABELS.items():
+        value = doc.get("ratios", {}).get(key)
+        lines.append(f"  {label:<62} {'not measured' if value is None else f'{value:.2f}':>6}")
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines.append("")
