@@ -100,7 +100,7 @@ def test_progress_bars_only_on_a_terminal_and_for_large_work(monkeypatch):
     assert humanize.progress_bar(1 << 40, False, "verify").disable  # --no-progress, --json
 
 
-def test_drain_shows_a_bar_on_a_terminal_and_sizes_for_people(tmp_path, monkeypatch, capsys):
+def test_drain_convert_verify_and_export_draw_bars_on_a_terminal_and_sizes_for_people(tmp_path, monkeypatch, capsys):
     from dcp_nvme import humanize
 
     ckpt = tmp_path / "step_1"
@@ -115,6 +115,19 @@ def test_drain_shows_a_bar_on_a_terminal_and_sizes_for_people(tmp_path, monkeypa
     assert cli_main(["drain", str(ckpt), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["checkpoint"] == str(ckpt) and doc["bytes_skipped"] > 0
+    for argv, name in ((["convert", str(ckpt), str(tmp_path / "stock"), "--to", "dcp"], "convert"),
+                       (["verify", str(ckpt)], "verify"),
+                       (["export", str(ckpt), "--to", "hf", str(tmp_path / "hf")], "export")):
+        terminal.seek(0)
+        terminal.truncate()
+        assert cli_main(argv) == 0
+        assert name in terminal.getvalue(), argv
+    terminal.seek(0)
+    terminal.truncate()
+    assert cli_main(["verify", str(ckpt), "--no-progress"]) == 0
+    assert terminal.getvalue() == ""
+    out = capsys.readouterr().out
+    assert re.search(r"converted nvme .* \d+(\.\d)? KiB in", out), out
 
 
 def test_a_plain_value_item_is_judged_without_torch_only_in_the_shape_torch_writes():

@@ -168,7 +168,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    result = convert(args.src, args.dst, args.to, memory_budget=args.memory_budget, overwrite=args.overwrite)
+    result = convert(args.src, args.dst, args.to, memory_budget=args.memory_budget, overwrite=args.overwrite,
+                     progress=not args.no_progress and not args.json)
     if args.json:
         _json(result.to_dict(), args.src)
         return 0
@@ -186,6 +187,7 @@ def register_convert(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-budget", default="1GiB", metavar="SIZE",
                    help="tensor bytes held at once between checkpoint layouts (default 1GiB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_convert)
 

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from ..config import parse_size
 from ..errors import InvalidInputError
 from ..format.names import DCP_METADATA, MANIFEST
+from ..humanize import progress_bar
 from ..load.reader import NVMeReader
 from ..save.writer import NVMeWriter
 from ..storage.local_dir import is_remote_url
@@ -102,11 +103,13 @@ def convert(
     *,
     memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` (nvme, dcp or torch) at ``dst``.
 
     ``dst`` must not exist (or be an empty directory) unless ``overwrite``. ``memory_budget``
-    bounds the tensor bytes held at once by an nvme <-> dcp conversion.
+    bounds the tensor bytes held at once by an nvme <-> dcp conversion. ``progress`` draws a
+    bar on a terminal (``humanize.progress_bar``) as each group is moved.
     """
     started = time.perf_counter()
     if to not in FORMATS:
@@ -126,9 +129,9 @@ def convert(
     if src_format == "torch":
         _from_torch_file(Path(src), Path(dst), to, result)
     elif to == "torch":
-        _to_torch_file(_reader_for(src_format, src), Path(dst), budget, result)
+        _to_torch_file(_reader_for(src_format, src), Path(dst), budget, result, progress)
     else:
-        _copy_chunks(_reader_for(src_format, src), _writer_for(to, dst), budget, result)
+        _copy_chunks(_reader_for(src_format, src), _writer_for(to, dst), budget, result, progress)
     result.seconds = round(time.perf_counter() - started, 6)
     return result
 
@@ -283,10 +286,29 @@ def _open_reader(reader: StorageReader) -> Metadata:
     return metadata
 
 
-def _copy_chunks(reader: StorageReader, writer: StorageWriter, budget: int, result: ConvertResult) -> None:
+def _bar(entries: list[_Entry], progress: bool) -> Any:
+    return progress_bar(sum(e.nbytes for e in entries), progress, "convert")
+
+
+def _copy_chunks(reader: StorageReader, writer: StorageWriter, budget: int, result: ConvertResult,
+                 progress: bool = False) -> None:
     """Drive both storage classes as DCP would, each memory-budget group acting as one rank."""
     metadata = _open_reader(reader)
-    groups = list(_groups(_entries(metadata), budget)) or [[]]  # an empty checkpoint: one empty rank
+    entries = _entries(metadata)
+    groups = list(_groups(entries, budget)) or [[]]  # an empty checkpoint: one empty rank
+    with _bar(entries, progress) as bar:
+        results = _write_groups(reader, writer, groups, result, bar)
+    out = Metadata(state_dict_metadata=metadata.state_dict_metadata, planner_data=metadata.planner_data,
+                   version=metadata.version)
+    writer.finish(out, results)
+    result.groups = len(groups)
+    result.tensors = sum(isinstance(m, TensorStorageMetadata) for m in metadata.state_dict_metadata.values())
+    result.objects = len(metadata.state_dict_metadata) - result.tensors
+
+
+def _write_groups(reader: StorageReader, writer: StorageWriter, groups: list[list[_Entry]],
+                  result: ConvertResult, bar: Any) -> list[Any]:
+    """Each group read, then written as one rank's plan; the writers' results, per group."""
     writer.reset()
     writer.set_up_storage_writer(True)
     plans = [writer.prepare_local_plan(SavePlan([e.write_item() for e in group])) for group in groups]
@@ -298,13 +320,9 @@ def _copy_chunks(reader: StorageReader, writer: StorageWriter, budget: int, resu
         group_bytes = sum(e.nbytes for e in group)
         result.largest_group_bytes = max(result.largest_group_bytes, group_bytes)
         result.tensor_bytes += group_bytes
+        bar.update(group_bytes)
         del planner  # this group's buffers go before the next group's are allocated
-    out = Metadata(state_dict_metadata=metadata.state_dict_metadata, planner_data=metadata.planner_data,
-                   version=metadata.version)
-    writer.finish(out, results)
-    result.groups = len(groups)
-    result.tensors = sum(isinstance(m, TensorStorageMetadata) for m in metadata.state_dict_metadata.values())
-    result.objects = len(metadata.state_dict_metadata) - result.tensors
+    return results
 
 
 # --------------------------------------------------------------------------- torch.save files
@@ -326,19 +344,23 @@ def _from_torch_file(src: Path, dst: Path, to: str, result: ConvertResult) -> No
     result.groups = 1
 
 
-def _to_torch_file(reader: StorageReader, dst: Path, budget: int, result: ConvertResult) -> None:
+def _to_torch_file(reader: StorageReader, dst: Path, budget: int, result: ConvertResult,
+                   progress: bool = False) -> None:
     metadata = _open_reader(reader)
+    entries = _entries(metadata)
     full: dict[str, Any] = {
         fqn: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
     }
-    for group in _groups(_entries(metadata), budget):  # chunks read a group at a time, then placed
-        planner = _read_group(reader, group)
-        for entry in group:
-            if entry.chunk is None:
-                full[entry.fqn] = _unpickle_plain(entry.fqn, planner.raw[entry.fqn])
-            else:
-                _region(full[entry.fqn], entry.chunk).copy_(planner.tensors[entry.index])
+    with _bar(entries, progress) as bar:
+        for group in _groups(entries, budget):  # chunks read a group at a time, then placed
+            planner = _read_group(reader, group)
+            for entry in group:
+                if entry.chunk is None:
+                    full[entry.fqn] = _unpickle_plain(entry.fqn, planner.raw[entry.fqn])
+                else:
+                    _region(full[entry.fqn], entry.chunk).copy_(planner.tensors[entry.index])
+            bar.update(sum(e.nbytes for e in group))
     state = _nest(full, metadata.planner_data)
     temp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     try:
