@@ -50,3 +50,23 @@ def test_private_torch_names_are_reached_only_through_compat():
                             or (node.module in private_modules and alias.name == "CURRENT_DCP_VERSION")):
                         found.append(f"{path.relative_to(PACKAGE)}: from {node.module} import {alias.name}")
     assert not found, found
+
+
+def test_the_stager_keeps_a_tensors_shard_fields():
+    """torch 2.14 saves a plain tensor that carries global_shape/global_offsets/local_offsets/
+    local_sizes as a shard of a larger tensor (``CheckpointableTensor``); NVMeStager's staged
+    copy must carry them, or the save would record the shard as a whole tensor."""
+    from dcp_nvme import NVMeStager
+    from dcp_nvme.save.arena import SHARD_FIELDS
+
+    shard = torch.arange(8, dtype=torch.float32)
+    fields = ((16,), ((8,),), ((0,),), ((8,),))
+    for name, value in zip(SHARD_FIELDS, fields):
+        setattr(shard, name, value)
+    stager = NVMeStager()
+    for _ in range(2):  # the second stage reuses the arena
+        staged = stager.stage({"w": shard, "plain": torch.ones(4)}).result()
+        assert torch.equal(staged["w"], shard) and staged["w"].data_ptr() != shard.data_ptr()
+        assert tuple(getattr(staged["w"], name) for name in SHARD_FIELDS) == fields
+        assert not any(hasattr(staged["plain"], name) for name in SHARD_FIELDS)
+    stager.close()

@@ -61,6 +61,22 @@ def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return tensor, None
 
 
+SHARD_FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+"""A plain tensor carrying all four is a shard of a larger tensor to DCP (torch 2.14's
+``CheckpointableTensor``): the staged copy carries them too, or it would save as a whole tensor."""
+
+
+def _shard_fields(tensor: torch.Tensor) -> tuple | None:
+    if not all(hasattr(tensor, name) for name in SHARD_FIELDS):
+        return None
+    return tuple(_frozen(getattr(tensor, name)) for name in SHARD_FIELDS)
+
+
+def _frozen(value: Any) -> Any:
+    """Sequences as tuples, so the structure stays hashable (it keys the arena's reuse)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def _has_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return True
@@ -103,7 +119,7 @@ def structure_of(state_dict: Mapping, tensors: list[torch.Tensor], objects: list
                 raise UnsupportedItemError(f"{path}: a meta tensor has no data to save")
             tensors.append(local)
             leaf = TensorSpec(local.dtype, tuple(local.shape), str(local.device))
-            return ("tensor", leaf, spec, value.requires_grad)
+            return ("tensor", leaf, spec, value.requires_grad, _shard_fields(value))
         objects.append(value)
         return ("object",)
 
@@ -143,6 +159,9 @@ def materialize(template: tuple, views: list[torch.Tensor], objects: list[Any]) 
                 from torch.distributed.tensor import DTensor
 
                 return DTensor(view, n[2], requires_grad=False)
+            if n[4] is not None:
+                for name, value in zip(SHARD_FIELDS, n[4]):
+                    setattr(view, name, value)
             return view
         value = next(object_iter)
         if value is None or isinstance(value, (int, float, str, bytes, bool)):
