@@ -1,0 +1,103 @@
+"""Surviving the loss of a node (tests/multinode.py, 3 simulated nodes of one rank each): every
+node's files are replicated on the next node's disk; a restarted job whose node 1 is a
+replacement with an empty disk loads bitwise-equal from the replica when the mirror lacks the
+step, from the mirror when the replica is damaged (and names the damaged copy), from the
+mirror when every node's copy left retention; a restart at another world size takes the bytes
+it needs from peers; retention removes a mirrored step's copies and replicas on every node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+from multinode import SCRIPTS, Cluster, all_records, describe, unshare_unavailable
+
+from dcp_nvme.format.names import REPLICA_MARKER, REPLICAS_DIR
+
+pytestmark = pytest.mark.slow
+SCRIPT = SCRIPTS / "node_loss.py"
+SHARD = 64 << 10  # float32 per rank: 256 KiB rank files, several checksum blocks each
+
+
+@pytest.fixture
+def cluster3(tmp_path):
+    reason = unshare_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Cluster(tmp_path / "cluster", nodes=3, ranks_per_node=1) as c:
+        yield c
+
+
+def _run(cluster, action, env, **kwargs):
+    results = cluster.run(SCRIPT, action, f"{cluster.mount}/run1", env={"SHARD_ELEMS": str(SHARD), **env},
+                          timeout=150, check=False, **kwargs)
+    records = sorted(all_records(results), key=lambda r: r["rank"])
+    return results, records
+
+
+def _ok(results, records, count):
+    errors = [r for r in records if r.get("error")]
+    assert len(records) == count and not errors, describe(results) + "\n" + json.dumps(errors)[:3000]
+
+
+def _step(cluster, node, step):
+    return cluster.node_disk(node) / "run1" / f"step_{step}"
+
+
+def test_replicas_survive_a_lost_node(cluster3, tmp_path):
+    cluster, mirror = cluster3, tmp_path / "pfs"
+    results, records = _run(cluster, "save", {"STEPS": "1,2,3", "REPLICAS": "1", "KEEP": "2",
+                                              "MIRROR_ROOT": str(mirror)})
+    _ok(results, records, 3)
+    for rec in records:  # node i pulled node i-1's files; node i+1 confirmed node i's
+        node = rec["rank"]
+        for entry in rec["saves"]:
+            rep = entry["replication"]
+            assert rep["pulled"] == {str((node - 1) % 3): "ok"}, rep
+            assert rep["replicated_on"] == [str((node + 1) % 3)], rep
+    print("save/replication seconds:", [(r["rank"], r["saves"]) for r in records])
+    for node in range(3):
+        # retention: step 1 is mirrored, so its copy and the replica it held went on every node
+        assert not _step(cluster, node, 1).exists(), f"node {node} kept step_1"
+        for step in (2, 3):
+            replica = _step(cluster, node, step) / REPLICAS_DIR / str((node - 1) % 3)
+            marker = json.loads((replica / REPLICA_MARKER).read_text())
+            assert marker["node"] == str((node - 1) % 3), marker
+            owner_file = f"rank_{(node - 1) % 3:05d}.{marker['save_key']}.safetensors"
+            theirs = _step(cluster, (node - 1) % 3, step) / owner_file
+            assert (replica / owner_file).read_bytes() == theirs.read_bytes()
+    status = cluster.on_node(0, [sys.executable, "-m", "dcp_nvme", "status", f"{cluster.mount}/run1"], check=True)
+    assert "step_3: mirrored" in status.stdout and "replicated on node(s) 1" in status.stdout, status.stdout
+    assert "holds replicas of node(s) 2" in status.stdout and "protected" in status.stdout, status.stdout
+
+    # node 1 is lost: a replacement with an empty disk joins. Step 3 never reached the mirror
+    # (the drain had not finished), node 2's replica of node 1's step 2 is damaged, and step 1
+    # is only on the mirror (retention). The restart runs at world size 6 (a reshard).
+    shutil.rmtree(cluster.node_disk(1) / "run1")
+    shutil.rmtree(mirror / "step_3")
+    replica2 = _step(cluster, 2, 2) / REPLICAS_DIR / "1"
+    damaged = next(p for p in replica2.iterdir() if p.name.startswith("rank_00001"))
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF  # one byte of the last checksum block
+    damaged.write_bytes(bytes(data))
+    results, records = _run(cluster, "restore", {"LOAD_STEPS": "3,2,1", "SAVED_WORLD": "3",
+                                                 "MIRROR_ROOT": str(mirror)}, ranks_per_node=2)
+    _ok(results, records, 6)
+    print("restore:", json.dumps([(r["rank"], r["loads"]) for r in records]))
+    for rec in records:
+        loads = {entry["step"]: entry for entry in rec["loads"]}
+        assert all(entry.get("equal") for entry in loads.values()), rec  # bit for bit, every step
+        on_node1 = rec["rank"] in (2, 3)
+        three, two, one = loads[3]["sources"], loads[2]["sources"], loads[1]["sources"]
+        if on_node1:  # the replacement node: step 3 from node 2's replica, the manifest from a peer
+            assert set(three) == {"peer"} and three["peer"]["bytes"] > SHARD * 4, three
+            assert set(two) >= {"peer", "mirror"} and two["mirror"]["files"] == 1, two
+            assert any("node 2" in d and ".replicas/1/rank_00001" in d for d in two["damaged"]), two
+        else:  # the other nodes read their own disks
+            assert set(three) == {"local"} and set(two) == {"local"}, (three, two)
+        assert set(one) == {"mirror"}, one  # every node's copy left retention: the mirror
+    healed = os.listdir(_step(cluster, 1, 3))  # the replacement node kept what it fetched
+    assert "manifest.json" in healed and any(n.startswith("rank_00001") for n in healed), healed
