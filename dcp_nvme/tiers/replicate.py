@@ -262,21 +262,29 @@ def _replicate(store: Any, directory: str, node: str, copies: int, queue_depth: 
         result.warning = "the checkpoint is in one shared directory: there is no node's disk to replicate"
         log.info("dcp_nvme: %s: %s", directory, result.warning)
         return result
-    server = process_server(server_address())
-    server.register(directory)
-    store.set(f"peers/{node}", json.dumps(server.info()).encode())
-    store.set(f"{key}/served/{node}", b"1")
     targets, sources, result.warning = placement(list(nodes), node, copies, stride)
     if result.warning:
         log.warning("dcp_nvme: %s", result.warning)
+    try:  # this node's copy served to the nodes that pull it
+        server = process_server(server_address())
+        server.register(directory)
+        store.set(f"peers/{node}", json.dumps(server.info()).encode())
+        store.set(f"{key}/served/{node}", b"ok")
+    except Exception as exc:  # noqa: BLE001  its pullers are told at once, not left waiting
+        why = f"node {node} cannot serve its files: {type(exc).__name__}: {exc}"[:500]
+        log.warning("dcp_nvme: %s", why)
+        store.set(f"{key}/served/{node}", why.encode())
     record = {"save_key": key, "state": "replicating", "targets": targets, "replicated_on": [], "failed": {}}
     _write_record(directory, record)
     deadline = time.monotonic() + timeout
     for owner in sources:
         why = "ok"
         try:
-            if _wait(store, f"{key}/served/{owner}", deadline) is None:
+            served = _wait(store, f"{key}/served/{owner}", deadline)
+            if served is None:
                 raise TimeoutError(f"node {owner} did not serve save {key} within {timeout:.0f} s")
+            if served != b"ok":
+                raise ConnectionError(served.decode(errors="replace"))
             info = json.loads(store.get(f"peers/{owner}"))
             result.bytes += pull_replica(PeerSource(info, directory, "", owner), directory, owner, key,
                                          queue_depth=queue_depth, block_size=block_size, bandwidth=bandwidth)
