@@ -91,6 +91,8 @@ class PeerSource:
             raise PeerError(f"node {node} published a malformed peer address {info!r}")
         self.address, self.token, self.directory, self.holder, self.node = (host, port), token, directory, holder, node
         self._local = threading.local()
+        self._open: list[socket.socket] = []
+        self._open_lock = threading.Lock()
         self.kind = "peer"
 
     def describe(self, name: str = "") -> str:
@@ -107,6 +109,8 @@ class PeerSource:
             sock.settimeout(IO_TIMEOUT)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local.sock = sock
+            with self._open_lock:
+                self._open.append(sock)
         return sock
 
     def _ask(self, head: dict[str, Any]) -> tuple[socket.socket, dict[str, Any]]:
@@ -115,7 +119,7 @@ class PeerSource:
             send_frame(sock, {"token": self.token, "dir": self.directory, "holder": self.holder, **head})
             answer = recv_frame(sock)
         except (OSError, ConnectionError) as exc:
-            self.close()
+            self._drop()
             raise PeerError(f"{self.describe(head.get('name', ''))}: the peer went away: {exc}") from exc
         if not answer.get("ok"):
             error = str(answer.get("error", "refused"))[:500]
@@ -137,12 +141,12 @@ class PeerSource:
             part = min(MAX_READ, length - done)
             sock, answer = self._ask({"op": "read", "name": name, "offset": offset + done, "length": part})
             if answer.get("length") != part:
-                self.close()
+                self._drop()
                 raise PeerError(f"{self.describe(name)}: answered {answer.get('length')!r} bytes for {part}")
             try:
                 recv_exact(sock, part, view[done:done + part])
             except (OSError, ConnectionError) as exc:
-                self.close()
+                self._drop()
                 raise PeerError(f"{self.describe(name)}: the peer went away mid-read: {exc}") from exc
             done += part
         return bytes(out)
@@ -154,11 +158,20 @@ class PeerSource:
                                 "of its kind may have")
         return self.read_range(name, 0, size)
 
-    def close(self) -> None:
+    def _drop(self) -> None:
+        """This thread's connection, after an error: the next request opens a fresh one."""
         sock = getattr(self._local, "sock", None)
         if sock is not None:
             sock.close()
             self._local.sock = None
+
+    def close(self) -> None:
+        """Every connection this source opened, on any thread."""
+        with self._open_lock:
+            socks, self._open = self._open, []
+        for sock in socks:
+            sock.close()
+        self._local = threading.local()
 
 
 class LocalSource:
