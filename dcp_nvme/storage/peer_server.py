@@ -41,6 +41,9 @@ MAX_FRAME = 64 << 10
 """A request or answer head is a few hundred bytes of JSON; more is refused."""
 MAX_READ = 64 << 20
 """The largest range one request may ask for."""
+MAX_INFLIGHT = 16
+"""Reads a server holds in memory at once, whatever the number of connections: at most
+``MAX_INFLIGHT x MAX_READ`` bytes (16 x 8 MiB with the default block size)."""
 MAX_MARKER = 1 << 20
 IDLE_TIMEOUT = 600.0
 """Seconds a connection may sit idle before the server drops it."""
@@ -103,6 +106,7 @@ class PeerServer:
         self._closed = False
         self._conns: set[socket.socket] = set()
         self.requests = 0
+        self._inflight = threading.BoundedSemaphore(MAX_INFLIGHT)
         threading.Thread(target=self._accept, name="dcp-nvme-peer-server", daemon=True).start()
 
     def register(self, directory: str, served_as: str | None = None) -> None:
@@ -192,12 +196,13 @@ class PeerServer:
                                 f"(at most {MAX_READ} bytes)")
             if offset + length > size:
                 raise PeerError(f"{path}: bytes {offset}-{offset + length} lie past its end ({size} bytes)")
-            data = os.pread(fd, length, offset)
-            if len(data) != length:
-                raise PeerError(f"{path} shrank while it was read")
+            with self._inflight:
+                data = os.pread(fd, length, offset)
+                if len(data) != length:
+                    raise PeerError(f"{path} shrank while it was read")
+                send_frame(conn, {"ok": True, "length": length}, data)
         finally:
             os.close(fd)
-        send_frame(conn, {"ok": True, "length": length}, data)
 
 
 _server: PeerServer | None = None
