@@ -259,3 +259,10 @@ def test_options_are_checked_where_read(monkeypatch, tmp_path):
     assert NVMeWriter(tmp_path / "x", replica_bandwidth="100MB").replica_bandwidth == 100_000_000
     assert NVMeReader(tmp_path / "x", mirror=str(tmp_path)).peers is True
     assert NVMeReader(tmp_path / "x").peers is False
+
+
+def test_replicas_of_a_one_process_save_are_skipped_with_a_reason(tmp_path):
+    writer = NVMeWriter(tmp_path / "one", replicas=1)
+    dcp.save(_state(1000), storage_writer=writer, no_dist=True)
+    result = writer.replication_future.result(timeout=60)  # the save itself never waited for it
+    assert result.replicated_on == [] and "one shared directory" in result.warning

@@ -241,7 +241,7 @@ def start_replication(directory: str, node: str, copies: int, *, queue_depth: in
 
     def run() -> None:
         try:
-            future.set_result(_replicate(store or job_store(), directory, node, copies, queue_depth,
+            future.set_result(_replicate(store, directory, node, copies, queue_depth,
                                          block_size, bandwidth, stride, timeout))
         except BaseException as exc:  # noqa: BLE001  never into the save: logged, and in the Future
             log.warning("dcp_nvme: node %s: replication of %s failed: %s", node, directory, exc)
@@ -262,6 +262,7 @@ def _replicate(store: Any, directory: str, node: str, copies: int, queue_depth: 
         result.warning = "the checkpoint is in one shared directory: there is no node's disk to replicate"
         log.info("dcp_nvme: %s: %s", directory, result.warning)
         return result
+    store = store if store is not None else job_store()
     targets, sources, result.warning = placement(list(nodes), node, copies, stride)
     if result.warning:
         log.warning("dcp_nvme: %s", result.warning)
