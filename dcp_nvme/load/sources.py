@@ -22,11 +22,15 @@ manifest last). ``last_stats["sources"]`` of the reader says, per source, files,
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..config import IOConfig
@@ -34,7 +38,7 @@ from ..errors import ChecksumMismatchError, DCPNVMeError, ManifestError, PeerErr
 from ..format.manifest import Manifest, read_files, read_manifest
 from ..format.names import MANIFEST, REPLICAS_DIR, check_node_name
 from ..storage.fsspec_dir import open_store
-from ..storage.local_dir import LocalStore
+from ..storage.local_dir import LocalStore, create_no_follow
 from ..storage.peer_client import (
     LocalSource,
     MirrorSource,
@@ -222,9 +226,17 @@ class RestoreSources:
             if size == record.size:
                 self._took("local", record.size, 0.0)
                 continue
-            self.fetch(manifest, name)
+            with _node_turn(self.path, name):  # one rank of the node copies it, the others wait
+                try:
+                    size = local.size(name)
+                except (OSError, ManifestError):
+                    size = None
+                if size == record.size:  # another rank of this node has just fetched it
+                    self._took("local", record.size, 0.0)
+                else:
+                    self.fetch(manifest, name)
 
-    def fetch(self, manifest: Manifest, name: str, skip_local: bool = False) -> None:
+    def fetch(self, manifest: Manifest, name: str) -> None:
         """``name`` copied into this node's directory from the nearest other copy that verifies."""
         record = read_files(LocalStore(self.path), manifest, self.path)[name]
         owner = manifest.node_of(record.rank)
@@ -256,7 +268,7 @@ class RestoreSources:
         if os.path.dirname(os.path.abspath(exc.path)) != os.path.abspath(self.path):
             return False
         self._damaged(exc.path, exc)
-        self.fetch(manifest, name, skip_local=True)
+        self.fetch(manifest, name)  # never this directory's own copy: it is the damaged one
         return True
 
     def stats(self) -> dict[str, Any]:
@@ -268,6 +280,20 @@ class RestoreSources:
         if self.damaged:
             out["damaged"] = list(self.damaged)
         return out
+
+
+@contextlib.contextmanager
+def _node_turn(path: str, name: str) -> Iterator[None]:
+    """An exclusive flock per (directory, file) in this node's temp directory: the ranks of a
+    node that need one file copy it once. The lock files are a few bytes each, outside the
+    checkpoint, reused by later restores."""
+    tag = hashlib.sha1(f"{os.path.abspath(path)}/{name}".encode()).hexdigest()[:20]
+    fd = create_no_follow(os.path.join(tempfile.gettempdir(), f"dcp_nvme-fetch-{tag}.lock"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def _join(root: str | None, name: str) -> str | None:
