@@ -112,6 +112,8 @@ def test_replicas_survive_a_lost_node(cluster3, tmp_path):
             for kind, taken in entry["sources"].items():
                 if kind == "damaged":
                     damaged += taken
+                elif kind == "read":  # the load's own read of this node's disk, after any fetch
+                    assert taken["bytes"] > 0, entry
                 else:
                     out[kind] = out.get(kind, 0) + taken["files"]
         return out, damaged

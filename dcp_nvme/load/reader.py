@@ -206,7 +206,8 @@ class NVMeReader(StorageReader):
         stats.seconds = time.perf_counter() - started
         self.last_stats = {"bytes_needed": needed, **stats.to_dict(),
                            "phases": {k: round(v, 6) for k, v in timer.phases.items()},
-                           **({"sources": self._sources.stats()} if self._sources is not None else {})}
+                           **({"sources": self._sources.stats(stats, timer.phases.get("io", 0.0))}
+                              if self._sources is not None else {})}
         log.info("dcp_nvme: read %.3f GB (%.3f GB needed) in %.3f s (%.2f GB/s), %d requests, depth %d",
                  stats.bytes / 1e9, needed / 1e9, stats.seconds, stats.gbps, stats.requests,
                  stats.max_inflight)

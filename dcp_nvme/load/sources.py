@@ -271,8 +271,13 @@ class RestoreSources:
         self.fetch(manifest, name)  # never this directory's own copy: it is the damaged one
         return True
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, read: Any = None, read_seconds: float = 0.0) -> dict[str, Any]:
+        """Per source kind: files, bytes, seconds, GB/s of what came from it; ``read``: the
+        load's own read from this node's disk afterwards (every byte, fetched or not)."""
         out: dict[str, Any] = {}
+        if read is not None:
+            out["read"] = {"bytes": int(read.bytes), "seconds": round(read_seconds, 6),
+                           "gbps": round(read.bytes / read_seconds / 1e9, 3) if read_seconds > 0 else None}
         for kind, entry in self.taken.items():
             seconds = entry["seconds"]
             out[kind] = {"files": int(entry["files"]), "bytes": int(entry["bytes"]), "seconds": round(seconds, 6),
