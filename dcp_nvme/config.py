@@ -101,6 +101,9 @@ MEMORY_BUDGET_RANGE = (1 << 20, 1 << 40)
 STAGING_BYTES_RANGE = (0, 1 << 50)
 NODE_QUEUE_DEPTH_RANGE = (1, 65536)
 """A node's shared budget: an NVMe queue holds at most 64 Ki entries, more is a typo."""
+REPLICAS_RANGE = (0, 16)
+"""Copies of a node's files on other nodes' disks; more than a few only costs network."""
+BANDWIDTH_RANGE = (1 << 10, 1 << 44)
 
 
 def _shown(value: Any, limit: int = 60) -> str:
@@ -193,6 +196,10 @@ _CHECKS: dict[str, Any] = {
     "mirror_root": check_url,
     "node_queue_depth": lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s),
     "node_write_order": lambda n, v, s: check_choice(n, v, NODE_WRITE_ORDERS, s),
+    "replicas": lambda n, v, s: check_int(n, v, REPLICAS_RANGE, s),
+    "replica_stride": lambda n, v, s: check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s),
+    "replica_bandwidth": lambda n, v, s: None if v is None else check_size(n, v, BANDWIDTH_RANGE, s),
+    "peers": check_bool,
 }
 """The one place each option's form and range is checked: name -> check(name, value, source)."""
 
@@ -319,3 +326,30 @@ def resolve_config(**explicit: Any) -> IOConfig:
     values.update(_from_env())
     values.update({k: check_option(k, v) for k, v in explicit.items() if v is not None})
     return replace(IOConfig(), **values)
+
+
+def option_or_env(name: str, value: Any, default: Any) -> Any:
+    """An option outside IOConfig (``replicas``, ``replica_bandwidth``...): the argument, else
+    ``DCP_NVME_<NAME>``, else ``default``; checked, and an error names its source."""
+    if value is not None:
+        return check_option(name, value)
+    env_name = ENV_PREFIX + name.upper()
+    raw = os.environ.get(env_name)
+    if raw is None or raw.strip() == "":
+        return default
+    return check_option(name, raw, f"environment variable {env_name}")
+
+
+def node_identity(environ: dict[str, str] | None = None) -> str:
+    """This node's name: torchrun's ``GROUP_RANK`` when set (checked: a node rank), else the host name."""
+    import socket
+
+    env = os.environ if environ is None else environ
+    raw = env.get("GROUP_RANK", "").strip()
+    if not raw:
+        return socket.gethostname()
+    if not raw.isdigit() or len(raw) > 9:
+        raise InvalidInputError(f"environment variable GROUP_RANK={raw!r}: expected a node rank (a "
+                                "non-negative integer, as torchrun sets it); unset it to identify "
+                                "nodes by host name")
+    return str(int(raw))

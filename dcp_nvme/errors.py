@@ -136,3 +136,7 @@ class SaveError(DCPNVMeError, RuntimeError):
 class BenchError(DCPNVMeError, RuntimeError):
     """A measurement of ``dcp-nvme bench`` or ``dcp-nvme tune`` failed (fio, a worker process,
     a loaded state that differs from the saved one)."""
+
+
+class PeerError(DCPNVMeError, OSError):
+    """A peer node's byte server refused a request, or could not be reached."""

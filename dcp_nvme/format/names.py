@@ -113,3 +113,27 @@ def temp_of(name: str) -> tuple[str, str] | None:
     Other hidden temp files of the directory (the drain journal's) are not ours."""
     match = _TEMP_RE.match(name)
     return (match.group(1), match.group(2)) if match else None
+
+
+REPLICAS_DIR = ".replicas"
+"""``<checkpoint>/.replicas/<node>/``: another node's files of this save, pulled from it."""
+REPLICA_MARKER = "replica.json"
+"""Written last into a replica's directory: a replica without it is never used."""
+REPLICATION_RECORD = ".replication.json"
+"""On a node's own copy: which nodes hold a replica of its files (``tiers.replicate``)."""
+
+_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_node_name(node: object, where: str) -> str:
+    """A node's name (torchrun's node rank or a host name) as read from a peer or a manifest:
+    letters, digits, ``_``, ``-`` and single dots, no leading dot, no separator, so
+    ``.replicas/<node>`` stays one directory inside the checkpoint."""
+    if not isinstance(node, str) or not _NODE_RE.match(node) or ".." in node:
+        raise ManifestError(f"{where}: node name {node!r} is not a node rank or a plain host name")
+    return node
+
+
+def is_served_name(name: object) -> bool:
+    """Whether a peer may ask for ``name``: the manifest, a rank file or a table of any save."""
+    return isinstance(name, str) and (name == MANIFEST or save_key_of(name) is not None)

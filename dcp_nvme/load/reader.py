@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..config import IOConfig, check_option, resolve_config
+from ..config import IOConfig, check_option, node_identity, option_or_env, resolve_config
 from ..engines import shared_engine
 from ..engines.buffers import tensor_bytes
 from ..engines.fsspec import FsspecEngine
@@ -87,6 +87,11 @@ class NVMeReader(StorageReader):
             needs more is refused with an error naming it. Turn on only for checkpoints you trust.
         storage_options: for a URL path (``s3://...``, any fsspec URL): the filesystem's options;
             reads are then ranged GETs, ``queue_depth`` in flight, checksum verified.
+        mirror, mirror_options: the checkpoint's mirror (its URL, or the run's ``mirror_root``)
+            and its storage options. With it (or ``peers=True``), passed on every rank, a file
+            this node lacks or holds damaged comes from the nearest copy that verifies: a
+            replica, a peer node, the mirror (``dcp_nvme.load.sources``), and is kept here.
+        peers: find the other nodes' copies and replicas without a mirror (env ``DCP_NVME_PEERS``).
     """
 
     def __init__(
@@ -102,8 +107,16 @@ class NVMeReader(StorageReader):
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
+        mirror: str | os.PathLike | None = None,
+        mirror_options: dict[str, Any] | None = None,
+        peers: bool | None = None,
     ) -> None:
         super().__init__()
+        self.mirror = None if mirror is None else check_option("mirror", mirror)
+        self.mirror_options = mirror_options
+        self.peers = option_or_env("peers", peers, self.mirror is not None)
+        self._sources = None
+        """``load.sources.RestoreSources`` of the current load, with a mirror or peers."""
         self.path = local_path(path)
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
@@ -138,6 +151,7 @@ class NVMeReader(StorageReader):
         self._checked = set()
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
+        self._sources = None
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
@@ -145,6 +159,14 @@ class NVMeReader(StorageReader):
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.peers and not is_remote_url(self.path):
+            from .sources import RestoreSources, join_peers
+
+            node = node_identity()
+            self._sources = RestoreSources(self.path, node, join_peers(self.path, node), self.mirror,
+                                           self.mirror_options, self.config)
+            self._sources.ensure_metadata()  # a replacement node's empty disk gets it from a peer
+            self._manifest, self._store = None, None
         metadata = self.manifest().to_metadata()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -170,6 +192,9 @@ class NVMeReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 check_destination_kind(planner, item.dest_index.fqn, str(self.path))
         items = sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
+        if self._sources is not None:  # each file this rank needs, here or from the nearest copy
+            with timer.span("fetch"):
+                self._sources.ensure_files(self.manifest(), {self._chunk(i).file for i in items})
         batch = _Batch()
         for item in items:
             with timer.span("plan"):
@@ -180,7 +205,9 @@ class NVMeReader(StorageReader):
         needed += self._run(batch, stats, timer)
         stats.seconds = time.perf_counter() - started
         self.last_stats = {"bytes_needed": needed, **stats.to_dict(),
-                           "phases": {k: round(v, 6) for k, v in timer.phases.items()}}
+                           "phases": {k: round(v, 6) for k, v in timer.phases.items()},
+                           **({"sources": self._sources.stats(stats, timer.phases.get("io", 0.0))}
+                              if self._sources is not None else {})}
         log.info("dcp_nvme: read %.3f GB (%.3f GB needed) in %.3f s (%.2f GB/s), %d requests, depth %d",
                  stats.bytes / 1e9, needed / 1e9, stats.seconds, stats.gbps, stats.requests,
                  stats.max_inflight)
@@ -275,7 +302,10 @@ class NVMeReader(StorageReader):
             with timer.span("io"):
                 stats.merge(engine.read(requests, batch.dests))
         except ChecksumMismatchError as exc:
-            raise exc.with_items(_items_in(batch, exc)) from None
+            if self._sources is None or not self._sources.replace_damaged(self.manifest(), exc):
+                raise exc.with_items(_items_in(batch, exc)) from None
+            with timer.span("io"):  # this node's copy was damaged: read the verified one fetched
+                stats.merge(engine.read(requests, batch.dests))
         with timer.span("commit"):  # narrowing copies and DCP's commit_tensor / load_bytes
             for action in batch.after:
                 action()

@@ -44,6 +44,7 @@ from ..storage.local_dir import (
     write_commit_file,
     write_prepared,
 )
+from ..storage.peer_client import job_store
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +54,9 @@ _POLL_MAX = 0.2
 
 
 def shared_store() -> Any:
-    """The job's key-value store (``torch.distributed``'s default store).
-
-    The one private touch-point of the protocol: ``_get_default_store`` is how torch's own
-    subsystems reach the store ``init_process_group`` created, for any init method."""
-    from torch.distributed import PrefixStore
-
-    from ..compat import default_store
-
-    return PrefixStore("dcp_nvme/", default_store())
+    """The job's key-value store (``torch.distributed``'s default store): the one private
+    touch-point, ``storage.peer_client.job_store``, which the peer servers publish in too."""
+    return job_store()
 
 
 # --------------------------------------------------------------------------- the payload (pure)

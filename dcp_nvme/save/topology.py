@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import node_identity  # noqa: F401  (its home is config: load needs it too)
 from ..errors import InvalidInputError, StorageError
 
 SHARED = "shared"
@@ -61,19 +61,6 @@ class Topology:
 
 def _node_order(name: str) -> tuple[int, int | str]:
     return (0, int(name)) if name.isdigit() else (1, name)
-
-
-def node_identity(environ: dict[str, str] | None = None) -> str:
-    """``GROUP_RANK`` when torchrun set it (checked: a node rank), else the host name."""
-    env = os.environ if environ is None else environ
-    raw = env.get("GROUP_RANK", "").strip()
-    if not raw:
-        return socket.gethostname()
-    if not raw.isdigit() or len(raw) > 9:
-        raise InvalidInputError(f"environment variable GROUP_RANK={raw!r}: expected a node rank (a "
-                                "non-negative integer, as torchrun sets it); unset it to identify "
-                                "nodes by host name")
-    return str(int(raw))
 
 
 def leads_its_node(environ: dict[str, str] | None = None) -> bool:

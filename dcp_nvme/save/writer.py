@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..compat import dcp_version
-from ..config import IOConfig, check_option, resolve_config
+from ..config import IOConfig, check_option, option_or_env, resolve_config
 from ..engines import shared_engine
 from ..engines.windows import host_address
 from ..errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, StorageError
@@ -115,6 +115,12 @@ class NVMeWriter(StorageWriter):
             step (``mirror`` then refuses a second checkpoint).
         compress: how the drain sends to ``mirror``: ``"off"``, ``"bytegroup"``, ``"auto"`` or ``"delta"``
             (None: the drainer's option). The local checkpoint is always plain safetensors.
+        replicas: with node-local disks, after each commit every node's files are pulled by this
+            many other nodes into their ``<checkpoint>/.replicas/<node>/`` in the background
+            (node i's go to i+1.. mod N; ``dcp_nvme.tiers.replicate``); env ``DCP_NVME_REPLICAS``,
+            default 0. ``writer.replication_future`` resolves when this node's part is done.
+        replica_bandwidth: bytes/s each pull may use (e.g. ``"200MB"``; env
+            ``DCP_NVME_REPLICA_BANDWIDTH``; unlimited by default).
     """
 
     def __init__(
@@ -132,8 +138,14 @@ class NVMeWriter(StorageWriter):
         mirror_root: str | None = None,
         mirror_options: dict[str, Any] | None = None,
         compress: str | None = None,
+        replicas: int | None = None,
+        replica_bandwidth: int | str | None = None,
     ) -> None:
         super().__init__()
+        self.replicas = option_or_env("replicas", replicas, 0)
+        self.replica_bandwidth = option_or_env("replica_bandwidth", replica_bandwidth, None)
+        self.replication_future = None
+        """With ``replicas``, on each node writer: a Future of the last save's ReplicationResult."""
         self.path = local_path(path)
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine,
@@ -410,7 +422,14 @@ class NVMeWriter(StorageWriter):
         self._submit_drain()
 
     def _submit_drain(self) -> None:
-        """Committed on this node: its drain to the mirror runs on in the background."""
+        """Committed on this node: its replication and its drain to the mirror run on in the background."""
+        if getattr(self, "replicas", 0):
+            from ..tiers.replicate import start_replication
+
+            self.replication_future = start_replication(
+                self.path, node_identity(), self.replicas, queue_depth=self.config.queue_depth,
+                block_size=self.config.block_size, bandwidth=self.replica_bandwidth,
+                stride=option_or_env("replica_stride", None, 1))
         url = self.mirror_url()
         if url:
             from ..tiers import submit_mirror
@@ -474,7 +493,7 @@ class NVMeWriter(StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         # a Future does not pickle (PROCESS mode); a lock belongs to the process that took it
-        return {**self.__dict__, "drain_future": None, "_lock": None, "_committer": None}
+        return {**self.__dict__, "drain_future": None, "replication_future": None, "_lock": None, "_committer": None}
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -123,6 +123,8 @@ def _local_bytes(path: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from .replicate import replication_state
+
     path = args.path
     if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
         paths = [path]
@@ -132,8 +134,11 @@ def _status(args: argparse.Namespace) -> int:
     for p in paths:
         state = drain_state(p)
         coded = (load_journal(p) or {}).get("compression") if state.state == "mirrored" else None
-        rows.append({"checkpoint": p, "path": p, **state.to_dict(), "compression": coded if isinstance(coded, dict) else None,
-                     "topology": _topology(p)})
+        replication = replication_state(p)
+        rows.append({"checkpoint": p, "path": p, **state.to_dict(),
+                     "compression": coded if isinstance(coded, dict) else None,
+                     "topology": _topology(p), "replication": replication,
+                     "protected": state.state == "mirrored" or bool(replication["replicated_on"])})
     if args.json:  # one checkpoint: its object; a run directory: a list, one per checkpoint
         print_json(rows[0] if paths == [path] else rows)
         return 0
@@ -148,8 +153,26 @@ def _status(args: argparse.Namespace) -> int:
         zipped = f" [compressed {coded.get('codec')}, {ratio:.3f}x]" if isinstance(ratio, (int, float)) else ""
         nodes = describe_topology(row["topology"], []) if row["topology"] else None
         where = f" [{nodes}]" if nodes and row["topology"]["mode"] == "node-local" else ""
-        print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}{where}")
+        print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}{where}{_replicas(row)}")
     return 0
+
+
+def _replicas(row: dict) -> str:
+    """`` [replicated on node(s) 1; holds replicas of node(s) 2; protected]`` for a node-local step."""
+    rep = row["replication"]
+    parts = []
+    if rep["replicated_on"]:
+        parts.append(f"replicated on node(s) {', '.join(rep['replicated_on'])}")
+    elif rep["state"] == "replicating":
+        parts.append("replicating")
+    for node, why in rep["failed"].items():
+        parts.append(f"replica on node {node} failed: {why}")
+    if rep["holds"]:
+        parts.append(f"holds replicas of node(s) {', '.join(rep['holds'])}")
+    if not parts:  # never replicated: the drain state says it all
+        return ""
+    parts.append("protected" if row["protected"] else "unprotected: only on this node's disk")
+    return f" [{'; '.join(parts)}]"
 
 
 def _topology(path: str) -> dict | None:

@@ -13,6 +13,11 @@ A checkpoint is removed only when all of these hold (docs/tiers.md, "Retention")
   or unreachable now, keeps the local copy);
 - no save holds its save lock (an overwrite in progress).
 
+Replicas a node holds of other nodes' files (``tiers.replicate``) live inside the step's
+directory (``.replicas/``), so they go with it, and only once the mirror holds every node's
+files (a node-local drain commits its mirror after every node's marker): a step that is only
+replicated is kept, so no removal takes the last protected copy.
+
 A checkpoint whose manifest or drain state cannot be read is kept and reported; it never stops
 retention of the others. A removal deletes ``manifest.json`` first, so a crash half-way
 leaves an uncommitted directory, never a damaged committed one.
