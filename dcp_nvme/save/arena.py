@@ -227,10 +227,43 @@ cheaper than torch's dispatch. On the idle training thread the whole machine is 
 
 
 def copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy one host tensor into its arena slot."""
+    """Copy one host tensor into its arena slot, as fast as the machine allows (the training
+    thread waits for it: ``NVMeStager(background_copy=False)``)."""
     nbytes = src.numel() * src.element_size()
     if nbytes < PARALLEL_COPY_BYTES and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
         if nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
     else:
         dst.copy_(src)
+
+
+COPY_CHUNK_BYTES = 4 << 20
+"""The background copy's unit: one memmove (GIL released) per chunk, so the staging thread holds
+one core at a time and gives the interpreter back between chunks; 4 MiB stays in L2/L3-sized
+bursts without paying per-call overhead (a few microseconds per chunk)."""
+
+
+_SERIAL_ELEMENTS = 1 << 15
+"""torch's intra-op grain (at::internal::GRAIN_SIZE): a copy_ of fewer elements stays serial."""
+
+
+def copy_host_chunked(dst: torch.Tensor, src: torch.Tensor, chunk: int = COPY_CHUNK_BYTES) -> None:
+    """Copy one host tensor into its arena slot on the staging thread: one thread, in chunks.
+
+    Not torch's ``copy_`` for contiguous tensors: from a second thread it would open its own
+    intra-op team over every core and fight the training step's. Strided views are copied in
+    row blocks below torch's parallel grain (each ``copy_`` then runs on this thread alone)."""
+    nbytes = src.numel() * src.element_size()
+    if not nbytes:
+        return
+    if src.is_contiguous() and not (src.is_conj() or src.is_neg()):
+        base_dst, base_src = dst.data_ptr(), src.data_ptr()
+        for offset in range(0, nbytes, chunk):
+            ctypes.memmove(base_dst + offset, base_src + offset, min(chunk, nbytes - offset))
+        return
+    if src.dim() == 0 or src.shape[0] < 2:
+        dst.copy_(src)
+        return
+    rows = max(1, _SERIAL_ELEMENTS // max(1, src.numel() // src.shape[0]))
+    for start in range(0, src.shape[0], rows):
+        dst[start : start + rows].copy_(src[start : start + rows])
