@@ -47,10 +47,27 @@ def plan_arena(specs: list[TensorSpec]) -> tuple[list[int], int]:
     return place_back_to_back([s.nbytes for s in specs], [s.dtype.itemsize for s in specs])
 
 
+_DTENSOR: list = []
+
+
+def _dtensor_type() -> type:
+    """torch's DTensor class, imported once (the walk below runs on the caller's thread)."""
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
+
+
+def _is_mapping(value: Any) -> bool:
+    return type(value) is dict or isinstance(value, Mapping)  # the abc check is slow; dicts are most
+
+
 def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """The tensor whose bytes are stored, and the DTensor spec to rebuild around it (or None)."""
-    from torch.distributed.tensor import DTensor
-
+    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+        return tensor, None
+    DTensor = _dtensor_type()
     if isinstance(tensor, DTensor):
         return tensor._local_tensor, tensor._spec
     if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
@@ -64,7 +81,7 @@ def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
 def _has_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return True
-    if isinstance(value, Mapping):
+    if _is_mapping(value):
         return any(_has_tensor(v) for v in value.values())
     if isinstance(value, list):
         return any(_has_tensor(v) for v in value)
@@ -74,7 +91,7 @@ def _has_tensor(value: Any) -> bool:
 def _is_terminal_list(value: list) -> bool:
     """DCP's _traverse rule: a list is one leaf unless it holds tensors, mappings or such lists."""
     for entry in value:
-        if isinstance(entry, torch.Tensor) or isinstance(entry, Mapping):
+        if isinstance(entry, torch.Tensor) or _is_mapping(entry):
             return False
         if isinstance(entry, list) and not _is_terminal_list(entry):
             return False
@@ -86,7 +103,7 @@ def structure_of(state_dict: Mapping, tensors: list[torch.Tensor], objects: list
     within each mapping); fills ``tensors`` (the leaves to copy) and ``objects`` (the rest)."""
 
     def node(value: Any, path: str) -> tuple:
-        if isinstance(value, Mapping):
+        if _is_mapping(value):
             keys = list(value.keys())
             ordered = [k for k in keys if _has_tensor(value[k])] + [
                 k for k in keys if not _has_tensor(value[k])]
