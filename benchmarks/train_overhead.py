@@ -134,8 +134,9 @@ class DCPBest(Method):
 
 
 class TorchCheckpointing(Method):
-    """torch_checkpointing's async saver with its defaults, buffered writes (its O_DIRECT writer
-    fails with EINVAL on filesystems that refuse unaligned direct writes)."""
+    """torch_checkpointing's async saver with its defaults but buffered writes (its O_DIRECT
+    writer fails with EINVAL on filesystems that refuse unaligned direct writes) and a longer
+    wait for its writer process to start."""
 
     name = "torch_checkpointing"
 
@@ -146,6 +147,7 @@ class TorchCheckpointing(Method):
             CheckpointItem,
             make_async_checkpoint_saver,
         )
+        from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
         from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
         class Checkpoint(CheckpointBase):
@@ -160,7 +162,9 @@ class TorchCheckpointing(Method):
 
         self.checkpoint = Checkpoint
         self.saver = make_async_checkpoint_saver(
-            AsyncCheckpointSaverConfig(), storage_config=LocalFileSystemStorageConfig(use_direct_io=False))
+            # its writer process may take longer than the default 30 s to start on a loaded machine
+            AsyncCheckpointSaverConfig(process_config=CheckpointProcessConfig(subprocess_init_timeout_secs=600)),
+            storage_config=LocalFileSystemStorageConfig(use_direct_io=False))
 
     def save(self, state, path):
         return self.saver.save(path, self.checkpoint(state))

@@ -1,6 +1,7 @@
-"""NVMeStager's background copy of host tensors: async_save returns before the copy, the
-checkpoint holds the values of the call, staging_completion is the copy's end, a failed copy
-surfaces from both futures and commits nothing, bounded staging waits for the copy."""
+"""NVMeStager's background staging of host tensors: async_save returns before the copy, the
+checkpoint holds the values of the call, staging_completion is the copy's end, a failed copy or
+a state the stager cannot stage surfaces from both futures and commits nothing, bounded staging
+waits for the copy."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from test_staging import assert_same, async_save, load, make_state, snapshot
 
 from dcp_nvme import NVMeStager, NVMeWriter
+from dcp_nvme.errors import UnsupportedItemError
 from dcp_nvme.save import arena
 from dcp_nvme.save import stager as stager_module
 
@@ -49,14 +51,14 @@ def test_async_save_returns_before_the_copy_and_keeps_the_values_of_the_call(tmp
     # the caller has its thread back while the copy is still held
     assert not resp.staging_completion.done() and not resp.upload_completion.done()
     assert all(name.startswith("dcp-nvme-stage") for name in gate.threads), gate.threads
-    # non-tensor leaves were copied at the call: changing them now changes nothing saved
-    state["model"]["note"]["values"].append(99)
-    state["optim"]["param_groups"][0]["lr"] = 5.0
-    state["step"] = 1000
     gate.open.set()
     stager.synchronize_staging()  # returns once the copy is done
     resp.staging_completion.result(timeout=30)
-    assert stager.stats()["last_copy_seconds"] > 0
+    assert 0 < stager.stats()["last_stage_seconds"] < stager.stats()["last_copy_seconds"]
+    # after staging_completion nothing of the state is read any more: tensors or other leaves
+    state["model"]["note"]["values"].append(99)
+    state["optim"]["param_groups"][0]["lr"] = 5.0
+    state["step"] = 1000
     for tensor in (state["model"]["embed"], state["model"]["w1"], state["optim"]["state"]["0"]["exp_avg"]):
         tensor.mul_(-3).add_(1)  # the optimizer step, after staging_completion
     resp.upload_completion.result()
@@ -83,6 +85,18 @@ def test_a_failed_copy_surfaces_from_both_futures_and_commits_nothing(tmp_path, 
     resp.upload_completion.result(timeout=60)
     assert stager.stats()["rebuilds"] == 0
     assert_same(load(str(tmp_path / "ok"), state), snapshot(state))
+    stager.close()
+
+
+def test_a_state_it_cannot_stage_fails_the_save_from_the_staging_thread(tmp_path):
+    stager = NVMeStager()
+    state = {"w": torch.ones(4), "m": torch.empty(4, device="meta")}
+    _, resp = async_save(state, str(tmp_path / "q"), stager)
+    with pytest.raises(UnsupportedItemError, match="m: a meta tensor has no data"):
+        resp.upload_completion.result(timeout=30)
+    assert not (tmp_path / "q" / "manifest.json").exists()
+    _, resp = async_save({"w": torch.ones(4)}, str(tmp_path / "ok"), stager)  # the arena is free
+    resp.upload_completion.result(timeout=30)
     stager.close()
 
 

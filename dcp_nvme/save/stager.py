@@ -1,8 +1,9 @@
 """NVMeStager: DCP's AsyncStager over a reusable, page-aligned staging arena.
 
-``dcp.async_save(sd, storage_writer=NVMeWriter(path), async_stager=NVMeStager())`` returns
-after a walk of the state's structure: the copy into the arena runs on a staging thread (host
-tensors) or a side stream (device tensors), the write after it on DCP's upload thread.
+``dcp.async_save(sd, storage_writer=NVMeWriter(path), async_stager=NVMeStager())`` returns at
+once: the walk of the state and the copy into the arena run on a staging thread (host tensors;
+with CUDA in use the walk stays on the caller, which queues device copies on a side stream), the
+write after it on DCP's upload thread.
 ``staging_completion`` resolves when the copy is done; the caller waits on it before it changes
 the tensors (the optimizer step).
 
@@ -80,6 +81,8 @@ class _StagedFuture(Future):
         self.wave: waves.WaveRelease | None = None
         self.copied: Future | None = None
         """Bounded staging: resolves when the arena copy is done (the save may read the arena)."""
+        self.prepared: threading.Event | None = None
+        """Staging on the staging thread: set once the walk is done (``early`` is known)."""
 
     def result(self, timeout: float | None = None) -> Any:
         thread = threading.current_thread()
@@ -87,6 +90,8 @@ class _StagedFuture(Future):
         consumer = thread.ident != self._owner and not thread.name.startswith(_HELPER_PREFIX)
         if lease is not None and consumer and thread not in lease.claimers:
             lease.claimers.append(thread)
+        if consumer and self.prepared is not None and not self.prepared.wait(timeout):
+            raise TimeoutError("the staging thread has not walked the state dict yet")
         if self.early is not None and consumer and not self.done():
             if self.copied is not None:
                 self.copied.result(timeout)  # the arena's share is copied (raises what the copy raised)
@@ -218,49 +223,76 @@ class NVMeStager(AsyncStager):
     # ------------------------------------------------------------------ staging
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> Future:
-        """Start copying ``state_dict`` into a free arena; returns a Future of the staged state
-        dict, resolved when the copy is done."""
+        """Start staging ``state_dict`` into a free arena; returns a Future of the staged state
+        dict, resolved when the copy is done. Without CUDA in use (and with ``background_copy``)
+        everything after picking the arena runs on the staging thread: the structure walk too."""
         started = time.perf_counter()
         with self._lock:
             arena = self._acquire()
             waited = time.perf_counter() - started
-            tensors: list[torch.Tensor] = []
-            objects: list[Any] = []
-            template = structure_of(state_dict, tensors, objects)
-            first = self._first_staged(tensor_specs(template))
-            if arena.template != (template, first):
-                self._rebuild(arena, (template, first))
             future = _StagedFuture(threading.get_ident())
             future.lease = Lease(future)
             arena.lease = future.lease
-            live = [t.detach() for t in tensors[:first]]
-            staged = materialize(template, live + arena.views, objects)
-            host_pairs, device_pairs = [], []
-            for src, dst in zip(tensors[first:], arena.views):
-                if src.device.type != "cpu":
-                    device_pairs.append((dst, src.detach()))
-                elif self.background_copy:
-                    host_pairs.append((dst, src.detach()))
-                else:
-                    copy_host(dst, src.detach())
-            nbytes = sum(v.numel() * v.element_size() for v in arena.views)
             self._last = weakref.ref(future)
             c = self._counters
-            c["last_copy_seconds"] = 0.0
-            if live:
-                self._hand_over_live(future, staged, live, host_pairs, device_pairs, started)
-            elif host_pairs or device_pairs:
-                self._copy_background(host_pairs, device_pairs, future, staged, started)
-            else:
-                c["last_copy_seconds"] = time.perf_counter() - started
-                future.set_result(staged)
-            c["last_live_bytes"] = sum(t.numel() * t.element_size() for t in live)
             c["saves"] += 1
             c["waited_seconds"] += waited
             c["last_wait_seconds"] = waited
-            c["last_copy_bytes"] = nbytes
+            c["last_copy_seconds"] = 0.0
+            if self.background_copy and not torch.cuda.is_initialized():
+                # no device tensors can be in the state: nothing must be queued on this thread
+                future.prepared = threading.Event()
+                self._executor().submit(self._prepare_on_thread, arena, state_dict, future, started)
+            else:
+                # device copies are queued here, behind the work already on the current stream
+                self._prepare(arena, state_dict, future, started)
             c["last_stage_seconds"] = time.perf_counter() - started
             return future
+
+    def _prepare_on_thread(self, arena: Arena, state_dict: STATE_DICT_TYPE, future: _StagedFuture,
+                           started: float) -> None:
+        try:
+            self._prepare(arena, state_dict, future, started)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the save
+            log.error("dcp_nvme: staging failed: %s", exc)
+            future.set_exception(exc)
+        finally:
+            assert future.prepared is not None
+            future.prepared.set()
+
+    def _prepare(self, arena: Arena, state_dict: STATE_DICT_TYPE, future: _StagedFuture, started: float) -> None:
+        """Walk the state, (re)lay out the arena, build the staged dict, start the copies."""
+        tensors: list[torch.Tensor] = []
+        objects: list[Any] = []
+        template = structure_of(state_dict, tensors, objects)
+        first = self._first_staged(tensor_specs(template))
+        if arena.template != (template, first):
+            self._rebuild(arena, (template, first))
+        live = [t.detach() for t in tensors[:first]]
+        staged = materialize(template, live + arena.views, objects)
+        host_pairs, device_pairs = [], []
+        for src, dst in zip(tensors[first:], arena.views):
+            if src.device.type != "cpu":
+                device_pairs.append((dst, src.detach()))
+            elif self.background_copy:
+                host_pairs.append((dst, src.detach()))
+            else:
+                copy_host(dst, src.detach())
+        c = self._counters
+        c["last_live_bytes"] = sum(t.numel() * t.element_size() for t in live)
+        c["last_copy_bytes"] = sum(v.numel() * v.element_size() for v in arena.views)
+        if live:
+            self._hand_over_live(future, staged, live, host_pairs, device_pairs, started)
+        elif host_pairs or device_pairs:
+            self._copy_background(host_pairs, device_pairs, future, staged, started)
+        else:
+            c["last_copy_seconds"] = time.perf_counter() - started
+            future.set_result(staged)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix=_HELPER_PREFIX)
+        return self._helper
 
     def _acquire(self) -> Arena:
         """The next arena no save is reading; waits or fails per ``on_busy``."""
@@ -346,8 +378,6 @@ class NVMeStager(AsyncStager):
         behind the work already queued on the current stream), host tensors on the staging
         thread, chunked; ``future`` completes when both are done, or fails with what failed."""
         events = self._queue_device(device_pairs) if device_pairs else []
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix=_HELPER_PREFIX)
         counters = self._counters
 
         def complete() -> None:
@@ -363,7 +393,7 @@ class NVMeStager(AsyncStager):
             counters["last_copy_seconds"] = time.perf_counter() - started
             future.set_result(staged)
 
-        self._helper.submit(complete)
+        self._executor().submit(complete)  # on the staging thread: queued behind a walk there
 
     def _queue_device(self, pairs: list) -> list:
         """Queue device-to-arena copies on a side stream; returns the events marking their end."""
