@@ -141,8 +141,8 @@ class NVMeStager(AsyncStager):
     ``resp.staging_completion`` before anything writes into the saved tensors (the optimizer
     step; in-place buffer updates such as BatchNorm's running statistics in a training-mode
     forward), and on ``resp.upload_completion`` for durability (it raises if the background
-    save failed, including a failed copy). Non-tensor leaves are copied before ``stage``
-    returns. See docs/async.md.
+    save failed, including a failed copy). Non-tensor leaves are copied with the tensors, so
+    they too may change only after ``staging_completion``. See docs/async.md.
     """
 
     _synchronize_after_execute = False
