@@ -245,6 +245,49 @@ def test_torchtitan_config_fields_save_and_newest_load(tmp_path, one_rank_group)
         assert torch.equal(value, fresh.state_dict()[name]), name
 
 
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_torchtitan_async_modes_wait_for_the_background_copy(tmp_path, one_rank_group, monkeypatch, mode) -> None:
+    """NVMeStager copies host tensors on its own thread. torchtitan's ``async`` mode never waits
+    for staging, so the manager's save waits for the copy; ``async_with_pinned_mem`` waits in
+    ``maybe_wait_for_staging`` before its optimizer step. Either way the checkpoint holds the
+    values of the save although the parameters change right after that wait."""
+    if not _has("torchtitan"):
+        pytest.skip("torchtitan is not installed (see integration/requirements.txt)")
+    import threading
+
+    import torch
+
+    from dcp_nvme.integrations.torchtitan import NVMeCheckpointManager
+    from dcp_nvme.save import arena
+    from dcp_nvme.save import stager as stager_module
+
+    copying = threading.Event()
+
+    def slow_copy(dst, src):  # a copy that is still running when the step would come
+        copying.set()
+        threading.Event().wait(0.3)
+        arena.copy_host_chunked(dst, src)
+
+    monkeypatch.setattr(stager_module, "copy_host_chunked", slow_copy)
+    config = NVMeCheckpointManager.Config(enable=True, folder="ckpt", keep_latest_k=0, async_mode=mode)
+    model, parts = _titan_parts(seed=0)
+    manager = NVMeCheckpointManager(config, **parts, base_folder=str(tmp_path))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    assert manager.save(curr_step=500)
+    manager.maybe_wait_for_staging()  # what torchtitan's trainer calls before optimizers.step()
+    assert copying.is_set()  # the copy went through the stager's staging thread
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1).add_(3)
+    manager.close()
+    fresh, parts = _titan_parts(seed=1)
+    manager = NVMeCheckpointManager(config, **parts, base_folder=str(tmp_path))
+    assert manager.load(step=500)
+    manager.close()
+    for name, value in expected.items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+
+
 def test_torchtitan_remote_folder_stays_torchtitans(tmp_path, one_rank_group) -> None:
     """A remote checkpoint.folder (fsspec URL) is saved, found and loaded by torchtitan's own
     path (DCP's fsspec writer, .metadata), not rejected by dcp_nvme's local writer."""

@@ -355,8 +355,9 @@ def _process_mode(rank: int, world_size: int, root: str) -> None:
             resp = dcp.async_save(state, storage_writer=NVMeWriter(path, block_size=BLOCK),
                                   async_stager=stager,
                                   async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            resp.staging_completion.result()  # the copy is taken (on the stager's thread)
             for tensor in (state["model"]["embed"], state["model"]["w1"]):
-                tensor.add_(1)  # the staged copy is already taken
+                tensor.add_(1)
             resp.upload_completion.result()
             out = _fill_objects(zeros_like_state(expected), expected)
             dcp.load(out, storage_reader=NVMeReader(path))

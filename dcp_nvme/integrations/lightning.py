@@ -158,6 +158,12 @@ class NVMeModelParallelStrategy(ModelParallelStrategy):
                 process_group=self._nvme_ckpt_pg,
                 async_stager=self._nvme_stager,
             )
+            # Lightning has no hook between here and the next write into the tensors (callbacks,
+            # a training-mode forward's buffer updates): the copy is waited for before returning;
+            # the write still runs in the background
+            staging = getattr(self._nvme_pending, "staging_completion", None)
+            if staging is not None:
+                staging.result()
         else:
             dcp.save(state, storage_writer=writer)
 

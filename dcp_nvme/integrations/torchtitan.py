@@ -121,6 +121,9 @@ class NVMeCheckpointManager(CheckpointManager):
             # torchtitan asserts Future for ASYNC and AsyncSaveResponse for
             # ASYNC_WITH_PINNED_MEM; normalise whatever the stager produced.
             if async_mode == AsyncMode.ASYNC and isinstance(ret, AsyncSaveResponse):
+                # ASYNC never calls maybe_wait_for_staging: the copy must be done before the
+                # optimizer step, so it is waited for here (ASYNC_WITH_PINNED_MEM overlaps it)
+                ret.staging_completion.result()
                 ret = ret.upload_completion
             elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and not isinstance(ret, AsyncSaveResponse):
                 staged: Future = Future()

@@ -47,10 +47,27 @@ def plan_arena(specs: list[TensorSpec]) -> tuple[list[int], int]:
     return place_back_to_back([s.nbytes for s in specs], [s.dtype.itemsize for s in specs])
 
 
+_DTENSOR: list = []
+
+
+def _dtensor_type() -> type:
+    """torch's DTensor class, imported once (the walk below runs on the caller's thread)."""
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
+
+
+def _is_mapping(value: Any) -> bool:
+    return type(value) is dict or isinstance(value, Mapping)  # the abc check is slow; dicts are most
+
+
 def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """The tensor whose bytes are stored, and the DTensor spec to rebuild around it (or None)."""
-    from torch.distributed.tensor import DTensor
-
+    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+        return tensor, None
+    DTensor = _dtensor_type()
     if isinstance(tensor, DTensor):
         return tensor._local_tensor, tensor._spec
     if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
@@ -80,7 +97,7 @@ def _frozen(value: Any) -> Any:
 def _has_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return True
-    if isinstance(value, Mapping):
+    if _is_mapping(value):
         return any(_has_tensor(v) for v in value.values())
     if isinstance(value, list):
         return any(_has_tensor(v) for v in value)
@@ -90,7 +107,7 @@ def _has_tensor(value: Any) -> bool:
 def _is_terminal_list(value: list) -> bool:
     """DCP's _traverse rule: a list is one leaf unless it holds tensors, mappings or such lists."""
     for entry in value:
-        if isinstance(entry, torch.Tensor) or isinstance(entry, Mapping):
+        if isinstance(entry, torch.Tensor) or _is_mapping(entry):
             return False
         if isinstance(entry, list) and not _is_terminal_list(entry):
             return False
@@ -102,7 +119,7 @@ def structure_of(state_dict: Mapping, tensors: list[torch.Tensor], objects: list
     within each mapping); fills ``tensors`` (the leaves to copy) and ``objects`` (the rest)."""
 
     def node(value: Any, path: str) -> tuple:
-        if isinstance(value, Mapping):
+        if _is_mapping(value):
             keys = list(value.keys())
             ordered = [k for k in keys if _has_tensor(value[k])] + [
                 k for k in keys if not _has_tensor(value[k])]
@@ -246,10 +263,43 @@ cheaper than torch's dispatch. On the idle training thread the whole machine is 
 
 
 def copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy one host tensor into its arena slot."""
+    """Copy one host tensor into its arena slot, as fast as the machine allows (the training
+    thread waits for it: ``NVMeStager(background_copy=False)``)."""
     nbytes = src.numel() * src.element_size()
     if nbytes < PARALLEL_COPY_BYTES and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
         if nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
     else:
         dst.copy_(src)
+
+
+COPY_CHUNK_BYTES = 4 << 20
+"""The background copy's unit: one memmove (GIL released) per chunk, so the staging thread holds
+one core at a time and gives the interpreter back between chunks; 4 MiB stays in L2/L3-sized
+bursts without paying per-call overhead (a few microseconds per chunk)."""
+
+
+_SERIAL_ELEMENTS = 1 << 15
+"""torch's intra-op grain (at::internal::GRAIN_SIZE): a copy_ of fewer elements stays serial."""
+
+
+def copy_host_chunked(dst: torch.Tensor, src: torch.Tensor, chunk: int = COPY_CHUNK_BYTES) -> None:
+    """Copy one host tensor into its arena slot on the staging thread: one thread, in chunks.
+
+    Not torch's ``copy_`` for contiguous tensors: from a second thread it would open its own
+    intra-op team over every core and fight the training step's. Strided views are copied in
+    row blocks below torch's parallel grain (each ``copy_`` then runs on this thread alone)."""
+    nbytes = src.numel() * src.element_size()
+    if not nbytes:
+        return
+    if src.is_contiguous() and not (src.is_conj() or src.is_neg()):
+        base_dst, base_src = dst.data_ptr(), src.data_ptr()
+        for offset in range(0, nbytes, chunk):
+            ctypes.memmove(base_dst + offset, base_src + offset, min(chunk, nbytes - offset))
+        return
+    if src.dim() == 0 or src.shape[0] < 2:
+        dst.copy_(src)
+        return
+    rows = max(1, _SERIAL_ELEMENTS // max(1, src.numel() // src.shape[0]))
+    for start in range(0, src.shape[0], rows):
+        dst[start : start + rows].copy_(src[start : start + rows])

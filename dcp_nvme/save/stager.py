@@ -1,7 +1,11 @@
 """NVMeStager: DCP's AsyncStager over a reusable, page-aligned staging arena.
 
-``dcp.async_save(sd, storage_writer=NVMeWriter(path), async_stager=NVMeStager())`` blocks the
-training thread for one copy of the state into the arena; the write runs in the background.
+``dcp.async_save(sd, storage_writer=NVMeWriter(path), async_stager=NVMeStager())`` returns at
+once: the walk of the state and the copy into the arena run on a staging thread (host tensors;
+with CUDA in use the walk stays on the caller, which queues device copies on a side stream), the
+write after it on DCP's upload thread.
+``staging_completion`` resolves when the copy is done; the caller waits on it before it changes
+the tensors (the optimizer step).
 
 Layout: tensors are packed back to back in the order DCP's default planner will hand them to
 NVMeWriter (the flattened state-dict traversal order), from a page-aligned base, each aligned
@@ -19,7 +23,9 @@ that a save finished without help from the caller: ``stage`` returns a Future; D
 executor (THREAD and PROCESS) holds that Future until the upload ends and resolves it on its
 upload thread. The arena is free again once the Future is garbage (the upload released it) or
 every other thread that consumed it has exited (DCP's one-shot upload thread, covering a failed
-upload whose traceback still holds the Future). ``on_busy`` picks wait (default) or fail.
+upload whose traceback still holds the Future). The staging thread holds the Future too until
+its copy is done, so an arena being copied into is busy as well. ``on_busy`` picks wait
+(default) or fail.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -45,6 +52,7 @@ from .arena import (
     allocate_arena,
     arena_views,
     copy_host,
+    copy_host_chunked,
     materialize,
     plan_arena,
     structure_of,
@@ -71,6 +79,10 @@ class _StagedFuture(Future):
         """A staged state handed to the save before the Future resolves (bounded staging: the
         save writes the live tensors, then resolves it; see ``waves``)."""
         self.wave: waves.WaveRelease | None = None
+        self.copied: Future | None = None
+        """Bounded staging: resolves when the arena copy is done (the save may read the arena)."""
+        self.prepared: threading.Event | None = None
+        """Staging on the staging thread: set once the walk is done (``early`` is known)."""
 
     def result(self, timeout: float | None = None) -> Any:
         thread = threading.current_thread()
@@ -78,7 +90,11 @@ class _StagedFuture(Future):
         consumer = thread.ident != self._owner and not thread.name.startswith(_HELPER_PREFIX)
         if lease is not None and consumer and thread not in lease.claimers:
             lease.claimers.append(thread)
+        if consumer and self.prepared is not None and not self.prepared.wait(timeout):
+            raise TimeoutError("the staging thread has not walked the state dict yet")
         if self.early is not None and consumer and not self.done():
+            if self.copied is not None:
+                self.copied.result(timeout)  # the arena's share is copied (raises what the copy raised)
             self._watch(thread)
             return self.early
         return super().result(timeout)
@@ -116,11 +132,17 @@ class NVMeStager(AsyncStager):
             staged rest is written in the background. Memory stays bounded by ``max_bytes``;
             the stall grows with what does not fit (see docs/async.md).
 
+        background_copy: copy host tensors on the stager's thread (default), so
+            ``async_save`` returns before the copy is done; ``False``: copy them before
+            ``stage`` returns, with every core (the training thread waits for it). Device
+            tensors are copied on a side stream either way.
+
     ``stage`` returns a Future, so ``dcp.async_save`` returns an ``AsyncSaveResponse``: wait on
-    ``resp.staging_completion`` before changing the parameters (the optimizer step), and on
-    ``resp.upload_completion`` for durability (it raises if the background save failed).
-    Host tensors are copied before ``stage`` returns; device tensors are copied on a side
-    stream, so ``staging_completion`` may still be pending when ``async_save`` returns.
+    ``resp.staging_completion`` before anything writes into the saved tensors (the optimizer
+    step; in-place buffer updates such as BatchNorm's running statistics in a training-mode
+    forward), and on ``resp.upload_completion`` for durability (it raises if the background
+    save failed, including a failed copy). Non-tensor leaves are copied with the tensors, so
+    they too may change only after ``staging_completion``. See docs/async.md.
     """
 
     _synchronize_after_execute = False
@@ -134,6 +156,7 @@ class NVMeStager(AsyncStager):
         shared_memory: bool = False,
         pin_memory: bool | None = None,
         max_bytes: int | str | None = None,
+        background_copy: bool = True,
     ) -> None:
         if max_bytes is not None:
             max_bytes = check_option("max_bytes", max_bytes)
@@ -151,6 +174,7 @@ class NVMeStager(AsyncStager):
         self.shared_memory = shared_memory
         self.pin_memory = pin_memory
         self.max_bytes = max_bytes
+        self.background_copy = bool(background_copy)
         self._setup()
 
     def _setup(self) -> None:
@@ -159,17 +183,19 @@ class NVMeStager(AsyncStager):
         self._lock = threading.Lock()
         self._helper: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}
+        self._last: weakref.ref | None = None
         self._counters = {"saves": 0, "rebuilds": 0, "waited_seconds": 0.0,
                           "last_stage_seconds": 0.0, "last_wait_seconds": 0.0,
-                          "last_copy_bytes": 0, "last_live_bytes": 0}
+                          "last_copy_seconds": 0.0, "last_copy_bytes": 0, "last_live_bytes": 0}
 
     # pickling carries the options only: arenas and threads belong to one process
     def __getstate__(self) -> dict:
         return {"buffers": self.buffers, "on_busy": self.on_busy, "wait_timeout": self.wait_timeout,
                 "shared_memory": self.shared_memory, "pin_memory": self.pin_memory,
-                "max_bytes": self.max_bytes}
+                "max_bytes": self.max_bytes, "background_copy": self.background_copy}
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("background_copy", True)
         self.__dict__.update(state)
         self._setup()
 
@@ -185,7 +211,9 @@ class NVMeStager(AsyncStager):
         return sum(a.nbytes for a in self._arenas if a.pinned and a.buffer.is_pinned())
 
     def stats(self) -> dict[str, Any]:
-        """Arena and pinned bytes, saves staged, arena rebuilds, and the last stage's timings."""
+        """Arena and pinned bytes, saves staged, arena rebuilds, and the last stage's timings:
+        ``last_stage_seconds`` the caller was held by ``stage``, ``last_copy_seconds`` from the
+        call until the copy was done (0 until then)."""
         out = dict(self._counters)
         out.update(arena_bytes=self.arena_bytes, pinned_bytes=self.pinned_bytes,
                    buffers=self.buffers, shared_memory=self.shared_memory,
@@ -195,43 +223,76 @@ class NVMeStager(AsyncStager):
     # ------------------------------------------------------------------ staging
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> Future:
-        """Copy ``state_dict`` into a free arena; returns a Future of the staged state dict."""
+        """Start staging ``state_dict`` into a free arena; returns a Future of the staged state
+        dict, resolved when the copy is done. Without CUDA in use (and with ``background_copy``)
+        everything after picking the arena runs on the staging thread: the structure walk too."""
         started = time.perf_counter()
         with self._lock:
             arena = self._acquire()
             waited = time.perf_counter() - started
-            tensors: list[torch.Tensor] = []
-            objects: list[Any] = []
-            template = structure_of(state_dict, tensors, objects)
-            first = self._first_staged(tensor_specs(template))
-            if arena.template != (template, first):
-                self._rebuild(arena, (template, first))
             future = _StagedFuture(threading.get_ident())
             future.lease = Lease(future)
             arena.lease = future.lease
-            live = [t.detach() for t in tensors[:first]]
-            staged = materialize(template, live + arena.views, objects)
-            device_pairs = []
-            for src, dst in zip(tensors[first:], arena.views):
-                if src.device.type == "cpu":
-                    copy_host(dst, src.detach())
-                else:
-                    device_pairs.append((dst, src.detach()))
-            nbytes = sum(v.numel() * v.element_size() for v in arena.views)
-            if live:
-                self._hand_over_live(future, staged, live, device_pairs)
-            elif device_pairs:
-                self._copy_device(device_pairs, future, staged)
-            else:
-                future.set_result(staged)
+            self._last = weakref.ref(future)
             c = self._counters
-            c["last_live_bytes"] = sum(t.numel() * t.element_size() for t in live)
             c["saves"] += 1
             c["waited_seconds"] += waited
             c["last_wait_seconds"] = waited
-            c["last_copy_bytes"] = nbytes
+            c["last_copy_seconds"] = 0.0
+            if self.background_copy and not torch.cuda.is_initialized():
+                # no device tensors can be in the state: nothing must be queued on this thread
+                future.prepared = threading.Event()
+                self._executor().submit(self._prepare_on_thread, arena, state_dict, future, started)
+            else:
+                # device copies are queued here, behind the work already on the current stream
+                self._prepare(arena, state_dict, future, started)
             c["last_stage_seconds"] = time.perf_counter() - started
             return future
+
+    def _prepare_on_thread(self, arena: Arena, state_dict: STATE_DICT_TYPE, future: _StagedFuture,
+                           started: float) -> None:
+        try:
+            self._prepare(arena, state_dict, future, started)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the save
+            log.error("dcp_nvme: staging failed: %s", exc)
+            future.set_exception(exc)
+        finally:
+            assert future.prepared is not None
+            future.prepared.set()
+
+    def _prepare(self, arena: Arena, state_dict: STATE_DICT_TYPE, future: _StagedFuture, started: float) -> None:
+        """Walk the state, (re)lay out the arena, build the staged dict, start the copies."""
+        tensors: list[torch.Tensor] = []
+        objects: list[Any] = []
+        template = structure_of(state_dict, tensors, objects)
+        first = self._first_staged(tensor_specs(template))
+        if arena.template != (template, first):
+            self._rebuild(arena, (template, first))
+        live = [t.detach() for t in tensors[:first]]
+        staged = materialize(template, live + arena.views, objects)
+        host_pairs, device_pairs = [], []
+        for src, dst in zip(tensors[first:], arena.views):
+            if src.device.type != "cpu":
+                device_pairs.append((dst, src.detach()))
+            elif self.background_copy:
+                host_pairs.append((dst, src.detach()))
+            else:
+                copy_host(dst, src.detach())
+        c = self._counters
+        c["last_live_bytes"] = sum(t.numel() * t.element_size() for t in live)
+        c["last_copy_bytes"] = sum(v.numel() * v.element_size() for v in arena.views)
+        if live:
+            self._hand_over_live(future, staged, live, host_pairs, device_pairs, started)
+        elif host_pairs or device_pairs:
+            self._copy_background(host_pairs, device_pairs, future, staged, started)
+        else:
+            c["last_copy_seconds"] = time.perf_counter() - started
+            future.set_result(staged)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix=_HELPER_PREFIX)
+        return self._helper
 
     def _acquire(self) -> Arena:
         """The next arena no save is reading; waits or fails per ``on_busy``."""
@@ -271,17 +332,28 @@ class NVMeStager(AsyncStager):
         return first
 
     def _hand_over_live(self, future: _StagedFuture, staged: Any, live: list[torch.Tensor],
-                        device_pairs: list) -> None:
-        """Bounded staging: the save gets ``staged`` at once (``future.early``); the Future
-        resolves when the save has written the live tensors (``waves``) or has ended."""
-        if device_pairs:  # the arena's device copies land before the save may read them
-            done = _StagedFuture(threading.get_ident())
-            self._copy_device(device_pairs, done, staged)
-            done.result()
-        wave = waves.WaveRelease({t.untyped_storage().data_ptr() for t in live},
-                                 lambda error: future.set_result(staged))
-        future.early, future.wave = staged, wave
+                        host_pairs: list, device_pairs: list, started: float) -> None:
+        """Bounded staging: the save gets ``staged`` once the arena copy is done
+        (``future.early``, ``future.copied``); the Future resolves when the save has written
+        the live tensors (``waves``) or has ended, or with the copy's error."""
+        copied: Future = Future()
+
+        def resolve(error: BaseException | None) -> None:
+            failed = copied.exception() if copied.done() else None
+            if failed is not None:
+                future.set_exception(failed)
+            else:
+                future.set_result(staged)
+
+        wave = waves.WaveRelease({t.untyped_storage().data_ptr() for t in live}, resolve)
+        # a failed copy: the save raises it and may never report progress; training is released
+        copied.add_done_callback(lambda done: done.exception() is not None and wave.release())
+        future.early, future.wave, future.copied = staged, wave, copied
         waves.register(wave)
+        if host_pairs or device_pairs:
+            self._copy_background(host_pairs, device_pairs, copied, staged, started)
+        else:
+            copied.set_result(staged)
 
     def _rebuild(self, arena: Arena, layout: tuple) -> None:
         template, first = layout
@@ -300,8 +372,31 @@ class NVMeStager(AsyncStager):
         arena.template = layout
         arena.views = arena_views(arena.buffer, specs, offsets)
 
-    def _copy_device(self, pairs: list, future: _StagedFuture, staged: Any) -> None:
-        """Device-to-arena copies on a side stream; the Future completes when they land."""
+    def _copy_background(self, host_pairs: list, device_pairs: list, future: Future, staged: Any,
+                         started: float) -> None:
+        """The arena copy off the caller's thread: device tensors on a side stream (queued here,
+        behind the work already queued on the current stream), host tensors on the staging
+        thread, chunked; ``future`` completes when both are done, or fails with what failed."""
+        events = self._queue_device(device_pairs) if device_pairs else []
+        counters = self._counters
+
+        def complete() -> None:
+            try:
+                for dst, src in host_pairs:
+                    copy_host_chunked(dst, src)
+                for event in events:
+                    event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the save
+                log.error("dcp_nvme: staging copy failed: %s", exc)
+                future.set_exception(exc)
+                return
+            counters["last_copy_seconds"] = time.perf_counter() - started
+            future.set_result(staged)
+
+        self._executor().submit(complete)  # on the staging thread: queued behind a walk there
+
+    def _queue_device(self, pairs: list) -> list:
+        """Queue device-to-arena copies on a side stream; returns the events marking their end."""
         events = []
         by_device: dict[torch.device, list] = {}
         for dst, src in pairs:
@@ -317,21 +412,19 @@ class NVMeStager(AsyncStager):
                     dst.copy_(src, non_blocking=True)
                     src.record_stream(stream)  # keep src's memory until the copy ran
                 events.append(stream.record_event())
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix=_HELPER_PREFIX)
-
-        def complete() -> None:
-            try:
-                for event in events:
-                    event.synchronize()
-                future.set_result(staged)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the save
-                future.set_exception(exc)
-
-        self._helper.submit(complete)
+        return events
 
     def synchronize_staging(self) -> None:
-        """Nothing to do: waiting happens on the Future returned by stage."""
+        """Wait until the last ``stage``'s copy is done (as ``staging_completion`` does); raises
+        what the copy raised. ``dcp.async_save`` never calls it (``should_synchronize_after_execute``
+        is False): waiting is the caller's, on ``staging_completion``, before the optimizer step."""
+        future = self._last() if self._last is not None else None
+        if future is None:
+            return  # released by the save and the staging thread: the copy is long done
+        wait([future])
+        error = future.exception()
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         """Wait for saves still reading the arenas, then free the arenas and threads."""
