@@ -35,7 +35,8 @@ from ..format.tables import ChunkRecord, FileRecord
 from ..format.validation import check_container
 from ..observe.stats import IOStats, PhaseTimer
 from ..storage.fsspec_dir import open_store
-from ..storage.local_dir import LocalStore, is_local_path, is_remote_url, local_path
+from ..storage.local_dir import LocalStore, is_local_path, is_remote_url
+from .compat import reader_location, reader_stock_options, require_location
 from .objects import bytes_for_planner, check_destination_kind
 from .planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 
@@ -74,7 +75,8 @@ class NVMeReader(StorageReader):
     """Load a checkpoint written by NVMeWriter, resharding as DCP's planner asks.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or an fsspec URL; or None, and DCP's ``checkpoint_id=``
+            names it (``dcp.load(sd, checkpoint_id=DIR, storage_reader=NVMeReader())``).
         queue_depth, block_size, direct_io, engine: as for NVMeWriter (and the same env vars).
         verify: check every byte read against the manifest's crc32c (env ``DCP_NVME_VERIFY``).
         read_mode: ``"direct"`` (O_DIRECT), ``"buffered"`` (page cache with sequential readahead)
@@ -91,8 +93,8 @@ class NVMeReader(StorageReader):
 
     def __init__(
         self,
-        path: str | os.PathLike,
-        *,
+        path: str | os.PathLike | None = None,
+        *stock_args: Any,
         queue_depth: int | None = None,
         block_size: int | str | None = None,
         direct_io: bool | None = None,
@@ -102,9 +104,11 @@ class NVMeReader(StorageReader):
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         storage_options: dict[str, Any] | None = None,
         allow_pickle: bool = False,
+        **stock_kwargs: Any,
     ) -> None:
         super().__init__()
-        self.path = local_path(path)
+        reader_stock_options(type(self), stock_args, stock_kwargs)  # FileSystemReader's arguments
+        self.path: str | None = reader_location(path)
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
             engine=engine, verify=verify, read_mode=read_mode,
@@ -125,14 +129,14 @@ class NVMeReader(StorageReader):
     @property
     def store(self) -> LocalStore:
         if self._store is None:  # one fsspec client per checkpoint, not one per call
-            self._store = open_store(self.path, self.storage_options)
+            self._store = open_store(require_location(type(self), self.path, "dcp.load"), self.storage_options)
         return self._store
 
     # ------------------------------------------------------------------ DCP protocol
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = local_path(checkpoint_id)
+            self.path = reader_location(checkpoint_id)
             self._store = None
         self._manifest = None
         self._checked = set()
@@ -150,7 +154,7 @@ class NVMeReader(StorageReader):
         return metadata
 
     @property
-    def checkpoint_id(self) -> str:
+    def checkpoint_id(self) -> str | None:
         return self.path
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
