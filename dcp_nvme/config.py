@@ -20,7 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidInputError, UnknownOptionError
+from .errors import InvalidInputError, MissingDependencyError, UnknownOptionError
 from .humanize import format_size
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,36 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...], source: str = 
     return value
 
 
+EXTRAS = {"s3": "s3", "s3a": "s3"}
+"""URL protocols whose fsspec backend one of our extras installs (``pip install 'dcp_nvme[s3]'``)."""
+
+
+def missing_backend(protocol: str, url: str, detail: str = "") -> MissingDependencyError:
+    """The error for a URL whose fsspec backend is not installed, naming what to install."""
+    extra = EXTRAS.get(protocol)
+    fix = f"pip install 'dcp_nvme[{extra}]'" if extra else (detail or f"install fsspec's backend for {protocol}://")
+    return MissingDependencyError(f"{url}: {protocol}:// URLs need a package that is not installed: {fix}")
+
+
+def check_backend(protocol: str, url: str) -> None:
+    """``protocol``'s fsspec implementation can be imported (looked up, not imported: s3fs
+    costs a second)."""
+    import importlib.util
+
+    from fsspec.registry import known_implementations, registry
+
+    known = known_implementations.get(protocol)
+    if protocol in registry or not known:
+        return
+    module = known["class"].split(".", 1)[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise missing_backend(protocol, url, known.get("err", ""))
+
+
 def check_url(name: str, value: Any, source: str = "the argument") -> str:
     """A directory or an fsspec URL whose protocol fsspec knows (checked now, not at first use)."""
     if isinstance(value, os.PathLike):
@@ -175,6 +205,7 @@ def check_url(name: str, value: Any, source: str = "the argument") -> str:
 
         if protocol not in fsspec.available_protocols():
             raise _invalid(name, value, source, f"fsspec knows no protocol {protocol!r}")
+        check_backend(protocol, value)
     return value
 
 
