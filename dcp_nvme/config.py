@@ -9,6 +9,7 @@ O_DIRECT on.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidInputError, UnknownOptionError
+from .errors import InvalidInputError, MissingDependencyError, UnknownOptionError
 from .humanize import format_size
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,36 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...], source: str = 
     return value
 
 
+EXTRAS = {"s3": "s3", "s3a": "s3"}
+"""URL protocols whose fsspec backend one of our extras installs (``pip install 'dcp_nvme[s3]'``)."""
+
+
+def missing_backend(protocol: str, url: str, detail: str = "") -> MissingDependencyError:
+    """The error for a URL whose fsspec backend is not installed, naming what to install."""
+    extra = EXTRAS.get(protocol)
+    fix = f"pip install 'dcp_nvme[{extra}]'" if extra else (detail or f"install fsspec's backend for {protocol}://")
+    return MissingDependencyError(f"{url}: {protocol}:// URLs need a package that is not installed: {fix}")
+
+
+def check_backend(protocol: str, url: str) -> None:
+    """``protocol``'s fsspec implementation can be imported (looked up, not imported: s3fs
+    costs a second)."""
+    import importlib.util
+
+    from fsspec.registry import known_implementations, registry
+
+    known = known_implementations.get(protocol)
+    if protocol in registry or not known:
+        return
+    module = known["class"].split(".", 1)[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise missing_backend(protocol, url, known.get("err", ""))
+
+
 def check_url(name: str, value: Any, source: str = "the argument") -> str:
     """A directory or an fsspec URL whose protocol fsspec knows (checked now, not at first use)."""
     if isinstance(value, os.PathLike):
@@ -177,6 +208,7 @@ def check_url(name: str, value: Any, source: str = "the argument") -> str:
 
         if protocol not in fsspec.available_protocols():
             raise _invalid(name, value, source, f"fsspec knows no protocol {protocol!r}")
+        check_backend(protocol, value)
     return value
 
 
@@ -255,7 +287,42 @@ _TUNED = ("queue_depth", "block_size", "direct_io", "node_queue_depth", "read_mo
           "node_write_order")
 
 
+OTHER_ENV = ("DCP_NVME_TUNE_FILE", "DCP_NVME_KVIKIO_PROBE_TIMEOUT")
+"""The ``DCP_NVME_*`` variables read outside ``IOConfig`` (the tune file, the kvikio probe)."""
+
+
+def known_env_names() -> tuple[str, ...]:
+    return tuple(ENV_PREFIX + name.upper() for name in _FIELDS) + OTHER_ENV
+
+
+def closest(name: str, choices: Any, cutoff: float = 0.6) -> str | None:
+    """The choice ``name`` is most likely a misspelling of, or None when none is close."""
+    found = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
+    return found[0] if found else None
+
+
+_WARNED_ENV: set[str] = set()
+
+
+def warn_unknown_env(environ: Any = None) -> list[str]:
+    """Warn (once per process and name) about each set ``DCP_NVME_*`` variable that no option
+    reads: a misspelt one would otherwise be ignored without a word. Returns the warnings."""
+    environ = os.environ if environ is None else environ
+    known = known_env_names()
+    said = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name in _WARNED_ENV:
+            continue
+        _WARNED_ENV.add(name)
+        guess = closest(name, known)
+        hint = f"did you mean {guess}?" if guess else f"the variables read are {', '.join(known)}"
+        said.append(f"dcp_nvme: environment variable {name} is not a dcp_nvme setting and is ignored; {hint}")
+        log.warning("%s", said[-1])
+    return said
+
+
 def _from_env() -> dict[str, Any]:
+    warn_unknown_env()
     found: dict[str, Any] = {}
     for name in _FIELDS:
         env_name = ENV_PREFIX + name.upper()
@@ -308,8 +375,14 @@ def _from_tune_file() -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring tune file %s: %s (rerun `dcp-nvme tune`)", path, str(exc)[:300])
         return {}
-    return {k: check_option(k, v, f"tune file {path} (rerun `dcp-nvme tune` or delete it)")
-            for k, v in values.items()}
+    checked = {}
+    for key, value in values.items():  # a value out of range is skipped, as a garbage file is
+        try:
+            checked[key] = check_option(key, value, f"tune file {path}")
+        except InvalidInputError as exc:
+            log.warning("ignoring %s of tune file %s: %s (rerun `dcp-nvme tune` or delete the file)",
+                        key, path, str(exc)[:300])
+    return checked
 
 
 def resolve_config(**explicit: Any) -> IOConfig:

@@ -68,6 +68,11 @@ class DrainError(DCPNVMeError, RuntimeError):
                          "intact; fix the cause and run `dcp-nvme drain` on it to resume.")
 
 
+class MissingDependencyError(DCPNVMeError, ImportError):
+    """An optional package a URL or feature needs is not installed; the message names the
+    ``pip install`` that adds it."""
+
+
 class BucketMissingError(DCPNVMeError, FileNotFoundError):
     """The object-store bucket a drain targets does not exist."""
 

@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import re
 import subprocess
@@ -119,12 +120,18 @@ def test_bad_environment_names_variable_and_value(monkeypatch, env, value, probl
 
 @pytest.mark.parametrize("best", [{"queue_depth": "many"}, {"block_size": 4096.5}, {"direct_io": "perhaps"},
                                   {"block_size": "1TiB"}])
-def test_bad_tune_file_values_name_the_file(tmp_path, monkeypatch, best):
+def test_bad_tune_file_values_are_warned_about_and_ignored(tmp_path, monkeypatch, caplog, best):
+    """An out-of-range or garbage value costs only that value (a warning naming the file), never
+    every NVMeWriter(): the file's good values still apply."""
     tune = tmp_path / "tune.json"
-    tune.write_text(json.dumps({"best": best}))
+    tune.write_text(json.dumps({"best": {**best, "node_write_order": "staggered"}}))
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune))
-    with pytest.raises(ValueError, match=f"from tune file {tune}"):
-        resolve_config()
+    with caplog.at_level(logging.WARNING, logger="dcp_nvme.config"):
+        config = resolve_config()
+    (key,) = best
+    assert getattr(config, key) == getattr(IOConfig(), key)
+    assert config.node_write_order == "staggered"
+    assert f"ignoring {key} of tune file {tune}" in caplog.text and "rerun `dcp-nvme tune`" in caplog.text
 
 
 def test_writer_and_reader_check_their_options_at_construction(tmp_path):
@@ -241,3 +248,23 @@ def test_a_hostile_tune_file_is_ignored_with_a_warning_in_bounded_memory(tmp_pat
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "DEFAULTS True" in proc.stdout and f"ignoring tune file {tune}" in proc.stdout, proc.stdout
+
+
+def test_misspelt_environment_variable_is_named_with_the_closest_real_one(monkeypatch, caplog):
+    from dcp_nvme import config
+
+    monkeypatch.setattr(config, "_WARNED_ENV", set())
+    monkeypatch.setenv("DCP_NVME_QUEUE_DEPHT", "4")
+    monkeypatch.setenv("DCP_NVME_BLOK_SIZE", "1MiB")
+    monkeypatch.setenv("DCP_NVME_QUEUE_DEPTH", "3")  # a real one: no warning
+    with caplog.at_level(logging.WARNING, logger="dcp_nvme.config"):
+        assert resolve_config().queue_depth == 3
+        resolve_config()  # once per process and name
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert any("DCP_NVME_QUEUE_DEPHT is not a dcp_nvme setting" in w and "did you mean DCP_NVME_QUEUE_DEPTH?" in w
+               for w in warned)
+    assert any("DCP_NVME_BLOK_SIZE" in w and "did you mean DCP_NVME_BLOCK_SIZE?" in w for w in warned)
+    assert config.warn_unknown_env({"DCP_NVME_ZZZZZZZZZZZZ": "1"}) == [
+        "dcp_nvme: environment variable DCP_NVME_ZZZZZZZZZZZZ is not a dcp_nvme setting and is ignored; "
+        "the variables read are " + ", ".join(config.known_env_names())]

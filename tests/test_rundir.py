@@ -80,3 +80,12 @@ def test_missing_run_dir_and_bad_kind(tmp_path):
     assert latest(tmp_path / "nope") is None
     with pytest.raises(ValueError, match="unknown checkpoint kind"):
         checkpoints(tmp_path, kinds=("zarr",))
+
+
+def test_latest_is_a_checkpoint_our_reader_loads(tmp_path):
+    ours = _commit(tmp_path, "step_10")
+    stock = _commit(tmp_path, "step_20", marker=".metadata")  # newer, but DCP's stock layout
+    assert latest(tmp_path) == ours
+    assert latest(tmp_path, kinds=("nvme", "dcp")) == stock
+    assert [(c.name, c.kind) for c in checkpoints(tmp_path)] == [("step_10", "nvme"), ("step_20", "dcp")]
+    assert latest(tmp_path / "step_20") is None

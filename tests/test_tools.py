@@ -433,7 +433,7 @@ def test_bad_arguments_give_one_line_cli(ckpt: Path, tmp_path: Path):
         ["inspect", str(ckpt), "--filter", "zzz*"],
         ["verify", str(empty)],
         ["list", nope],
-        ["export", str(ckpt), "--to", "hf", str(tmp_path / "o3"), "--no-progress"],
+        ["export", str(ckpt), "--to", "hf", str(tmp_path / "o3"), "--no-progress", "--include-optimizer"],
     )
     expected = [("does not exist",), ("not a dcp_nvme checkpoint",), ("decoder.*", "matches no tensor"),
                 ("already exists",), ("unknown --dtype",), ("does not exist",), ("matches",),

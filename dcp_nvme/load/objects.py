@@ -191,24 +191,25 @@ def _plain(data: bytes) -> bool:
 def items_needing_pickle(store: Any, chunks: Any) -> list[tuple[str, str, str]]:
     """``(fqn, file, reason)`` of each stored non-tensor item that the weights-only unpickler
     refuses, i.e. that loads only with the opt-in. Reads one item at a time, never more bytes
-    than its file holds; runs nothing from the checkpoint."""
+    than its file holds; runs nothing from the checkpoint. An item that cannot be read whole (its
+    file missing, short or damaged) is not judged: that is the file's problem, which ``verify``
+    reports as such, not a reason to trust pickle."""
     found = []
     for chunk in chunks:
         if chunk.kind != "bytes":
             continue
         try:
             size = store.size(chunk.file)
-        except (OSError, DCPNVMeError) as exc:  # missing, or a compressed file whose table is damaged
-            found.append((chunk.fqn, chunk.file, f"unreadable: {exc}"))
+        except (OSError, DCPNVMeError):  # missing, or a compressed file whose table is damaged
             continue
         if chunk.byte_offset < 0 or chunk.length < 0 or chunk.byte_offset + chunk.length > size:
-            found.append((chunk.fqn, chunk.file, "its recorded byte range lies outside the file"))
             continue
         buffer = bytearray(chunk.length)
         try:
             got = store.read_into(chunk.file, chunk.byte_offset, memoryview(buffer))
-        except (OSError, DCPNVMeError) as exc:  # a damaged chunk of a compressed mirror
-            found.append((chunk.fqn, chunk.file, f"unreadable: {exc}"))
+        except (OSError, DCPNVMeError):  # a damaged chunk of a compressed mirror
+            continue
+        if got != chunk.length:
             continue
         data = bytes(buffer[:got])
         if _plain(data):

@@ -35,7 +35,8 @@ from ..format.tables import ChunkRecord, FileRecord
 from ..format.validation import check_container
 from ..observe.stats import IOStats, PhaseTimer
 from ..storage.fsspec_dir import open_store
-from ..storage.local_dir import LocalStore, is_local_path, is_remote_url, local_path
+from ..storage.local_dir import LocalStore, is_local_path, is_remote_url
+from .compat import reader_location, reader_stock_options, require_location
 from .objects import bytes_for_planner, check_destination_kind
 from .planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 
@@ -74,7 +75,8 @@ class NVMeReader(StorageReader):
     """Load a checkpoint written by NVMeWriter, resharding as DCP's planner asks.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or an fsspec URL; or None, and DCP's ``checkpoint_id=``
+            names it (``dcp.load(sd, checkpoint_id=DIR, storage_reader=NVMeReader())``).
         queue_depth, block_size, direct_io, engine: as for NVMeWriter (and the same env vars).
         verify: check every byte read against the manifest's crc32c (env ``DCP_NVME_VERIFY``).
         read_mode: ``"direct"`` (O_DIRECT), ``"buffered"`` (page cache with sequential readahead)
@@ -96,8 +98,8 @@ class NVMeReader(StorageReader):
 
     def __init__(
         self,
-        path: str | os.PathLike,
-        *,
+        path: str | os.PathLike | None = None,
+        *stock_args: Any,
         queue_depth: int | None = None,
         block_size: int | str | None = None,
         direct_io: bool | None = None,
@@ -110,14 +112,16 @@ class NVMeReader(StorageReader):
         mirror: str | os.PathLike | None = None,
         mirror_options: dict[str, Any] | None = None,
         peers: bool | None = None,
+        **stock_kwargs: Any,
     ) -> None:
         super().__init__()
+        reader_stock_options(type(self), stock_args, stock_kwargs)  # FileSystemReader's arguments
         self.mirror = None if mirror is None else check_option("mirror", mirror)
         self.mirror_options = mirror_options
         self.peers = option_or_env("peers", peers, self.mirror is not None)
         self._sources = None
         """``load.sources.RestoreSources`` of the current load, with a mirror or peers."""
-        self.path = local_path(path)
+        self.path: str | None = reader_location(path)
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
             engine=engine, verify=verify, read_mode=read_mode,
@@ -138,14 +142,14 @@ class NVMeReader(StorageReader):
     @property
     def store(self) -> LocalStore:
         if self._store is None:  # one fsspec client per checkpoint, not one per call
-            self._store = open_store(self.path, self.storage_options)
+            self._store = open_store(require_location(type(self), self.path, "dcp.load"), self.storage_options)
         return self._store
 
     # ------------------------------------------------------------------ DCP protocol
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = local_path(checkpoint_id)
+            self.path = reader_location(checkpoint_id)
             self._store = None
         self._manifest = None
         self._checked = set()
@@ -159,11 +163,12 @@ class NVMeReader(StorageReader):
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self.peers and not is_remote_url(self.path):
+        path = require_location(type(self), self.path, "dcp.load")
+        if self.peers and not is_remote_url(path):
             from .sources import RestoreSources, join_peers
 
             node = node_identity()
-            self._sources = RestoreSources(self.path, node, join_peers(self.path, node), self.mirror,
+            self._sources = RestoreSources(path, node, join_peers(path, node), self.mirror,
                                            self.mirror_options, self.config)
             self._sources.ensure_metadata()  # a replacement node's empty disk gets it from a peer
             self._manifest, self._store = None, None
@@ -172,7 +177,7 @@ class NVMeReader(StorageReader):
         return metadata
 
     @property
-    def checkpoint_id(self) -> str:
+    def checkpoint_id(self) -> str | None:
         return self.path
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -45,13 +45,15 @@ from ..format.names import (
 )
 from ..format.placement import ContainerLayout, plan_container
 from ..format.tables import chunks_table, files_table
+from ..load.compat import require_location, writer_location
 from ..observe.blockdev import warn_once
 from ..observe.drive_health import DriveWatch
 from ..observe.stats import PhaseTimer
 from ..observe.telemetry import format_summary, layer_summary
 from ..storage import save_lock
-from ..storage.local_dir import LocalStore, is_local_path, local_path, write_commit_file
+from ..storage.local_dir import LocalStore, is_local_path, write_commit_file
 from . import waves
+from .compat import exists_message, refuse_existing_early, writer_stock_options
 from .items import resolve_item, with_pads
 from .node_budget import budgeted, local_ranks, node_turn, ranks_per_host, this_host
 from .node_commit import (
@@ -95,7 +97,9 @@ class NVMeWriter(StorageWriter):
     """Save a DCP checkpoint as one safetensors container per rank plus a Parquet manifest.
 
     Args:
-        path: the checkpoint directory (created if missing).
+        path: the checkpoint directory (created if missing); or None, and DCP's
+            ``checkpoint_id=`` names it (``dcp.save(sd, checkpoint_id=DIR, storage_writer=NVMeWriter())``).
+            A local directory only: a URL is refused (save locally with ``mirror=URL``).
         queue_depth: requests in flight per rank (env ``DCP_NVME_QUEUE_DEPTH``).
         block_size: bytes per request, e.g. ``"8MiB"`` (env ``DCP_NVME_BLOCK_SIZE``).
         direct_io: O_DIRECT where the filesystem allows it (env ``DCP_NVME_DIRECT_IO``).
@@ -121,12 +125,15 @@ class NVMeWriter(StorageWriter):
             default 0. ``writer.replication_future`` resolves when this node's part is done.
         replica_bandwidth: bytes/s each pull may use (e.g. ``"200MB"``; env
             ``DCP_NVME_REPLICA_BANDWIDTH``; unlimited by default).
+
+    FileSystemWriter's own arguments (``sync_files``, ``thread_count``...) are accepted where
+    their value is what this writer does, else refused naming the option that does that job.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike,
-        *,
+        path: str | os.PathLike | None = None,
+        *stock_args: Any,
         queue_depth: int | None = None,
         block_size: int | str | None = None,
         direct_io: bool | None = None,
@@ -140,13 +147,15 @@ class NVMeWriter(StorageWriter):
         compress: str | None = None,
         replicas: int | None = None,
         replica_bandwidth: int | str | None = None,
+        **stock_kwargs: Any,
     ) -> None:
         super().__init__()
+        writer_stock_options(type(self), stock_args, stock_kwargs)
         self.replicas = option_or_env("replicas", replicas, 0)
         self.replica_bandwidth = option_or_env("replica_bandwidth", replica_bandwidth, None)
         self.replication_future = None
         """With ``replicas``, on each node writer: a Future of the last save's ReplicationResult."""
-        self.path = local_path(path)
+        self.path: str | None = writer_location(path)
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine,
             node_queue_depth=node_queue_depth, node_write_order=node_write_order,
@@ -190,16 +199,19 @@ class NVMeWriter(StorageWriter):
         """On the coordinator: where the ranks' directories are, found while planning."""
         self._committer: NodeCommitter | None = None
         """On a node writer: the thread committing this node's copy of the last save."""
+        refuse_existing_early(self.path, self.overwrite)
 
     # ------------------------------------------------------------------ DCP protocol
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = local_path(checkpoint_id)
+            self.path = writer_location(checkpoint_id)
+            refuse_existing_early(self.path, self.overwrite)  # before DCP's collectives: one line
         self.save_key = None
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        require_location(type(self), self.path, "dcp.save")
         self.is_coordinator = is_coordinator
         self.use_collectives = kwargs.get("use_collectives", True)
         self._rank = kwargs.get("rank", 0)  # in the save's group: the index of this rank's plan
@@ -225,9 +237,7 @@ class NVMeWriter(StorageWriter):
 
     def _refuse_existing(self, where: str) -> None:
         if LocalStore(self.path).has(MANIFEST) and not self.overwrite:
-            raise CheckpointExistsError(
-                f"{where} already holds a committed checkpoint; pass overwrite=True to replace it (it "
-                "stays loadable until the new one commits) or save elsewhere")
+            raise CheckpointExistsError(exists_message(where))
 
     def mirror_url(self) -> str | None:
         """Where this checkpoint drains: ``mirror``, or ``mirror_root`` + its directory name."""
@@ -499,7 +509,7 @@ class NVMeWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     @property
-    def checkpoint_id(self) -> str:
+    def checkpoint_id(self) -> str | None:
         return self.path
 
     @classmethod

@@ -12,13 +12,17 @@ from typing import Any
 
 import fsspec
 
+from ..config import missing_backend
 from ..errors import ManifestError
 from .local_dir import LocalStore, bare_name, fsync_dir, is_remote_url, local_path
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None):
     """(fsspec filesystem, root path inside it) for a URL; storage options go to the backend."""
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:  # fsspec's "Install s3fs to access S3": say which extra adds it
+        raise missing_backend(url.split("://", 1)[0], url, str(exc)) from exc
     return fs, root.rstrip("/")
 
 

@@ -138,9 +138,11 @@ def checkpoints(
 def latest(
     run_dir: str | os.PathLike,
     *,
-    kinds: Iterable[str] = (NVME, DCP),
+    kinds: Iterable[str] = (NVME,),
     extra_markers: Iterable[str] = (),
 ) -> Path | None:
-    """The newest committed checkpoint under ``run_dir`` (see :func:`checkpoints`), or None."""
+    """The newest committed dcp_nvme checkpoint under ``run_dir`` (see :func:`checkpoints`), or
+    None: one ``NVMeReader`` loads. A stock DCP checkpoint in the same run is passed over unless
+    ``kinds`` names ``"dcp"`` too (``checkpoints()`` lists both, each with its ``kind``)."""
     found = checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)
     return found[-1].path if found else None

@@ -27,7 +27,13 @@ from itertools import chain
 from typing import Any
 
 from ..engines.bounded import run_bounded
-from ..errors import CheckpointNotFoundError, DrainError, InvalidInputError, ManifestError
+from ..errors import (
+    CheckpointNotFoundError,
+    DrainError,
+    InvalidInputError,
+    ManifestError,
+    MissingDependencyError,
+)
 from ..format.codec import DEFAULT_LEVEL
 from ..format.names import MANIFEST, save_key_of
 from ..format.pieces import Piece, plan_pieces, verify_piece
@@ -186,15 +192,15 @@ def drain(
     location = os.fspath(local)
     if is_local_path(target) and "://" not in target:  # a plain path is recorded (journal, a delta's
         target = os.path.abspath(target)  # base) absolute: it resolves from any working directory
-    _refuse_overlap(location, target, open_sink(target, storage_options, filesystem))
     try:
+        _refuse_overlap(location, target, open_sink(target, storage_options, filesystem))
         with drain_lock(location, target):
             if options.compress != "off" and DrainSource(location).node_local:
                 raise DrainError(location, target, f"compress={options.compress!r} is not available for a "
                                  "node-local checkpoint (each node drains its own files); drain it with "
                                  "compress='off'")
             return _drain_locked(location, target, storage_options, filesystem, options, progress)
-    except (DrainBusy, CheckpointNotFoundError) as exc:
+    except (DrainBusy, CheckpointNotFoundError, MissingDependencyError) as exc:
         raise DrainError(location, target, str(exc)) from exc
 
 
@@ -245,6 +251,7 @@ class _DrainRun:
         self.result.attempts = attempt
         self.journal.update(state=DRAINING, pid=os.getpid(), attempts=self.journal.doc.get("attempts", 0) + 1,
                             bytes_total=self.result.bytes_total, cause="")
+        fresh.check_present()  # a missing or cut local file: failed at once, and journaled
 
     def _sending(self) -> DrainSource | CompressedSource:
         """What goes to the target: the save itself, or its coded view (coded once per save,

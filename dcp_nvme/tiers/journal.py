@@ -27,6 +27,7 @@ from ..format.manifest import MAX_MANIFEST, missing_manifest_error
 from ..format.names import MANIFEST
 from ..format.pieces import Piece
 from ..storage.local_dir import LocalStore, create_no_follow, read_regular
+from ..storage.run_dir import DCP, DCP_MARKER, committed_kind
 from .transfer import piece_entry
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ LOCK = ".drain.lock"
 JOURNAL_VERSION = 2
 """Version 2 records byte ranges; an older journal (piece numbers only) is started afresh."""
 LOCAL, DRAINING, MIRRORED, FAILED, UNCOMMITTED = "local", "draining", "mirrored", "failed", "uncommitted"
+FOREIGN = "foreign"
+"""A directory committed by DCP's own FileSystemWriter: not ours to drain."""
 
 
 @dataclass
@@ -102,10 +105,15 @@ def _local_save_key(path: str | os.PathLike) -> tuple[str | None, str]:
 
 
 def drain_state(path: str | os.PathLike) -> DrainState:
-    """The drain state of a local checkpoint: local, draining, mirrored, failed (or uncommitted)."""
+    """The drain state of a local checkpoint: local, draining, mirrored, failed (or uncommitted,
+    or stock DCP: a directory of DCP's FileSystemWriter)."""
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
     key, why = _local_save_key(path)
+    if key is None and committed_kind(path, (DCP,)) and not os.path.lexists(os.path.join(path, MANIFEST)):
+        return DrainState(FOREIGN, cause=f"a stock DCP checkpoint, written by DCP's FileSystemWriter "
+                          f"({DCP_MARKER}), not by dcp_nvme: it has no drain; to mirror it convert it first: "
+                          f"dcp-nvme convert {path} OUT --to nvme")
     if key is None:
         return DrainState(UNCOMMITTED, cause=why)
     doc = load_journal(path)

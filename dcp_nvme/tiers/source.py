@@ -19,7 +19,7 @@ from ..format.names import MANIFEST
 from ..format.pieces import Piece, verify_piece
 from ..format.tables import FileRecord
 from ..storage.local_dir import LocalStore, open_regular
-from .transfer import DrainFault, SourceChanged, step
+from .transfer import DrainFault, LocalDamage, SourceChanged, step
 
 
 class DrainSource:
@@ -49,6 +49,20 @@ class DrainSource:
                                 "the complete files of no node: nothing here can be drained")
         return here, [name for node in here for name in by_node[node]]
 
+    def check_present(self) -> None:
+        """Every file this drain sends is here at its recorded size (a stat each): a missing or
+        cut file fails the drain at once, before anything is sent, instead of retry after retry."""
+        for name in self.names:
+            record, path = self.files.get(name), self.store.path(name)
+            try:
+                size = self.store.size(name)
+            except FileNotFoundError:
+                raise LocalDamage(f"{path} is missing: the local checkpoint is damaged; a retry cannot "
+                                  "restore it (save again, or load an earlier checkpoint)") from None
+            if record is not None and size != record.size:
+                raise LocalDamage(f"{path} is {size} bytes, its manifest says {record.size}: the local "
+                                  "checkpoint is damaged; a retry cannot restore it")
+
     @property
     def node_local(self) -> bool:
         return self.manifest.node_local
@@ -69,7 +83,11 @@ class DrainSource:
         """The piece's bytes from local disk, checked against the blocks table."""
         path = self.store.path(record.name)
         with step(f"reading {path} bytes {piece.offset}-{piece.offset + piece.length}"):
-            with os.fdopen(open_regular(path), "rb") as handle:  # no FIFO, no link
+            try:
+                handle = os.fdopen(open_regular(path), "rb")  # no FIFO, no link
+            except FileNotFoundError:  # removed since the start (changed() tells an overwrite apart)
+                raise LocalDamage(f"{path} is missing: the local checkpoint is damaged") from None
+            with handle:
                 data = os.pread(handle.fileno(), piece.length, piece.offset)
             if len(data) != piece.length:
                 raise ManifestError(f"{path} is truncated at {piece.offset + len(data)} of "

@@ -39,6 +39,13 @@ class IncompleteOnTarget(DrainFault):
     """A file on the target does not match the manifest after it was sent (size, coverage)."""
 
 
+class LocalDamage(DrainFault):
+    """A file of the local checkpoint is missing or is not the size its manifest records: the
+    save being drained is damaged here, and no retry brings the bytes back."""
+
+    permanent = True
+
+
 class SourceChanged(DrainFault):
     """The local checkpoint was overwritten (a new save committed) while it was draining."""
 
@@ -138,13 +145,13 @@ def classify(exc: BaseException) -> str:
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """Errors a retry cannot fix: bad local data, a corrupt mirror, a local checkpoint gone or
-    overwritten under the drain."""
-    from ..errors import CheckpointNotFoundError, ManifestError
+    """Errors a retry cannot fix: bad or missing local data, a corrupt mirror, a local checkpoint
+    gone or overwritten under the drain, a backend package that is not installed."""
+    from ..errors import CheckpointNotFoundError, ManifestError, MissingDependencyError
 
     if isinstance(exc, DrainFault):
         return exc.permanent
-    return isinstance(exc, (ChecksumMismatchError, CheckpointNotFoundError, ManifestError))
+    return isinstance(exc, (ChecksumMismatchError, CheckpointNotFoundError, ManifestError, MissingDependencyError))
 
 
 def backoff_delay(attempt: int, base: float, cap: float) -> float:

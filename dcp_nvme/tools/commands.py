@@ -150,12 +150,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     progress = not args.no_progress and not args.json
     result = export_hf(args.checkpoint, args.out, keys=args.keys, strip_prefix=args.strip_prefix,
                        dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       overwrite=args.overwrite, progress=progress)
+                       overwrite=args.overwrite, progress=progress, include_optimizer=args.include_optimizer)
     if args.json:
         _json(result.to_dict(), args.checkpoint)
         return 0
     print(f"exported {result.tensors} tensor(s), {human_bytes(result.total_size)}, into "
           f"{len(result.shards)} shard(s) in {result.out} ({result.seconds:.2f} s)")
+    if result.left_out:
+        print("left out (not model weights): " + ", ".join(f"{k} ({n} tensor(s))" for k, n in sorted(result.left_out.items()))
+              + "; pass --include-optimizer to export every tensor")
     if result.skipped_objects:
         print(f"skipped {len(result.skipped_objects)} non-tensor item(s): "
               + ", ".join(result.skipped_objects[:5]) + (" ..." if len(result.skipped_objects) > 5 else ""))
@@ -257,6 +260,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--keys", action="append", metavar="GLOB",
                    help="export only names matching this glob, e.g. 'model.*' (repeatable)")
     p.add_argument("--strip-prefix", metavar="PREFIX", help="remove this prefix from names, e.g. 'model.'")
+    p.add_argument("--include-optimizer", action="store_true",
+                   help="export every tensor (optimizer state too) as named in the checkpoint; by default only "
+                        "the model's weights, with a leading 'model.' removed")
     p.add_argument("--dtype", help="cast floating-point tensors, e.g. bf16, fp16, fp32")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB (default), 500MB")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")

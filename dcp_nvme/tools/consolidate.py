@@ -4,6 +4,7 @@ which byte ranges of which container fill which bytes of each full tensor. No I/
 from __future__ import annotations
 
 import fnmatch
+import glob
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,49 @@ def parse_out_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
         return DTYPE_ALIASES[name.lower().removeprefix("torch.")]
     except KeyError:
         raise InvalidInputError(f"unknown --dtype {name!r}; use one of {sorted(DTYPE_ALIASES)}") from None
+
+
+MODEL_KEYS = ("model", "module", "state_dict", "model_state_dict", "model_state")
+"""Top-level keys that hold a model's weights in the usual training state dicts (DCP's own
+examples and Hugging Face's FSDP: ``model``; Lightning: ``state_dict``; DeepSpeed: ``module``)."""
+TRAINING_KEYS = ("optimizer", "optimizers", "optim", "opt", "optimizer_states", "optimizer_state_dict",
+                 "lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state", "rng", "rng_state")
+"""Top-level keys of training state that a model export leaves out (torchtitan keeps the model's
+weights at the top level and its optimizer under ``optimizer``)."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a model export takes by default: globs, the prefix removed, what it leaves out."""
+
+    keys: list[str] | None
+    strip_prefix: str | None
+    left_out: dict[str, int]
+    """Top-level key -> tensors under it that are not exported."""
+
+
+def model_selection(fqns: Sequence[str]) -> Selection:
+    """The model's weights under the names Hugging Face expects: the tensors under the first
+    of ``MODEL_KEYS`` with that key removed (``model.lm_head.weight`` -> ``lm_head.weight``), else
+    every tensor outside ``TRAINING_KEYS``, named as stored."""
+    tops: dict[str, int] = {}
+    for fqn in fqns:
+        top = fqn.split(".", 1)[0]
+        tops[top] = tops.get(top, 0) + 1
+    model = next((k for k in MODEL_KEYS if k in tops and any(f.startswith(k + ".") for f in fqns)), None)
+    if model is not None:
+        return Selection([glob.escape(model) + ".*"], f"{model}.", {k: n for k, n in tops.items() if k != model})
+    left = {k: n for k, n in tops.items() if k in TRAINING_KEYS}
+    if not left:
+        return Selection(None, None, {})
+    kept = sorted(k for k in tops if k not in left)
+    if not kept:
+        raise InvalidInputError(f"found no model weights, only training state ({', '.join(sorted(left))}); "
+                                "pass --include-optimizer to export it, or --keys to choose")
+    names = set(fqns)
+    globs = [pattern for k in kept for pattern, present in (
+        (glob.escape(k), k in names), (glob.escape(k) + ".*", tops[k] > (k in names))) if present]
+    return Selection(globs, None, left)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,15 @@ from ..humanize import progress_bar
 from ..load.coded import coded_engine, decoded_view
 from ..load.planning import FileBlocks, plan_reads
 from ..storage.local_dir import LocalStore, is_remote_url
-from .consolidate import TensorPlan, chunk_needs, parse_out_dtype, plan_shards, select_tensors, shard_name
+from .consolidate import (
+    TensorPlan,
+    chunk_needs,
+    model_selection,
+    parse_out_dtype,
+    plan_shards,
+    select_tensors,
+    shard_name,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 HEADER_ALIGN = 8
@@ -56,6 +64,8 @@ class ExportResult:
     """Non-tensor items of the selection (DCP's BYTE_IO), which have no place in an HF model."""
     largest_tensor: int = 0
     seconds: float = 0.0
+    left_out: dict[str, int] = field(default_factory=dict)
+    """Training state a model export leaves out: top-level key -> its tensors (``include_optimizer``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,12 +81,17 @@ def export_hf(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     progress: bool = False,
+    include_optimizer: bool = False,
 ) -> ExportResult:
     """Write ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` to ``out``.
 
-    ``keys``: globs on the checkpoint's names (e.g. ``"model.*"``); ``strip_prefix`` is removed
-    from the names that start with it; ``dtype`` casts floating-point tensors. The output appears
-    whole or not at all (written to a temporary sibling, then renamed).
+    By default the model's weights, under the names Hugging Face expects: the tensors under a
+    ``model`` (``state_dict``, ``module``) key with that prefix removed, else every tensor except
+    optimizer and training state (``tools.consolidate.model_selection``); ``include_optimizer``
+    exports every tensor as named in the checkpoint. ``keys``: globs on the checkpoint's names
+    (e.g. ``"model.*"``) instead; ``strip_prefix`` is removed from the names that start with it;
+    ``dtype`` casts floating-point tensors. The output appears whole or not at all (written to a
+    temporary sibling, then renamed).
     """
     started = time.perf_counter()
     if is_remote_url(checkpoint):
@@ -92,6 +107,11 @@ def export_hf(
     raw = LocalStore(location)
     store = decoded_view(raw)  # a compressed mirror reads as its plain files
     manifest = read_manifest(store, location)
+    left_out: dict[str, int] = {}
+    if keys is None and not include_optimizer:
+        chosen = model_selection(list(dict.fromkeys(c.fqn for c in manifest.chunks if c.kind == "tensor")))
+        keys, left_out = chosen.keys, chosen.left_out
+        strip_prefix = chosen.strip_prefix if strip_prefix is None else strip_prefix
     tensors = select_tensors(manifest.chunks, keys=keys, strip_prefix=strip_prefix, dtype=out_dtype,
                              location=location)
     files = read_files(store, manifest, location)
@@ -99,7 +119,7 @@ def export_hf(
         check_container(store, files[name], manifest, location)
     shards = plan_shards(tensors, limit)
     result = ExportResult(str(out_path), tensors=len(tensors), total_size=sum(t.nbytes for t in tensors),
-                          largest_tensor=max(t.stored_nbytes for t in tensors))
+                          largest_tensor=max(t.stored_nbytes for t in tensors), left_out=left_out)
     result.skipped_objects = sorted({c.fqn for c in manifest.chunks if c.kind == "bytes"
                                      and (not keys or any(_match(c.fqn, k) for k in keys))})
     temp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")

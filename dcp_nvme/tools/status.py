@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, DCPNVMeError
 from ..format.manifest import Manifest, read_manifest
 from ..format.names import DCP_METADATA, MANIFEST, save_key_of
-from ..storage.local_dir import Store
+from ..storage.local_dir import LocalStore, Store, file_kind, open_regular
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
@@ -39,6 +41,9 @@ def checkpoint_state(source: Store) -> CheckpointState:
     """Read the manifest and index if there are any; never raises for a bad checkpoint."""
     location = source.location
     if not source.exists():
+        if isinstance(source, LocalStore) and os.path.lexists(location):
+            return CheckpointState(location, NOT_A_CHECKPOINT, f"{location} is {what_file_is(location)}; a "
+                                   "dcp_nvme checkpoint is a directory holding manifest.json")
         return CheckpointState(location, MISSING, f"{location} does not exist")
     names = source.names()
     data_files = [n for n in names if n.endswith(".safetensors") and save_key_of(n)]
@@ -87,6 +92,36 @@ def quick_check(source: Store, manifest: Manifest) -> tuple[list[str], list[str]
             missing -= {name for node in absent for name in by_node[node]}
     problems += [f"{name} is missing" for name, _ in listed if name in missing]
     return problems, elsewhere
+
+
+def what_file_is(path: str) -> str:
+    """What a path that is not a directory holds, from its name and first bytes, for messages."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "unreadable"
+    if not stat.S_ISREG(mode):
+        return file_kind(mode)
+    parent, name = os.path.split(os.path.abspath(path))
+    if name in (MANIFEST, DCP_METADATA) or (name.endswith(".safetensors") and save_key_of(name)):
+        if os.path.isfile(os.path.join(parent, MANIFEST)) or os.path.isfile(os.path.join(parent, DCP_METADATA)):
+            return f"a file of the checkpoint {parent} (inspect that directory)"
+    try:
+        fd = open_regular(path)
+        try:
+            head, size = os.pread(fd, 16, 0), os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    except (OSError, DCPNVMeError):
+        return "a file that cannot be read"
+    if head.startswith(b"PK\x03\x04"):
+        return ("a zip archive, such as a torch.save file (load it with torch.load, or convert it: "
+                f"dcp-nvme convert {path} OUT --to nvme)")
+    if len(head) > 8 and 0 < int.from_bytes(head[:8], "little") < size and head[8:9] == b"{":
+        return "a safetensors file (one file, not a checkpoint directory)"
+    if head.startswith(b"\x80"):
+        return "a pickle file (torch.save's legacy format?)"
+    return f"a file of {size} bytes"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,0 +1,106 @@
+"""FileSystemWriter's arguments on NVMeWriter, and the overwrite refusal in the stock wording.
+
+Each stock argument is accepted where its value is what NVMeWriter does anyway, and otherwise
+refused with a message naming the option of ours that does that job. The rules for the reader,
+and the location checks, are in ``load.compat``.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import CheckpointExistsError, InvalidInputError
+from ..format.names import MANIFEST
+from ..load.compat import refuse_positional, unknown_option
+from ..storage.local_dir import LocalStore
+
+STOCK_WRITER_POSITIONAL = ("single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead",
+                           "cache_staged_state_dict", "overwrite", "_extensions", "serialization_format")
+"""FileSystemWriter's arguments after the path, in its order."""
+
+_STAGER = ("dcp.async_save(state_dict, storage_writer=NVMeWriter(path), async_stager=NVMeStager()), "
+           "which keeps pinned staging memory across saves")
+
+
+def _refusal(name: str, value: Any) -> str | None:
+    """Why ``name=value`` (a FileSystemWriter argument) cannot be honoured, or None when it is
+    what NVMeWriter does anyway."""
+    if name == "single_file_per_rank":
+        return None if value is True else "NVMeWriter always writes one container per rank"
+    if name == "sync_files":
+        return None if value is True else (
+            "NVMeWriter fsyncs every file before the commit (a checkpoint a crash can tear is never "
+            f"committed); to take the save off the training loop use {_STAGER}")
+    if name == "thread_count":
+        return ("NVMeWriter keeps queue_depth requests in flight per rank (default 8, env "
+                "DCP_NVME_QUEUE_DEPTH, or what `dcp-nvme tune` measured); pass queue_depth=N")
+    if name == "per_thread_copy_ahead":
+        return ("NVMeWriter copies device memory through queue_depth bounce buffers of block_size bytes; "
+                "pass block_size= (e.g. '8MiB') and queue_depth=")
+    if name == "cache_staged_state_dict":
+        return None if value is False else f"staging is NVMeStager's job: {_STAGER}"
+    if name == "_extensions":
+        return None if not value else (
+            "NVMeWriter applies no stream extensions: the local checkpoint is plain safetensors; to "
+            "store the mirror compressed pass mirror=URL, compress='auto'")
+    if name == "serialization_format":
+        if getattr(value, "name", value) == "SAFETENSORS":
+            return None
+        return ("NVMeWriter writes safetensors containers (SerializationFormat.SAFETENSORS); for a "
+                "torch.save file convert the checkpoint: dcp-nvme convert DIR OUT --to torch")
+    return ""
+
+
+def writer_stock_options(cls: type, args: tuple[Any, ...], extra: dict[str, Any]) -> None:
+    """Accept or refuse the FileSystemWriter arguments that NVMeWriter does not take itself."""
+    refuse_positional(cls, "FileSystemWriter", STOCK_WRITER_POSITIONAL, args)
+    for name, value in extra.items():
+        why = _refusal(name, value)
+        if why == "":
+            raise unknown_option(cls, name, value)
+        if why is not None:
+            raise InvalidInputError(f"{cls.__name__}: {name}={value!r} (a FileSystemWriter option) is not "
+                                    f"supported: {why}")
+
+
+class CheckpointExistsRefusal(CheckpointExistsError, CheckpointException):
+    """The overwrite refusal raised before DCP's collectives: one line, and still the
+    ``CheckpointException`` that code written for the stock writer catches."""
+
+    def __init__(self, message: str) -> None:
+        CheckpointExistsError.__init__(self, message)
+        self._failures = {0: (CheckpointExistsError(message), traceback.StackSummary())}
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]),))
+
+
+def exists_message(where: str) -> str:
+    """The refusal, leading with the stock writer's words (scripts and PyTorch's tests match them)."""
+    return (f"Checkpoint already exists at {where} and overwrite=False: pass overwrite=True to replace it "
+            "(it stays loadable until the new one commits) or save elsewhere")
+
+
+def alone() -> bool:
+    """This process saves by itself (no process group of several ranks, none announced by the
+    launcher): only then can a rank refuse before DCP's collectives without leaving others waiting."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return False
+    return os.environ.get("WORLD_SIZE", "1").strip() in ("", "1")
+
+
+def refuse_existing_early(path: str | None, overwrite: bool) -> None:
+    """Before any collective: a committed checkpoint at ``path`` refused as its own one-line
+    error. With several ranks the coordinator refuses while planning instead (DCP then reports
+    it inside a CheckpointException on every rank, its last line this same sentence)."""
+    if path is not None and not overwrite and alone() and LocalStore(path).has(MANIFEST):
+        raise CheckpointExistsRefusal(exists_message(path))
