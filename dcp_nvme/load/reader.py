@@ -36,7 +36,7 @@ from ..format.validation import check_container
 from ..observe.stats import IOStats, PhaseTimer
 from ..storage.fsspec_dir import open_store
 from ..storage.local_dir import LocalStore, is_local_path, is_remote_url
-from .compat import reader_location, reader_stock_options, require_location
+from .dropin import reader_location, reader_stock_options, require_location
 from .objects import bytes_for_planner, check_destination_kind
 from .planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 

@@ -45,7 +45,7 @@ from ..format.names import (
 )
 from ..format.placement import ContainerLayout, plan_container
 from ..format.tables import chunks_table, files_table
-from ..load.compat import require_location, writer_location
+from ..load.dropin import require_location, writer_location
 from ..observe.blockdev import warn_once
 from ..observe.drive_health import DriveWatch
 from ..observe.stats import PhaseTimer
@@ -53,7 +53,7 @@ from ..observe.telemetry import format_summary, layer_summary
 from ..storage import save_lock
 from ..storage.local_dir import LocalStore, is_local_path, write_commit_file
 from . import waves
-from .compat import exists_message, refuse_existing_early, writer_stock_options
+from .dropin import exists_message, refuse_existing_early, writer_stock_options
 from .items import resolve_item, with_pads
 from .node_budget import budgeted, local_ranks, node_turn, ranks_per_host, this_host
 from .node_commit import (

@@ -2,7 +2,7 @@
 
 Each stock argument is accepted where its value is what NVMeWriter does anyway, and otherwise
 refused with a message naming the option of ours that does that job. The rules for the reader,
-and the location checks, are in ``load.compat``.
+and the location checks, are in ``load.dropin``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointExistsError, InvalidInputError
 from ..format.names import MANIFEST
-from ..load.compat import refuse_positional, unknown_option
+from ..load.dropin import refuse_positional, unknown_option
 from ..storage.local_dir import LocalStore
 
 STOCK_WRITER_POSITIONAL = ("single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead",

@@ -1,6 +1,6 @@
 """Dropping in for DCP's stock storage classes: their keyword arguments, and where a checkpoint
 may live. What a FileSystemReader/FileSystemWriter argument means here is decided in one place
-(this module for the reader and the shared rules, ``save.compat`` for the writer), so a user
+(this module for the reader and the shared rules, ``save.dropin`` for the writer), so a user
 who swaps the class keeps working or is told which of our options does that job: never a bare
 ``TypeError``."""
 
