@@ -171,7 +171,7 @@ def test_overwrite_no_keeps_the_committed_checkpoint(tmp_path):
     from dcp_nvme import NVMeReader, NVMeWriter
 
     dcp.save({"w": torch.ones(4)}, storage_writer=NVMeWriter(tmp_path, direct_io="off"), no_dist=True)
-    with pytest.raises(CheckpointException, match="CheckpointExistsError: .* already holds a committed checkpoint"):
+    with pytest.raises(CheckpointException, match="Checkpoint already exists at .* overwrite=False"):
         dcp.save({"w": torch.zeros(4)}, storage_writer=NVMeWriter(tmp_path, overwrite="no", direct_io="no"),
                  no_dist=True)
     loaded = {"w": torch.empty(4)}
