@@ -53,7 +53,6 @@ def pick_base(location: str, target: str, every: int, mirror_manifest: Any) -> t
     None (code full) with the reason. A chain reaching ``every`` - 1 deltas starts over full.
     ``mirror_manifest(url)`` returns the parsed manifest committed at a mirror URL, or None."""
     from ..storage.run_dir import checkpoints
-    from .compress import mirror_codec
     from .journal import MIRRORED, drain_state
 
     here = os.path.realpath(location)
@@ -69,7 +68,7 @@ def pick_base(location: str, target: str, every: int, mirror_manifest: Any) -> t
         doc = mirror_manifest(state.target)
         if not isinstance(doc, dict):
             return None, f"the mirror of {entry.path} ({state.target}) is unreadable: coding full"
-        section = mirror_codec(doc) or {}
+        section = doc.get("compression") if isinstance(doc.get("compression"), dict) else {}
         delta = section.get("delta") if isinstance(section.get("delta"), dict) else None
         depth = int(delta.get("depth", 0)) if delta else 0
         if depth + 1 >= every:
