@@ -89,9 +89,17 @@ def test_delta_gap_curve_script_measures_every_gap(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "gaps.json"
-    doc = module.main(["--steps", "6", "--gaps", "1,3", "--dim", "32", "--layers", "1", "--seq", "16",
-                       "--batch", "2", "--json", str(out)])
+    # dim 64: the embedding's moments are 64 KiB, placed by their addresses (smaller tensors go
+    # back to back, wherever they live), so fresh copies of them move the container's layout
+    doc = module.main(["--steps", "6", "--gaps", "1,3", "--dim", "64", "--layers", "1", "--seq", "16",
+                       "--batch", "2", "--drain", "--directory", str(tmp_path), "--json", str(out)])
     assert json.loads(out.read_text())["configuration"]["gaps"] == [1, 3]
+    drained = doc["drain"]  # per tensor, drained: fresh tensors at other offsets code as small
+    for gap in (1, 3):
+        moved, kept = drained["reallocated"][gap], drained["in_place"][gap]
+        assert kept["moved"] == 0 and moved["moved"] > 0 and moved["delta_fraction"] == 1.0
+        assert abs(moved["stored_bytes"] / kept["stored_bytes"] - 1) < 0.05 and kept["ratio"] > kept["full_ratio"]
+    assert drained["reallocated"][1]["bitwise_equal"] is True
     for row in doc["groups"].values():
         assert row["full"] > 0 and set(row["delta"]) == {1, 3} and all(r > 0 for r in row["delta"].values())
     from dcp_nvme.bench.compression import group_dtype

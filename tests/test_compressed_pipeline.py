@@ -364,9 +364,10 @@ def _count_fetches(monkeypatch) -> Counter:
 
 @pytest.fixture(scope="module")
 def chain_of_two_bases(tmp_path_factory):
-    """pfs/step_3 is a delta against pfs/step_2, itself a delta against the full pfs/step_1."""
+    """pfs/step_3 is a delta against pfs/step_2, itself a delta against the full pfs/step_1;
+    each saved from fresh tensors, placed at other offsets than in its base."""
     tmp_path = tmp_path_factory.mktemp("chain")
-    states, _ = delta_chain(tmp_path, _big_state(41), 3, 41)
+    states, _ = delta_chain(tmp_path, _big_state(41), 3, 41, realloc=True)
     docs = [mirror_doc(tmp_path / "pfs" / f"step_{i}")["compression"] for i in (1, 2, 3)]
     assert "delta" not in docs[0] and docs[1]["delta"]["depth"] == 1 and docs[2]["delta"]["depth"] == 2
     return tmp_path / "pfs", states
@@ -383,9 +384,11 @@ def test_a_delta_load_reads_its_bases_in_batched_runs_each_chunk_decoded_once(ch
     assert_same(load(reader, states[2]), states[2])
     (size,) = [info["size"] for info in mirror_doc(pfs / "step_3")["compression"]["files"].values()]
     assert size > 10 * codec.DEFAULT_CHUNK
-    # every chunk of the file and of its two bases must be decoded for a bitwise load: this many
-    # decoded bytes means each was decoded exactly once (not once per request or per reader)
-    assert reader.last_stats["decoded_bytes"] == size * 3
+    # every chunk of the file and the bases' chunks under its items must be decoded for a bitwise
+    # load (a base's header is not: headers are coded full): this many decoded bytes means each
+    # was decoded once (not once per request or per reader)
+    items = sum(t.nbytes for t in states[2].values() if isinstance(t, torch.Tensor))
+    assert size + 2 * items <= reader.last_stats["decoded_bytes"] <= size * 3
     runs = -(-size // (2 * fetch))  # the delta's runs, bounded by their decoded bytes
     for step in (1, 2):
         files = mirror_doc(pfs / f"step_{step}")["compression"]["files"]
@@ -398,9 +401,10 @@ def test_a_delta_load_reads_its_bases_in_batched_runs_each_chunk_decoded_once(ch
 
 def test_resharded_ranged_loads_of_a_delta_chain_are_bitwise(chain_of_two_bases):
     from dist_utils import run_ranks
+    from test_compressed_drain import _load_columns
 
-    pfs, states = chain_of_two_bases
-    run_ranks(3, _load_rows, str(pfs / "step_3"), {k: states[2][k] for k in ("w_bf16", "adam_fp32")})
+    pfs, states = chain_of_two_bases  # the weights' columns, the moments' rows
+    run_ranks(3, _load_columns, str(pfs / "step_3"), {k: states[2][k] for k in ("w_bf16", "adam_fp32")})
 
 
 def test_one_item_of_a_delta_decodes_only_its_part_of_the_chain(chain_of_two_bases, monkeypatch):
@@ -430,7 +434,7 @@ def test_a_delta_on_s3_reads_its_base_in_one_ranged_get_per_run(tmp_path, s3_ser
     of_base = sum(n for (where, _), n in reads.items() if where == f"{mirror}/step_1")
     assert entry["size"] > 2 * codec.DEFAULT_CHUNK  # several chunks: one GET each before
     assert 1 <= of_base <= 2, reads  # the load's one run, and the header's chunk read before it
-    assert reader.last_stats["decoded_bytes"] == 2 * entry["size"]
+    assert 1.9 * entry["size"] < reader.last_stats["decoded_bytes"] < 2 * entry["size"]  # the base under the items
 
 
 def mirror_doc_s3(fs, url: str) -> dict:

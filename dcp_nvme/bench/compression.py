@@ -242,8 +242,8 @@ def drain_rows(snapshots: dict[str, dict[str, torch.Tensor]], options: CompressO
 
 def _save_pair(snapshots: dict[str, dict[str, torch.Tensor]], run_dir: str) -> tuple[str, str]:
     """Save the early and late checkpoints as step_1 and step_2 of one run directory, from the
-    same tensors updated in place as training does (a delta needs the base's container layout,
-    which follows the tensors' addresses)."""
+    same tensors updated in place as training does (benchmarks/delta_gaps.py --drain compares
+    that with fresh tensors at every save)."""
     import torch.distributed.checkpoint as dcp
 
     from ..save.writer import NVMeWriter

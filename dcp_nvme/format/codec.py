@@ -9,14 +9,17 @@ Data is coded in independent chunks (default 2 MiB of decoded bytes, cut on elem
 boundaries), so chunks are encoded and decoded in parallel (zstd releases the GIL) and a
 ranged read decodes only the chunks it overlaps. Every chunk carries the crc32c of its decoded
 bytes, checked on decode. With a ``base`` of the same length (an earlier checkpoint's bytes)
-a chunk codes the XOR with it instead (delta mode); XOR of bytes is XOR of their planes.
+a chunk codes the XOR with it instead (delta mode); XOR of bytes is XOR of their planes. A
+delta chunk names where its base bytes lie in the base file (``base_offset``): the same tensor
+may sit at another offset there (the container's placement follows memory addresses).
 
 Container (``.dcz``), all integers little-endian; see docs/design.md:
 
-    header  magic "DCPNVZC1", u16 version, u16 flags, u32 chunk count, u64 decoded size,
-            u32 crc32c of the chunk table
+    header  magic "DCPNVZC1", u16 version (2; 1 is read), u16 flags, u32 chunk count,
+            u64 decoded size, u32 crc32c of the chunk table
     table   per chunk: u64 decoded offset, u32 decoded length, u64 stored offset,
-            u32 stored length, u32 crc32c of the decoded bytes, u8 planes, u8 flags
+            u32 stored length, u32 crc32c of the decoded bytes, u8 planes, u8 flags,
+            (version 2) u64 base offset (a delta chunk's bytes in its base file; version 1: its own)
     chunks  per chunk: per plane u8 mode (0 raw, 1 zstd) + u32 stored length, then the planes
 """
 
@@ -34,7 +37,9 @@ import zstandard
 from ..errors import CodecError
 
 CODEC = "bytegroup"
-CODEC_VERSION = 1
+CODEC_VERSION = 2
+"""Version 2 adds each chunk's base offset (deltas per tensor); version 1 containers are read."""
+READABLE_VERSIONS = (1, 2)
 MAGIC = b"DCPNVZC1"
 DEFAULT_LEVEL = 1
 """zstd level by measurement (`dcp-nvme bench --compress --levels 1,3` on a trained state, 2026-12-01):
@@ -49,7 +54,8 @@ DELTA = 1
 """Chunk flag: the chunk codes the XOR with the same bytes of a base checkpoint."""
 
 _HEADER = struct.Struct("<8sHHIQI")
-_ENTRY = struct.Struct("<QIQIIBB")
+_ENTRY_V1 = struct.Struct("<QIQIIBB")
+_ENTRY = struct.Struct("<QIQIIBBQ")
 _PLANE = struct.Struct("<BI")
 _SAMPLE = 64 << 10
 _MIN_GAIN = 0.97
@@ -57,6 +63,12 @@ _MIN_GAIN = 0.97
 
 HEADER_SIZE = _HEADER.size
 ENTRY_SIZE = _ENTRY.size
+"""A chunk table row of the version written (``entry_size`` for another)."""
+
+
+def entry_size(version: int = CODEC_VERSION) -> int:
+    """Bytes per chunk table row in a container of ``version``."""
+    return _ENTRY_V1.size if version == 1 else _ENTRY.size
 
 _PLANES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -73,6 +85,8 @@ class Chunk:
     offset: int
     length: int
     planes: int = 1
+    base: int | None = None
+    """A delta chunk: where its base bytes start in the base file (None: coded full)."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +100,16 @@ class Entry:
     crc: int
     planes: int
     flags: int = 0
+    base_offset: int = 0
+    """A delta chunk's first byte in its base file (0 for a chunk coded full)."""
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def base_end(self) -> int:
+        return self.base_offset + self.length
 
 
 def plan_chunks(size: int, regions: Sequence[tuple[int, int, str | None]],
@@ -194,6 +214,9 @@ def decode_chunk(entry: Entry, stored: bytes | memoryview,
     if entry.flags & DELTA:
         if base is None:
             raise CodecError(f"{at} is a delta; its base bytes are needed")
+        if len(base) != len(data):
+            raise CodecError(f"{at} is a delta against base bytes {entry.base_offset}-{entry.base_end}, "
+                             f"but the base has {len(base)} of them")
         data = _xor(memoryview(data), base)
     actual = crc32c.crc32c(data)
     if actual != entry.crc:
@@ -235,53 +258,88 @@ def encode_chunks(data: bytes | memoryview, chunks: Sequence[Chunk], *, level: i
 
 
 def table_entries(chunks: Sequence[Chunk], coded: Sequence[tuple[int, int]], *,
-                  delta: bool = False) -> list[Entry]:
-    """The chunk table for chunks stored back to back after the header and table;
-    ``coded``: (stored length, crc32c of the decoded bytes) of each chunk."""
-    position = HEADER_SIZE + ENTRY_SIZE * len(chunks)
+                  delta: bool = False, version: int = CODEC_VERSION) -> list[Entry]:
+    """The chunk table for chunks stored back to back after the header and table (of
+    ``version``); ``coded``: (stored length, crc32c of the decoded bytes) of each chunk. A chunk
+    with a ``base`` offset is a delta against those base bytes; ``delta=True`` makes every chunk
+    a delta against the base's bytes at its own offset (a whole base of the same layout)."""
+    position = HEADER_SIZE + entry_size(version) * len(chunks)
     entries = []
     for chunk, (stored, crc) in zip(chunks, coded, strict=True):
+        base = chunk.offset if delta and chunk.base is None else chunk.base
         entries.append(Entry(chunk.offset, chunk.length, position, stored, crc, chunk.planes,
-                             DELTA if delta else 0))
+                             DELTA if base is not None else 0, base or 0))
         position += stored
     return entries
 
 
-def pack_header(entries: Sequence[Entry], decoded_size: int, flags: int = 0) -> bytes:
-    """Header plus chunk table: the first bytes of a container."""
-    table = b"".join(_ENTRY.pack(e.offset, e.length, e.stored_offset, e.stored_length, e.crc,
-                                 e.planes, e.flags) for e in entries)
-    return _HEADER.pack(MAGIC, CODEC_VERSION, flags, len(entries), decoded_size,
-                        crc32c.crc32c(table)) + table
+def pack_header(entries: Sequence[Entry], decoded_size: int, flags: int = 0,
+                version: int = CODEC_VERSION) -> bytes:
+    """Header plus chunk table: the first bytes of a container (``version`` 1: old readers'
+    table, which can only hold deltas at their own offsets)."""
+    if version == 1:
+        if any(e.flags & DELTA and e.base_offset != e.offset for e in entries):
+            raise ValueError("a version 1 table cannot hold a delta at another base offset")
+        rows = [_ENTRY_V1.pack(e.offset, e.length, e.stored_offset, e.stored_length, e.crc, e.planes, e.flags)
+                for e in entries]
+    else:
+        rows = [_ENTRY.pack(e.offset, e.length, e.stored_offset, e.stored_length, e.crc, e.planes, e.flags,
+                            e.base_offset) for e in entries]
+    table = b"".join(rows)
+    return _HEADER.pack(MAGIC, version, flags, len(entries), decoded_size, crc32c.crc32c(table)) + table
 
 
-def parse_header(data: bytes | memoryview, where: str = "container") -> tuple[int, int, int, int]:
-    """(flags, chunk count, decoded size, table crc) from a container's first HEADER_SIZE bytes."""
+@dataclass(frozen=True)
+class Header:
+    """A container's header, checked."""
+
+    version: int
+    flags: int
+    count: int
+    size: int
+    table_crc: int
+
+    @property
+    def table_size(self) -> int:
+        return self.count * entry_size(self.version)
+
+
+def read_header(data: bytes | memoryview, where: str = "container") -> Header:
+    """A container's header from its first HEADER_SIZE bytes (CodecError when it is not one)."""
     if len(data) < HEADER_SIZE:
         raise CodecError(f"{where}: {len(data)} bytes, shorter than a compressed container header")
     magic, version, flags, count, size, table_crc = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise CodecError(f"{where} is not a dcp_nvme compressed container (magic {magic!r})")
-    if version != CODEC_VERSION:
-        raise CodecError(f"{where}: container version {version}, this dcp_nvme reads {CODEC_VERSION}; "
-                         "upgrade dcp_nvme")
+    if version not in READABLE_VERSIONS:
+        raise CodecError(f"{where}: container version {version}, this dcp_nvme reads "
+                         f"{', '.join(map(str, READABLE_VERSIONS))}; upgrade dcp_nvme")
     if count > size or (size and not count):  # every chunk holds at least one byte
         raise CodecError(f"{where}: {count} chunks for {size} decoded bytes")
-    return flags, count, size, table_crc
+    return Header(version, flags, count, size, table_crc)
+
+
+def parse_header(data: bytes | memoryview, where: str = "container") -> tuple[int, int, int, int]:
+    """(flags, chunk count, decoded size, table crc) from a container's first HEADER_SIZE bytes."""
+    header = read_header(data, where)
+    return header.flags, header.count, header.size, header.table_crc
 
 
 def parse_table(data: bytes | memoryview, count: int, size: int, table_crc: int, stored_size: int,
-                where: str = "container") -> list[Entry]:
+                where: str = "container", version: int = CODEC_VERSION) -> list[Entry]:
     """The chunk table, checked: its crc, chunks covering ``[0, size)`` in order, stored
-    ranges back to back inside a file of ``stored_size`` bytes."""
-    if len(data) != count * ENTRY_SIZE or crc32c.crc32c(data) != table_crc:
+    ranges back to back inside a file of ``stored_size`` bytes; a version 1 table's deltas
+    take their base bytes at their own offsets."""
+    row = _ENTRY_V1 if version == 1 else _ENTRY
+    if len(data) != count * row.size or crc32c.crc32c(data) != table_crc:
         raise CodecError(f"{where}: the chunk table is damaged (length or crc32c)")
-    entries, position, stored = [], 0, HEADER_SIZE + count * ENTRY_SIZE
+    entries, position, stored = [], 0, HEADER_SIZE + count * row.size
     for i in range(count):
-        entry = Entry(*_ENTRY.unpack_from(data, i * ENTRY_SIZE))
+        fields = row.unpack_from(data, i * row.size)
+        entry = Entry(*fields) if version != 1 else Entry(*fields, fields[0] if fields[6] & DELTA else 0)
         if (entry.offset != position or not 0 < entry.length <= MAX_CHUNK or entry.planes not in (1, 2, 4)
                 or entry.length % entry.planes or entry.stored_offset != stored
-                or entry.flags & ~DELTA):
+                or entry.flags & ~DELTA or (not entry.flags & DELTA and entry.base_offset)):
             raise CodecError(f"{where}: chunk {i} of the table is inconsistent ({entry})")
         position, stored = entry.end, stored + entry.stored_length
         entries.append(entry)
@@ -324,17 +382,18 @@ def encode(data: bytes | memoryview, regions: Sequence[tuple[int, int, str | Non
 def decode(container: bytes | memoryview, start: int = 0, end: int | None = None, *,
            base: bytes | memoryview | None = None, where: str = "container") -> bytes:
     """Decoded bytes ``[start, end)`` of an in-memory container, decoding only the chunks needed.
-    ``base``: the whole decoded base file, for delta chunks."""
+    ``base``: the whole decoded base file, for delta chunks (each at its base offset)."""
     view = memoryview(container).cast("B")
-    _, count, size, table_crc = parse_header(view, where)
-    entries = parse_table(view[HEADER_SIZE: HEADER_SIZE + count * ENTRY_SIZE], count, size, table_crc,
-                          len(view), where)
+    head = read_header(view, where)
+    entries = parse_table(view[HEADER_SIZE: HEADER_SIZE + head.table_size], head.count, head.size,
+                          head.table_crc, len(view), where, head.version)
+    size = head.size
     end = size if end is None else end
     if not 0 <= start <= end <= size:
         raise ValueError(f"{where}: range {start}-{end} outside 0-{size}")
     out = bytearray()
     for entry in overlapping(entries, start, end):
-        basis = memoryview(base)[entry.offset: entry.end] if base is not None else None
+        basis = memoryview(base)[entry.base_offset: entry.base_end] if base is not None else None
         data = decode_chunk(entry, view[entry.stored_offset: entry.stored_offset + entry.stored_length], basis)
         out += data[max(0, start - entry.offset): min(entry.length, end - entry.offset)]
     return bytes(out)

@@ -42,6 +42,10 @@ RUN_DECODED = 64 << 20
 bytes, are held until delivered, and a delta codes far smaller than a full checkpoint (an
 unchanged tensor, to almost nothing), so the stored bound alone would not bound them."""
 
+BASE_GAP = 1 << 20
+"""Base ranges of one run at most this far apart are read as one (a few pads and small items
+between two tensors cost less than another ranged read)."""
+
 Fetch = Callable[[str, int, int], bytes]
 """(name, start, end) -> the stored bytes [start, end) of a file of the mirror."""
 
@@ -68,9 +72,9 @@ def coded_files(doc: dict[str, Any], location: str) -> dict[str, tuple[str, int,
     where = f"{location}/manifest.json compression section"
     if not isinstance(section, dict) or section.get("codec") != codec.CODEC:
         raise codec.CodecError(f"{where}: unknown codec {section.get('codec') if isinstance(section, dict) else section!r}")
-    if section.get("version") != codec.CODEC_VERSION:
+    if section.get("version") not in codec.READABLE_VERSIONS:
         raise codec.CodecError(f"{where}: codec version {section.get('version')!r}, this dcp_nvme reads "
-                               f"{codec.CODEC_VERSION}; upgrade dcp_nvme")
+                               f"{', '.join(map(str, codec.READABLE_VERSIONS))}; upgrade dcp_nvme")
     files = section.get("files")
     if not isinstance(files, dict):
         raise codec.CodecError(f"{where}: 'files' is not a mapping")
@@ -161,13 +165,13 @@ class CodedFile:
     def __init__(self, fetch: Fetch, stored: str, size: int, stored_size: int, where: str,
                  base: BaseRead | None = None, base_name: str = "") -> None:
         self.fetch, self.stored, self.where, self.base, self.base_name = fetch, stored, where, base, base_name
-        head = fetch(stored, 0, codec.HEADER_SIZE)
-        _, count, decoded, table_crc = codec.parse_header(head, where)
-        if decoded != size:
-            raise codec.CodecError(f"{where} decodes to {decoded} bytes, the manifest says {size}")
-        table = fetch(stored, codec.HEADER_SIZE, codec.HEADER_SIZE + count * codec.ENTRY_SIZE)
-        self.entries = codec.parse_table(table, count, decoded, table_crc, stored_size, where)
-        self.size = decoded
+        head = codec.read_header(fetch(stored, 0, codec.HEADER_SIZE), where)
+        if head.size != size:
+            raise codec.CodecError(f"{where} decodes to {head.size} bytes, the manifest says {size}")
+        table = fetch(stored, codec.HEADER_SIZE, codec.HEADER_SIZE + head.table_size)
+        self.entries = codec.parse_table(table, head.count, head.size, head.table_crc, stored_size, where,
+                                         head.version)
+        self.size = head.size
         if base is None and any(e.flags & codec.DELTA for e in self.entries):
             raise codec.CodecError(f"{where} holds delta chunks but the manifest names no base for it")
 
@@ -196,12 +200,17 @@ class CodedFile:
     def _decoding(self, run: Sequence[codec.Entry], stats: IOStats | None) -> Iterator[tuple[codec.Entry, bytes]]:
         first = run[0].stored_offset
         stored = memoryview(self.fetch(self.stored, first, run[-1].stored_offset + run[-1].stored_length))
-        deltas = [e for e in run if e.flags & codec.DELTA]
-        basis = _Cursor(self.base(deltas[0].offset, deltas[-1].end, stats), self.base_name) if deltas else None
+        bases = self._bases(run, stats)
+        taken: dict[int, bytes | memoryview] = {}  # base bytes read ahead of their delta chunk
         for entry in run:
             lo = entry.stored_offset - first
             try:
-                base = basis.take(entry.offset, entry.end) if basis and entry.flags & codec.DELTA else None
+                base = None
+                if entry.flags & codec.DELTA:
+                    while entry.offset not in taken:
+                        at, data = next(bases)
+                        taken[at] = data
+                    base = taken.pop(entry.offset)
                 started = time.thread_time()
                 data = codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], base)
                 if stats is not None:
@@ -209,6 +218,27 @@ class CodedFile:
             except codec.CodecError as exc:
                 raise codec.CodecError(f"{self.where}: {exc}") from None
             yield entry, data
+
+    def _bases(self, run: Sequence[codec.Entry], stats: IOStats | None) -> Iterator[tuple[int, bytes | memoryview]]:
+        """(decoded offset, base bytes) of a run's delta chunks in the order of their base
+        offsets: base ranges a little apart are read as one (``BASE_GAP``), each through a
+        cursor, so a run whose tensors the base placed in another order (or elsewhere) still
+        reads each base chunk once; in the usual order each comes just before its delta chunk."""
+        deltas = sorted((e for e in run if e.flags & codec.DELTA), key=lambda e: (e.base_offset, e.offset))
+        groups: list[list[codec.Entry]] = []
+        ends: list[int] = []  # each group's last base byte
+        for entry in deltas:  # a group's span stays bounded (one read of a plain base holds it all)
+            if (groups and entry.base_offset <= ends[-1] + BASE_GAP
+                    and max(ends[-1], entry.base_end) - groups[-1][0].base_offset <= RUN_DECODED):
+                groups[-1].append(entry)
+                ends[-1] = max(ends[-1], entry.base_end)
+            else:
+                groups.append([entry])
+                ends.append(entry.base_end)
+        for end, group in zip(ends, groups, strict=True):
+            cursor = _Cursor(self.base(group[0].base_offset, end, stats), self.base_name)
+            for entry in group:
+                yield entry.offset, cursor.take(entry.base_offset, entry.base_end)
 
 
 def fetch_runs(entries: Sequence[codec.Entry], limit: int) -> list[list[codec.Entry]]:
@@ -523,5 +553,12 @@ def describe_compression(location: str, storage_options: dict[str, Any] | None =
     section = doc.get("compression") if isinstance(doc, dict) else None
     if not isinstance(section, dict):
         return None
-    return (f"{section.get('codec')} v{section.get('version')}, level {section.get('level')}: "
+    line = (f"{section.get('codec')} v{section.get('version')}, level {section.get('level')}: "
             f"{section.get('bytes')} -> {section.get('stored_bytes')} bytes ({section.get('ratio')}x)")
+    delta = section.get("delta")
+    if isinstance(delta, dict):
+        fraction = delta.get("fraction")
+        share = (f"{fraction * 100:.1f}% of the items' bytes delta-coded" if isinstance(fraction, (int, float))
+                 else "delta-coded")
+        line += f"; {share} against {delta.get('base')} (chain depth {delta.get('depth')})"
+    return line

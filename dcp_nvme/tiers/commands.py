@@ -13,6 +13,7 @@ from ..humanize import format_size, print_json, progress_bar
 from ..storage.local_dir import LocalStore
 from ..storage.run_dir import checkpoints
 from .compress import MODES as COMPRESS_MODES
+from .delta import delta_line, status_line
 from .drainer import DrainOptions, drain
 from .journal import drain_state, load_journal
 from .retention import apply_retention
@@ -107,7 +108,9 @@ def _drain(args: argparse.Namespace) -> int:
                   f"({c['ratio']:.3f}x), "
                   f"{c['encode_seconds']:.2f} s, {c['cpu_seconds']:.2f} CPU s on {c['threads']} thread(s)")
         elif result.compression.get("decision"):
-            print(f"compress=auto: {result.compression['decision']}")
+            print(f"compress={args.compress}: {result.compression['decision']}")
+        if isinstance(result.compression.get("delta"), dict):
+            print(f"delta: {delta_line(result.compression['delta'])}")
         for path in removed:
             print(f"removed {path} (retention)")
     return 0
@@ -150,7 +153,8 @@ def _status(args: argparse.Namespace) -> int:
         why = f" ({row['cause']})" if row["cause"] and row["state"] != "failed" else ""
         coded = row["compression"] or {}
         ratio = coded.get("ratio")
-        zipped = f" [compressed {coded.get('codec')}, {ratio:.3f}x]" if isinstance(ratio, (int, float)) else ""
+        zipped = (f" [compressed {coded.get('codec')}, {ratio:.3f}x{status_line(coded.get('delta'))}]"
+                  if isinstance(ratio, (int, float)) else "")
         nodes = describe_topology(row["topology"], []) if row["topology"] else None
         where = f" [{nodes}]" if nodes and row["topology"]["mode"] == "node-local" else ""
         print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}{where}{_replicas(row)}")

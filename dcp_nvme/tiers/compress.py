@@ -23,7 +23,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import crc32c
@@ -34,6 +34,8 @@ from ..format.pieces import Piece, plan_pieces, verify_piece
 from ..format.tables import FileRecord
 from ..storage.local_dir import create_no_follow, make_private_dir
 from .compress_sample import measure, pays
+from .delta import Base, base_bytes, note
+from .delta_match import FileMatch, assign_bases
 from .encoder import DEPTH, CodecStats, Encoder, Window, chunks_in, regions
 from .source import DrainSource
 from .transfer import DrainFault, step
@@ -65,71 +67,17 @@ def stored_name(name: str) -> str:
 
 
 def plan_file(record: FileRecord, manifest: Manifest, window: int = WINDOW,
-              chunk_size: int = codec.DEFAULT_CHUNK) -> list[tuple[Piece, list[codec.Chunk]]]:
-    """Block-aligned windows of a rank file, each with the codec chunks inside it."""
+              chunk_size: int = codec.DEFAULT_CHUNK,
+              match: FileMatch | None = None) -> list[tuple[Piece, list[codec.Chunk]]]:
+    """Block-aligned windows of a rank file, each with the codec chunks inside it; with a
+    ``match``, each chunk of a matched item names its base bytes (a delta)."""
     spans = regions(manifest, record.name)
-    return [(piece, chunks_in(spans, piece, chunk_size))
-            for piece in plan_pieces(record.size, record.data_start, record.checksum_block, window)]
-
-
-@dataclass
-class Base:
-    """An earlier checkpoint of the same run a delta is coded against: its local copy (read,
-    checked) and the mirror it is committed on (where a reader finds it)."""
-
-    source: DrainSource
-    target: str
-    depth: int
-    """Deltas between the base and its nearest full checkpoint (0: the base is full)."""
-
-    def match(self, record: FileRecord, manifest: Manifest) -> FileRecord | None:
-        """The base's file of the same rank when its layout is the same (else code it full)."""
-        for name, candidate in self.source.files.items():
-            if (candidate.rank == record.rank and candidate.size == record.size
-                    and candidate.data_start == record.data_start
-                    and candidate.checksum_block == record.checksum_block
-                    and _layout(self.source.manifest, name) == _layout(manifest, record.name)):
-                return candidate
-        return None
-
-
-def _layout(manifest: Manifest, name: str) -> list[tuple[str, int, int, str]]:
-    return sorted((c.fqn, c.byte_offset, c.length, c.dtype) for c in manifest.chunks if c.file == name)
-
-
-def pick_base(location: str, target: str, every: int, mirror_manifest: Any) -> tuple[Base | None, str]:
-    """The newest older checkpoint of the run directory that is mirrored (and still local), or
-    None (code full) with the reason. A chain reaching ``every`` - 1 deltas starts over full.
-    ``mirror_manifest(url)`` returns the parsed manifest committed at a mirror URL, or None."""
-    from ..storage.run_dir import checkpoints
-    from .journal import MIRRORED, drain_state
-
-    here = os.path.realpath(location)
-    older = []
-    for entry in checkpoints(os.path.dirname(here), kinds=("nvme",)):
-        if os.path.realpath(entry.path) == here:
-            break
-        older.append(entry)
-    for entry in reversed(older):
-        state = drain_state(entry.path)
-        if state.state != MIRRORED or not state.target or state.target == target:
-            continue
-        doc = mirror_manifest(state.target)
-        if not isinstance(doc, dict):
-            return None, f"the mirror of {entry.path} ({state.target}) is unreadable: coding full"
-        section = mirror_codec(doc) or {}
-        delta = section.get("delta") if isinstance(section.get("delta"), dict) else None
-        depth = int(delta.get("depth", 0)) if delta else 0
-        if depth + 1 >= every:
-            return None, f"{every - 1} deltas since the last full checkpoint: coding full"
-        try:
-            source = DrainSource(str(entry.path))
-        except Exception as exc:  # noqa: BLE001
-            return None, f"base {entry.path} unreadable ({exc}): coding full"
-        if source.manifest.save_key != doc.get("save_key"):
-            return None, f"{entry.path} no longer holds the save mirrored at {state.target}: coding full"
-        return Base(source, state.target, depth), f"delta against {entry.path} ({state.target})"
-    return None, "no earlier mirrored checkpoint in the run directory: coding full"
+    items = [(o, n) for o, n, _ in spans]
+    plan = []
+    for piece in plan_pieces(record.size, record.data_start, record.checksum_block, window):
+        chunks = chunks_in(spans, piece, chunk_size)
+        plan.append((piece, assign_bases(chunks, items, match.offsets) if match and match.base else chunks))
+    return plan
 
 
 class _Coding:
@@ -201,7 +149,7 @@ class CompressedSource:
 
     def __init__(self, inner: DrainSource, encoder: Encoder, *, level: int,
                  chunk_size: int = codec.DEFAULT_CHUNK, window: int | None = None, base: Base | None = None,
-                 depth: int | None = None) -> None:
+                 depth: int | None = None, base_why: str = "") -> None:
         self.inner = inner
         self.base = base
         self.encoder = encoder
@@ -215,14 +163,20 @@ class CompressedSource:
         make_private_dir(self.scratch)  # a link planted as the scratch directory is refused
         self._plans = {}
         self._codings: dict[str, _Coding] = {}
+        self.matches: dict[str, FileMatch] = {}
+        """Per rank file, what its delta is coded against (a delta drain with a base)."""
         for name in inner.manifest.file_names:
             record = inner.files[name]
-            plan = plan_file(record, inner.manifest, self.window, chunk_size)
+            if base is not None:
+                self.matches[name] = base.match(record, inner.manifest)
+            plan = plan_file(record, inner.manifest, self.window, chunk_size, self.matches.get(name))
             header = codec.HEADER_SIZE + codec.ENTRY_SIZE * sum(len(cs) for _, cs in plan)
             coding = _Coding(os.path.join(self.scratch, stored_name(name)), record, header)
             self._codings[coding.name] = coding
             self._plans[coding.name] = plan
         self.manifest = _Names(list(self._codings), inner.manifest.doc)
+        self.delta = note(inner.location, base, base_why, list(self.matches.values())) if base_why else None
+        """The drain result's ``delta`` section (a drain that asked for a delta), else None."""
         self.names = list(self._codings)
         self.node_local, self.nodes_here = False, []  # node-local drains are sent plain
         self._manifest_bytes = b""
@@ -237,12 +191,13 @@ class CompressedSource:
         try:
             for coding in self._codings.values():
                 original = coding.original
-                base_record = self.base.match(original, self.inner.manifest) if self.base is not None else None
+                match = self.matches.get(original.name)
+                base_record = match.base if match is not None else None
                 coded = self._encode(coding, base_record)
                 self.stats.files[original.name] = {"stored": coded.name, "size": original.size,
                                                    "stored_size": coded.size}
                 if base_record is not None:
-                    self.stats.files[original.name]["base"] = base_record.name
+                    self.stats.files[original.name].update(base=base_record.name, delta_bytes=match.delta_bytes)
                 self.stats.bytes_in += original.size
                 self.stats.bytes_out += coded.size
                 coding.finish(coded)
@@ -261,8 +216,8 @@ class CompressedSource:
             if self._stop.is_set():
                 raise DrainFault("the drain stopped while coding")
             data = self.inner.piece(coding.original, piece)  # checked against the blocks table
-            basis = self.base.source.piece(base_record, piece) if base_record is not None else None
-            yield data, chunks, piece.offset, basis
+            bases = base_bytes(self.base.source, base_record, chunks) if base_record is not None else None
+            yield data, chunks, piece.offset, bases
 
     def _encode(self, coding: _Coding, base_record: FileRecord | None) -> FileRecord:
         plan = self._plans[coding.name]
@@ -281,7 +236,7 @@ class CompressedSource:
                         position += len(stored)
                     out.flush()
                     coding.written(position)
-                entries = codec.table_entries(chunks, lengths, delta=base_record is not None)
+                entries = codec.table_entries(chunks, lengths)  # a chunk with a base is a delta
                 out.seek(0)
                 out.write(codec.pack_header(entries, record.size))
                 out.flush()
@@ -298,6 +253,8 @@ class CompressedSource:
         if self.base is not None:
             doc[SECTION]["delta"] = {"base": self.base.target, "base_save_key": self.base.source.save_key,
                                      "depth": self.base.depth + 1}
+            if self.delta is not None:
+                doc[SECTION]["delta"].update({k: self.delta[k] for k in ("item_bytes", "delta_bytes", "fraction")})
         return seal(doc)
 
     # -- what the drain reads
@@ -371,8 +328,11 @@ class CompressedSource:
     def summary(self) -> dict[str, Any]:
         """What coding cost, once done: ratio, bytes, stored bytes, seconds, CPU seconds."""
         self.manifest_bytes  # noqa: B018  waits for the coder
-        return {"ratio": self.stats.ratio, "bytes": self.stats.bytes_in, "stored_bytes": self.stats.bytes_out,
-                "encode_seconds": self.stats.seconds, "cpu_seconds": self.encoder.cpu}
+        out = {"ratio": self.stats.ratio, "bytes": self.stats.bytes_in, "stored_bytes": self.stats.bytes_out,
+               "encode_seconds": self.stats.seconds, "cpu_seconds": self.encoder.cpu}
+        if self.delta is not None:
+            out["delta"] = self.delta
+        return out
 
     def close(self) -> None:
         """Stop the coder (after a failed drain) and wait for it: nothing writes the scratch after."""
@@ -451,16 +411,21 @@ def scratch_shortfall(source: DrainSource) -> str | None:
 
 
 def through_codec(source: DrainSource, mode: str, *, link: float | None, threads: int,
-                  level: int, base: Base | None = None) -> tuple[DrainSource | CompressedSource, dict[str, Any]]:
+                  level: int, base: Base | None = None,
+                  base_why: str = "") -> tuple[DrainSource | CompressedSource, dict[str, Any]]:
     """The source the drain sends for ``mode``, and what was decided (for DrainResult). A
     CompressedSource codes on its own thread from here on (it owns the encoder; its
-    ``summary()`` adds the figures once it is done)."""
+    ``summary()`` adds the figures once it is done). ``base_why``: how ``pick_base`` chose
+    (a delta drain), said in the result's ``base`` and, with what was coded full, ``delta``."""
     if mode == "off":
         return source, {"mode": "off"}
     short = scratch_shortfall(source)
     if short is not None:  # the coded copy is made on the fast tier: never fill it
         log.warning("dcp_nvme: compress=%s for %s: %s", mode, source.location, short)
-        return source, {"mode": mode, "decision": short}
+        info = {"mode": mode, "decision": short}
+        if mode == "delta":
+            info["delta"] = note(source.location, None, short, [])
+        return source, info
     encoder = Encoder(threads, level)
     try:
         info: dict[str, Any] = {"mode": mode, "threads": threads, "level": level}
@@ -473,9 +438,14 @@ def through_codec(source: DrainSource, mode: str, *, link: float | None, threads
                 info["cpu_seconds"] = encoder.cpu
                 encoder.close()
                 return source, info
-        coded = CompressedSource(source, encoder, level=level, base=base)
+        coded = CompressedSource(source, encoder, level=level, base=base,
+                                 base_why=base_why if mode == "delta" else "")
     except BaseException:
         encoder.close()
         raise
     info.update(codec=codec.CODEC)
+    if base_why:
+        info["base"] = base_why
+    if coded.delta is not None:
+        info["delta"] = coded.delta
     return coded, info

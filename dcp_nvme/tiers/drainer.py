@@ -41,7 +41,8 @@ from ..format.tables import FileRecord
 from ..storage.local_dir import is_local_path
 from .compress import MODES as COMPRESS_MODES
 from .compress import SUFFIX as CODED_SUFFIX
-from .compress import CompressedSource, default_threads, pick_base, remove_scratch, through_codec
+from .compress import CompressedSource, default_threads, remove_scratch, through_codec
+from .delta import journal_summary, pick_base
 from .journal import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock
 from .sinks import S3Sink, Sink, open_sink
 from .source import DrainSource, overwritten
@@ -265,9 +266,7 @@ class _DrainRun:
                 base, why = pick_base(self.location, self.target, options.delta_every, self.mirror_manifest)
             view, self.result.compression = through_codec(
                 source, options.compress, link=options.bandwidth or options.link_rate,
-                threads=options.codec_threads or default_threads(), level=options.level, base=base)
-            if why:
-                self.result.compression["base"] = why
+                threads=options.codec_threads or default_threads(), level=options.level, base=base, base_why=why)
             self.coded = view if isinstance(view, CompressedSource) else None
         return self.coded or source
 
@@ -323,9 +322,11 @@ class _DrainRun:
 
 def _summary(compression: dict[str, Any]) -> dict[str, Any]:
     """What the journal keeps of the compression (status prints it): codec and ratio, or off."""
+    delta = {"delta": journal_summary(compression["delta"])} if "delta" in compression else {}
     if not compression.get("codec"):
-        return {"mode": compression.get("mode", "off")}
-    return {"mode": compression["mode"], "codec": compression["codec"], "ratio": round(compression["ratio"], 4)}
+        return {"mode": compression.get("mode", "off"), **delta}
+    return {"mode": compression["mode"], "codec": compression["codec"], "ratio": round(compression["ratio"], 4),
+            **delta}
 
 
 def _mirror_manifest(url: str, storage_options: dict[str, Any] | None, filesystem: Any) -> Any:

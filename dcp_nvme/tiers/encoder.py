@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -20,8 +20,9 @@ DEPTH = 2
 """Windows coding at once: one being finished and written while the next keeps the pool busy."""
 
 
-Window = tuple[bytes, list[codec.Chunk], int, "bytes | None"]
-"""(decoded bytes, the chunks inside them, their file offset, the base's bytes or None)."""
+Window = tuple[bytes, list[codec.Chunk], int, "Sequence[bytes | memoryview | None] | None"]
+"""(decoded bytes, the chunks inside them, their file offset, each chunk's base bytes (None:
+coded full), or None for no delta at all)."""
 
 
 def regions(manifest: Manifest, name: str) -> list[tuple[int, int, str | None]]:
@@ -66,21 +67,20 @@ class Encoder:
         """Most windows alive at once: the memory bound (tests check it)."""
 
     def _submit(self, data: bytes, chunks: list[codec.Chunk], origin: int,
-                base: bytes | None) -> list[Future[tuple[bytes, int]]]:
+                bases: Sequence[bytes | memoryview | None] | None) -> list[Future[tuple[bytes, int]]]:
         view = memoryview(data)
-        basis = memoryview(base) if base is not None else None
 
-        def one(chunk: codec.Chunk) -> tuple[bytes, int]:
+        def one(chunk: codec.Chunk, base: bytes | memoryview | None) -> tuple[bytes, int]:
             started = time.thread_time()
             lo, hi = chunk.offset - origin, chunk.offset - origin + chunk.length
             piece = view[lo:hi]
-            out = (codec.encode_chunk(piece, chunk.planes, self.level, basis[lo:hi] if basis is not None else None),
-                   crc32c.crc32c(piece))
+            out = codec.encode_chunk(piece, chunk.planes, self.level, base), crc32c.crc32c(piece)
             with self._lock:
                 self.cpu += time.thread_time() - started
             return out
 
-        return [self.pool.submit(one, chunk) for chunk in chunks]
+        return [self.pool.submit(one, chunk, bases[i] if bases is not None else None)
+                for i, chunk in enumerate(chunks)]
 
     def code_windows(self, windows: Iterable[Window], depth: int = DEPTH) -> Iterator[list[tuple[bytes, int]]]:
         """Each window's coded chunks, in order, with the next ``depth - 1`` windows already

@@ -54,6 +54,9 @@ class DrainState:
     attempts: int = 0
     updated_unix: float | None = None
     pid: int | None = None
+    delta: dict[str, Any] | None = None
+    """A mirrored ``compress="delta"`` drain: against what, and how much of the items' bytes
+    were delta-coded (``fraction``, ``full_items``, or ``why`` everything was coded full)."""
 
     def __str__(self) -> str:
         return f"{self.state}: {self.cause}" if self.state == FAILED and self.cause else self.state
@@ -122,12 +125,15 @@ def drain_state(path: str | os.PathLike) -> DrainState:
     if doc.get("state") == MIRRORED and doc.get("version") != JOURNAL_VERSION:
         return DrainState(LOCAL, doc.get("target"), "mirrored by an older dcp_nvme that did not confirm "
                           "the target; run `dcp-nvme drain` to confirm it (nothing confirmed is resent)")
+    coded = doc.get("compression") if doc.get("state") == MIRRORED else None
+    delta = coded.get("delta") if isinstance(coded, dict) else None
     try:
         return DrainState(
             str(doc.get("state", LOCAL)), doc.get("target"), str(doc.get("cause", "")),
             int(doc.get("bytes_sent", 0)), int(doc.get("bytes_total", 0)),
             int(doc.get("attempts", 0)), doc.get("updated_unix"),
             doc.get("pid") if isinstance(doc.get("pid"), int) else None,
+            delta if isinstance(delta, dict) else None,
         )
     except (TypeError, ValueError):
         return DrainState(LOCAL, cause=f"{JOURNAL} is malformed")
