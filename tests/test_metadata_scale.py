@@ -195,3 +195,31 @@ def test_columnar_checks_raise_what_the_row_checks_raise(fault):
     with pytest.raises(ManifestError) as got:
         column_checks.check_columns(_columns(rows), doc, "index")
     assert str(got.value) == str(expected.value)
+
+
+def test_commit_keeps_the_ranks_order_when_it_is_the_metadata_order_else_sorts():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from dcp_nvme import SaveError
+    from dcp_nvme.format.tables import StoredItem
+    from dcp_nvme.save.results import collect
+
+    def row(fqn, start, rank):
+        return ChunkRecord(fqn, "tensor", (start,), (2,), (4,), "float32", f"rank_{rank:05d}.ab.safetensors",
+                           4096, 8, fqn)
+
+    ranks = [[row("a", 0, 0), row("b", 0, 0)], [row("a", 2, 1), row("b", 2, 1)]]
+    results = [[WriteResult(MetadataIndex(r.fqn, r.offsets), 8, StoredItem(r)) for r in rank] for rank in ranks]
+
+    def meta(order):
+        return Metadata({fqn: TensorStorageMetadata(TensorProperties(torch.float32), torch.Size((4,)),
+                         [ChunkStorageMetadata(torch.Size((s,)), torch.Size((2,))) for s in (0, 2)])
+                         for fqn in order})
+
+    kept, _, _ = collect(meta("ab"), results)
+    assert [(r.fqn, r.offsets) for r in kept] == [("a", (0,)), ("b", (0,)), ("a", (2,)), ("b", (2,))]
+    ordered, _, _ = collect(meta("ba"), results)
+    assert [(r.fqn, r.offsets) for r in ordered] == [("b", (0,)), ("b", (2,)), ("a", (0,)), ("a", (2,))]
+    with pytest.raises(SaveError, match="no rank wrote 2 item"):
+        collect(meta("abc"), results)

@@ -34,7 +34,11 @@ def gc_paused() -> Iterator[None]:
 
 def _encoded(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     """A string column as int32 codes into its distinct values (in order of first use)."""
-    encoded = pc.dictionary_encode(column).combine_chunks()
+    if pa.types.is_dictionary(column.type):  # read as stored: unify the row groups' dictionaries
+        encoded = column.unify_dictionaries().combine_chunks() if column.num_chunks else \
+            pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string()))
+    else:
+        encoded = pc.dictionary_encode(column).combine_chunks()
     return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32, copy=False), \
         encoded.dictionary.to_pylist()
 

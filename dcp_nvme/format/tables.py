@@ -232,12 +232,19 @@ def _read_table(data: bytes, schema: pa.Schema, what: str, max_rows: int,
 def read_chunk_table(data: bytes, what: str = "index", max_rows: int = FREE_ROWS) -> pa.Table:
     """The index as an Arrow table, with the checks of ``parse_chunks`` (footer bounds, column
     types, no nulls) and no Python object per row."""
-    return _read_arrow(data, _CHUNK_SCHEMA, what, max_rows)
+    return _read_arrow(data, _CHUNK_SCHEMA, what, max_rows, dictionary=_CODED)
+
+
+_CODED = ("fqn", "kind", "dtype", "file")
+"""Index columns of few distinct values, read as Parquet stores them (dictionary pages): no
+string per row is made, and ``columns`` takes their codes as they are."""
 
 
 def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
-                long_column: str | None = None, max_long: int = 0) -> pa.Table:
+                long_column: str | None = None, max_long: int = 0, dictionary: tuple = ()) -> pa.Table:
     parquet = parquet_footer(data, what)
+    if dictionary:
+        parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(dictionary))
     missing = [n for n in schema.names if n not in parquet.schema_arrow.names]
     if missing:
         raise ManifestError(f"{what} lacks column(s) {missing}")
@@ -251,7 +258,10 @@ def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
         raise ManifestError(f"{what} is not a readable Parquet file: {exc}") from None
     for name in schema.names:
         column = table.column(name)
-        if column.type != schema.field(name).type:
+        kind = column.type
+        if name in dictionary and pa.types.is_dictionary(kind) and kind.value_type == pa.string():
+            kind = kind.value_type
+        if kind != schema.field(name).type:
             raise ManifestError(f"{what}: column {name} is {column.type}, expected {schema.field(name).type}")
         nulls = column.null_count
         if pa.types.is_list(column.type):

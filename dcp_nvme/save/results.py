@@ -56,21 +56,16 @@ def key_from_results(results: list[list[WriteResult]]) -> str:
 
 
 def collect(metadata: Metadata, results: list[list[WriteResult]]):
-    """Chunk records in the metadata's order, file records by rank, and each rank's figures.
+    """Chunk records in an order that gives the metadata's tensors, each with its chunks, in the
+    metadata's order; file records by rank; each rank's figures.
 
-    Linear in rows with a small constant: items are matched by ``(fqn, offsets)`` tuples (a
-    torch.Size hashes as its tuple), no MetadataIndex is made per row, and the cyclic GC is
-    paused while the lists of a large save are built."""
+    Linear in rows with a small constant: the ranks' order is kept when it already gives that
+    (``_same_metadata``, DefaultSavePlanner's case), else items are sorted by ``(fqn, offsets)``
+    tuples (a torch.Size hashes as its tuple); no MetadataIndex is made per row, and the cyclic
+    GC is paused while the lists of a large save are built."""
     was = gc.isenabled()
     gc.disable()
     try:
-        planned = []
-        for fqn, entry in metadata.state_dict_metadata.items():
-            chunks = getattr(entry, "chunks", None)
-            if chunks is None:
-                planned.append((fqn, None))
-            else:
-                planned.extend([(fqn, chunk.offsets) for chunk in chunks])
         records, files, stats = [], [], []
         for rank_results in results:
             for result in rank_results:
@@ -80,14 +75,34 @@ def collect(metadata: Metadata, results: list[list[WriteResult]]):
                     files.append(stored.file)
                 if stored.stats is not None:
                     stats.append(stored.stats)
-        keys = [(r.fqn, r.offsets if r.kind == "tensor" else None) for r in records]
-        if keys != planned:  # DefaultSavePlanner's metadata lists the items rank by rank, as here
+        if not _same_metadata(records, metadata):
+            planned = []
+            for fqn, entry in metadata.state_dict_metadata.items():
+                chunks = getattr(entry, "chunks", None)
+                planned.extend([(fqn, None)] if chunks is None else [(fqn, c.offsets) for c in chunks])
+            keys = [(r.fqn, r.offsets if r.kind == "tensor" else None) for r in records]
             records = _in_plan_order(records, keys, planned)
     finally:
         if was:
             gc.enable()
     files.sort(key=lambda f: f.rank)
     return records, files, stats
+
+
+def _same_metadata(records: list, metadata: Metadata) -> bool:
+    """Whether the rows in the ranks' order already give the metadata's tensors in its order,
+    each with its chunks in its order (DefaultSavePlanner builds the metadata rank by rank, as
+    the results come): then they are kept as they are, with no sort."""
+    by_fqn: dict[str, list] = {}
+    for r in records:
+        by_fqn.setdefault(r.fqn, []).append(r.offsets if r.kind == "tensor" else None)
+    if list(by_fqn) != list(metadata.state_dict_metadata):
+        return False
+    for fqn, entry in metadata.state_dict_metadata.items():
+        chunks = getattr(entry, "chunks", None)
+        if by_fqn[fqn] != ([None] if chunks is None else [c.offsets for c in chunks]):
+            return False
+    return True
 
 
 def _in_plan_order(records: list, keys: list[tuple], planned: list[tuple]) -> list:
