@@ -12,9 +12,10 @@ import math
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 
 from ..errors import ManifestError
-from .columns import ChunkColumns
+from .columns import ChunkColumns, as_numpy
 from .container import MAX_NDIM, parse_dtype
 from .names import check_name
 from .validation import check_file_rows, check_row, tiling_problem
@@ -46,9 +47,8 @@ class _Screen:
             bad = [i for i, name in enumerate(names) if not name]
             if bad:
                 self.suspect |= np.isin(codes, bad)
-        empty_key = [i for i in range(len(cols.keys)) if not cols.keys[i].is_valid or cols.keys[i].as_py() == ""] \
-            if len(cols.keys) and pc_has_empty(cols.keys) else []
-        if empty_key:
+        empty_key = np.flatnonzero(as_numpy(pc.binary_length(cols.keys), np.int64) == 0)
+        if len(empty_key):
             self.suspect |= np.isin(cols.key, empty_key)
         file_size = np.zeros(len(cols.files), dtype=np.int64)
         bad_files = []
@@ -99,12 +99,6 @@ class _Screen:
         # inside its file, past the 8-byte length prefix
         limit = file_size[cols.file] if n else np.zeros(0, np.int64)
         self.suspect |= (cols.byte_offset < 8) | (cols.length < 0) | (cols.byte_offset > limit - cols.length)
-
-
-def pc_has_empty(keys) -> bool:
-    import pyarrow.compute as pc
-
-    return bool(pc.any(pc.equal(pc.binary_length(keys), 0)).as_py())
 
 
 def check_columns(cols: ChunkColumns, doc: dict[str, Any], where: str) -> None:
