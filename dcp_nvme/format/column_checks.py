@@ -182,7 +182,7 @@ def _check_tilings(cols: ChunkColumns, screen: _Screen, where: str) -> None:
     flagged = np.flatnonzero(suspects)
     if len(flagged):
         for code in _first_use_order(cols.fqn, codes[flagged].tolist()):
-            g = int(np.searchsorted(codes, code)) if False else int(np.flatnonzero(codes == code)[0])
+            g = int(np.searchsorted(codes, code))  # codes ascend: ``order`` sorts by them
             message = tiling_problem(cols.records(order[first[g]:first[g] + counts[g]]))
             if message:
                 raise ManifestError(f"{where}: {cols.fqns[code]!r}: {message}")
