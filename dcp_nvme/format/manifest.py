@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import crc32c
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -26,6 +26,8 @@ from ..errors import (
     TableError,
 )
 from .checksums import check_table
+from .column_checks import check_columns
+from .columns import ChunkColumns, gc_paused
 from .container import (
     parse_dtype,
 )
@@ -45,13 +47,15 @@ from .tables import (
     FileRecord,
     column_values,
     parquet_footer,
-    parse_chunks,
     parse_files,
+    read_chunk_table,
 )
-from .validation import check_chunks, check_doc, check_files
+from .validation import check_doc, check_files
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from .metadata_view import StorageView
 
 MAX_MANIFEST = 256 << 20
 """Largest manifest.json accepted (planner data included)."""
@@ -91,15 +95,37 @@ def decode_json(value: Any) -> Any:
     return value
 
 
-@dataclass
 class Manifest:
-    """A committed checkpoint as read back: the JSON document and the chunk index."""
+    """A committed checkpoint as read back: the JSON document and the chunk index, held as
+    columns (``columns``) when read from disk; ``chunks`` makes every row a ChunkRecord on
+    first use, which a load does not need (``to_metadata``, ``rows_of_file``)."""
 
-    doc: dict[str, Any]
-    chunks: list[ChunkRecord]
-    _files: dict[str, FileRecord] | None = field(default=None, repr=False)
-    _real_bytes: int | None = field(default=None, repr=False)
-    _by_file: dict[str, list[ChunkRecord]] | None = field(default=None, repr=False)
+    def __init__(self, doc: dict[str, Any], chunks: list[ChunkRecord] | None = None,
+                 columns: ChunkColumns | None = None) -> None:
+        self.doc = doc
+        self.columns = columns
+        self._chunks = chunks
+        self._files: dict[str, FileRecord] | None = None
+        self._declared_bytes: int | None = None
+        self._by_file: dict[str, list[ChunkRecord]] | None = None
+        self._file_rows: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"Manifest(save_key={self.doc.get('save_key')!r}, rows={self.row_count})"
+
+    @property
+    def chunks(self) -> list[ChunkRecord]:
+        if self._chunks is None:
+            self._chunks = self.columns.records() if self.columns is not None else []
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: list[ChunkRecord]) -> None:
+        self._chunks, self.columns, self._by_file, self._file_rows = value, None, None, None
+
+    @property
+    def row_count(self) -> int:
+        return len(self.columns) if self.columns is not None else len(self.chunks)
 
     def rows_by_file(self) -> dict[str, list[ChunkRecord]]:
         """The index rows of each container file."""
@@ -108,6 +134,23 @@ class Manifest:
             for chunk in self.chunks:
                 self._by_file.setdefault(chunk.file, []).append(chunk)
         return self._by_file
+
+    def rows_of_file(self, name: str) -> list[ChunkRecord]:
+        """The index rows of one container file (only they become ChunkRecords)."""
+        if self.columns is None or self._chunks is not None:
+            return self.rows_by_file().get(name, [])
+        if self._file_rows is None:
+            self._file_rows = self.columns.by_file()
+        rows = self._file_rows.get(name)
+        return [] if rows is None else self.columns.records(rows)
+
+    def rows_before(self, data_start: dict[str, int]) -> list[ChunkRecord]:
+        """The rows that start before their file's data region (``data_start`` by file name)."""
+        if self.columns is None or self._chunks is not None:
+            return [c for c in self.chunks if c.byte_offset < data_start[c.file]]
+        cols = self.columns
+        starts = np.array([data_start.get(name, 0) for name in cols.files], dtype=np.int64)
+        return cols.records(np.flatnonzero(cols.byte_offset < starts[cols.file]) if len(cols) else [])
 
     @property
     def save_key(self) -> str:
@@ -149,34 +192,14 @@ class Manifest:
                                        "is missing: the checkpoint is damaged")
 
     def to_metadata(self) -> Metadata:
-        """DCP's Metadata, rebuilt from data."""
-        import torch  # here, not at import: the tools read a manifest without torch
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            Metadata,
-            StorageMeta,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
+        """DCP's Metadata, rebuilt from data: over the columns, a lazy one (``metadata_view``)."""
+        if self.columns is not None and self._chunks is None:
+            state, storage = metadata_over(self.columns)
+        else:
+            state, storage = _eager_metadata(self.chunks)
+        # torch here, not at import: the tools read a manifest without torch
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-        state: dict[str, Any] = {}
-        storage: dict[Any, ChunkRecord] = {}
-        for chunk in self.chunks:
-            if chunk.kind == "bytes":
-                state[chunk.fqn] = BytesStorageMetadata()
-            else:
-                entry = state.get(chunk.fqn)
-                if entry is None:
-                    entry = state[chunk.fqn] = TensorStorageMetadata(
-                        TensorProperties(dtype=parse_dtype(chunk.dtype)),
-                        torch.Size(chunk.global_shape),
-                        [],
-                    )
-                entry.chunks.append(
-                    ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
-                )
-            storage[chunk.index] = chunk
         meta = self.doc.get("storage_meta") or {}
         return Metadata(
             state_dict_metadata=state,
@@ -188,6 +211,63 @@ class Manifest:
             ),
             version=self.doc.get("dcp_version"),
         )
+
+
+def _eager_metadata(chunks: list[ChunkRecord]) -> tuple[dict[str, Any], dict[MetadataIndex, ChunkRecord]]:
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    state: dict[str, Any] = {}
+    storage: dict[MetadataIndex, ChunkRecord] = {}
+    for chunk in chunks:
+        if chunk.kind == "bytes":
+            state[chunk.fqn] = BytesStorageMetadata()
+        else:
+            entry = state.get(chunk.fqn)
+            if entry is None:
+                entry = state[chunk.fqn] = TensorStorageMetadata(
+                    TensorProperties(dtype=parse_dtype(chunk.dtype)),
+                    torch.Size(chunk.global_shape),
+                    [],
+                )
+            entry.chunks.append(
+                ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
+            )
+        storage[chunk.index] = chunk
+    return state, storage
+
+
+def metadata_over(cols: ChunkColumns) -> tuple[dict[str, Any], StorageView]:
+    """``state_dict_metadata`` and ``storage_data`` over checked columns: one entry per tensor,
+    in the order of the tensors' first rows; no object per row."""
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties
+
+    from .metadata_view import IndexedTensorMetadata, StorageView
+
+    state: dict[str, Any] = {}
+    bytes_rows: dict[str, int] = {}
+    if len(cols):
+        order, first, counts = cols.groups(cols.fqn)
+        firsts = order[first]
+        with gc_paused():
+            for g in np.argsort(firsts, kind="stable").tolist():
+                row = int(firsts[g])
+                fqn = cols.fqns[cols.fqn[row]]
+                if cols.kinds[cols.kind[row]] == "bytes":
+                    state[fqn] = BytesStorageMetadata()
+                    bytes_rows[fqn] = int(order[first[g] + counts[g] - 1])
+                else:
+                    rows = order[first[g]:first[g] + counts[g]]
+                    state[fqn] = IndexedTensorMetadata(
+                        TensorProperties(dtype=parse_dtype(cols.dtypes[cols.dtype[row]])),
+                        torch.Size(cols.list_of(2, row)), cols, rows)
+    return state, StorageView(cols, state, bytes_rows)
 
 
 def _list_or_empty(value: Any) -> list:
@@ -291,15 +371,17 @@ def read_manifest(store, location: str) -> Manifest:
         raise ManifestError(f"{location}/{MANIFEST} fails its own checksum: the manifest is corrupt "
                             "or was edited after the save")
     check_doc(doc, f"{location}/{MANIFEST}")
-    manifest = Manifest(doc, [])
+    manifest = Manifest(doc)
     entry = doc["index"]
     what = f"{location}/{entry['name']}"
     data = _load_table(store, entry, location)
     rows = parquet_footer(data, what).metadata.num_rows
     if "rows" in entry and rows != entry["rows"]:
         raise ManifestError(f"{what} has {rows} rows, {MANIFEST} says {entry['rows']}")
-    manifest.chunks = parse_chunks(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
-    check_chunks(manifest.chunks, doc, what)
+    table = read_chunk_table(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
+    manifest.columns = ChunkColumns.from_table(table)
+    del table, data
+    check_columns(manifest.columns, doc, what)
     return manifest
 
 
@@ -319,22 +401,17 @@ def read_files(store, manifest: Manifest, location: str) -> dict[str, FileRecord
 
 
 def _row_limit(store, manifest: Manifest, wanted: int, bytes_each: int, free_factor: int = 1) -> int:
-    """How many rows (or values) of ``bytes_each`` bytes the real data files can account for.
+    """How many rows (or values) of ``bytes_each`` bytes the data files can account for.
 
-    Up to ``FREE_ROWS * free_factor`` need no look; beyond, the data files are stat-ed once:
-    claims are bounded by what is really on disk, not by what the manifest says."""
+    Up to ``FREE_ROWS * free_factor`` need no look; beyond, the bound is the data files' sizes
+    as the manifest declares them (each checked by ``check_doc``), summed once: no file is
+    stat-ed, so the cost does not grow with the world size on every rank."""
     free = FREE_ROWS * free_factor
     if wanted <= free:
         return free
-    if manifest._real_bytes is None:
-        total = 0
-        for entry in manifest.doc["files"]:
-            try:
-                total += store.size(entry["name"])
-            except (OSError, ManifestError):
-                pass  # missing or not a regular file: it holds nothing
-        manifest._real_bytes = total
-    return max(free, manifest._real_bytes // bytes_each)
+    if manifest._declared_bytes is None:
+        manifest._declared_bytes = sum(entry["size"] for entry in manifest.doc["files"])
+    return max(free, manifest._declared_bytes // bytes_each)
 
 
 def _load_table(store, entry: dict[str, Any], location: str) -> bytes:

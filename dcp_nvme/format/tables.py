@@ -9,10 +9,13 @@ any row becomes a Python object."""
 
 from __future__ import annotations
 
+import gc
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -108,20 +111,37 @@ def _parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def _list_column(values: Sequence[Sequence[int]]) -> pa.Array:
+    """A list<int64> column from per-row tuples, through one flat array (no list per row)."""
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int32, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=int(offsets[-1]))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
 def chunks_table(chunks: Sequence[ChunkRecord]) -> bytes:
-    columns = {
-        "fqn": [c.fqn for c in chunks],
-        "kind": [c.kind for c in chunks],
-        "chunk_offsets": [list(c.offsets) for c in chunks],
-        "chunk_sizes": [list(c.sizes) for c in chunks],
-        "global_shape": [list(c.global_shape) for c in chunks],
-        "dtype": [c.dtype for c in chunks],
-        "file": [c.file for c in chunks],
-        "byte_offset": [c.byte_offset for c in chunks],
-        "length": [c.length for c in chunks],
-        "key": [c.key for c in chunks],
-    }
-    return _parquet_bytes(pa.table(columns, schema=_CHUNK_SCHEMA))
+    """The index table: each column made in one pass, GC paused (a commit at 16k ranks makes
+    millions of short-lived objects, and the cyclic GC would walk them again and again)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        columns = [
+            pa.array([c.fqn for c in chunks], pa.string()),
+            pa.array([c.kind for c in chunks], pa.string()),
+            _list_column([c.offsets for c in chunks]),
+            _list_column([c.sizes for c in chunks]),
+            _list_column([c.global_shape for c in chunks]),
+            pa.array([c.dtype for c in chunks], pa.string()),
+            pa.array([c.file for c in chunks], pa.string()),
+            pa.array(np.fromiter((c.byte_offset for c in chunks), dtype=np.int64, count=len(chunks))),
+            pa.array(np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))),
+            pa.array([c.key for c in chunks], pa.string()),
+        ]
+    finally:
+        if was:
+            gc.enable()
+    return _parquet_bytes(pa.Table.from_arrays(columns, schema=_CHUNK_SCHEMA))
 
 
 def files_table(files: Sequence[FileRecord]) -> bytes:
@@ -207,7 +227,26 @@ def _check_counts(parquet: pq.ParquetFile, what: str, max_rows: int,
 
 def _read_table(data: bytes, schema: pa.Schema, what: str, max_rows: int,
                 long_column: str | None = None, max_long: int = 0) -> dict[str, list]:
+    table = _read_arrow(data, schema, what, max_rows, long_column, max_long)
+    return {name: table.column(name).to_pylist() for name in schema.names}
+
+
+def read_chunk_table(data: bytes, what: str = "index", max_rows: int = FREE_ROWS) -> pa.Table:
+    """The index as an Arrow table, with the checks of ``parse_chunks`` (footer bounds, column
+    types, no nulls) and no Python object per row."""
+    return _read_arrow(data, _CHUNK_SCHEMA, what, max_rows, dictionary=_CODED)
+
+
+_CODED = ("fqn", "kind", "dtype", "file")
+"""Index columns of few distinct values, read as Parquet stores them (dictionary pages): no
+string per row is made, and ``columns`` takes their codes as they are."""
+
+
+def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
+                long_column: str | None = None, max_long: int = 0, dictionary: tuple = ()) -> pa.Table:
     parquet = parquet_footer(data, what)
+    if dictionary:
+        parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(dictionary))
     missing = [n for n in schema.names if n not in parquet.schema_arrow.names]
     if missing:
         raise ManifestError(f"{what} lacks column(s) {missing}")
@@ -221,14 +260,17 @@ def _read_table(data: bytes, schema: pa.Schema, what: str, max_rows: int,
         raise ManifestError(f"{what} is not a readable Parquet file: {exc}") from None
     for name in schema.names:
         column = table.column(name)
-        if column.type != schema.field(name).type:
+        kind = column.type
+        if name in dictionary and pa.types.is_dictionary(kind) and kind.value_type == pa.string():
+            kind = kind.value_type
+        if kind != schema.field(name).type:
             raise ManifestError(f"{what}: column {name} is {column.type}, expected {schema.field(name).type}")
         nulls = column.null_count
         if pa.types.is_list(column.type):
             nulls += pc.list_flatten(column).null_count
         if nulls:
             raise ManifestError(f"{what}: column {name} has {nulls} empty value(s)")
-    return {name: table.column(name).to_pylist() for name in schema.names}
+    return table.select(schema.names)
 
 
 def parse_chunks(data: bytes, what: str = "index", max_rows: int = FREE_ROWS) -> list[ChunkRecord]:

@@ -103,41 +103,52 @@ def check_topology(topology: Any, world: int, where: str) -> None:
 def check_chunks(chunks: Sequence[ChunkRecord], doc: dict[str, Any], where: str) -> None:
     """Every index row against itself, the manifest's file sizes and the other rows: names of
     listed files; known kinds and dtypes; a chunk inside its tensor, of exactly numel x itemsize
-    bytes, inside its file; no two rows sharing bytes; each tensor's chunks tiling it exactly."""
+    bytes, inside its file; no two rows share bytes; each tensor's chunks tiling it exactly.
+    (``column_checks.check_columns`` runs the same checks on the index as columns.)"""
     sizes = {f["name"]: f["size"] for f in doc["files"]}
     key = doc["save_key"]
     per_file: dict[str, list[ChunkRecord]] = {}
     per_fqn: dict[str, list[ChunkRecord]] = {}
     for chunk in chunks:
-        item = f"{where}: row {chunk.key!r} of {chunk.fqn!r}"
-        if not chunk.key or not chunk.fqn:
-            raise ManifestError(f"{item}: an empty name")
-        check_name(chunk.file, "data", key, item)
-        if chunk.file not in sizes:
-            raise ManifestError(f"{item}: names file {chunk.file}, which {MANIFEST} does not list")
-        message = chunk_problem(chunk)
-        if message:
-            raise ManifestError(f"{item}: {message}")
-        if chunk.byte_offset < 8 or chunk.byte_offset + chunk.length > sizes[chunk.file]:
-            raise ManifestError(f"{item}: bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.length}) "
-                                f"are outside {chunk.file} ({sizes[chunk.file]} bytes)")
+        check_row(chunk, sizes, key, where)
         per_file.setdefault(chunk.file, []).append(chunk)
         per_fqn.setdefault(chunk.fqn, []).append(chunk)
     for name, rows in per_file.items():
-        keys: set[str] = set()
-        end, last = -1, None
-        for chunk in sorted(rows, key=lambda c: (c.byte_offset, c.length)):
-            if chunk.key in keys:
-                raise ManifestError(f"{where}: item key {chunk.key!r} appears twice in {name}")
-            keys.add(chunk.key)
-            if chunk.byte_offset < end and chunk.length:
-                raise ManifestError(f"{where}: rows {last.key!r} and {chunk.key!r} share bytes of {name}")
-            if chunk.byte_offset + chunk.length > end:
-                end, last = chunk.byte_offset + chunk.length, chunk
+        check_file_rows(name, rows, where)
     for fqn, rows in per_fqn.items():
         message = tiling_problem(rows)
         if message:
             raise ManifestError(f"{where}: {fqn!r}: {message}")
+
+
+def check_row(chunk: ChunkRecord, sizes: dict[str, int], key: str, where: str) -> None:
+    """One index row on its own and against its file's size (``sizes``: the manifest's)."""
+    item = f"{where}: row {chunk.key!r} of {chunk.fqn!r}"
+    if not chunk.key or not chunk.fqn:
+        raise ManifestError(f"{item}: an empty name")
+    check_name(chunk.file, "data", key, item)
+    if chunk.file not in sizes:
+        raise ManifestError(f"{item}: names file {chunk.file}, which {MANIFEST} does not list")
+    message = chunk_problem(chunk)
+    if message:
+        raise ManifestError(f"{item}: {message}")
+    if chunk.byte_offset < 8 or chunk.byte_offset + chunk.length > sizes[chunk.file]:
+        raise ManifestError(f"{item}: bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.length}) "
+                            f"are outside {chunk.file} ({sizes[chunk.file]} bytes)")
+
+
+def check_file_rows(name: str, rows: Sequence[ChunkRecord], where: str) -> None:
+    """The rows of one file: each key once, no two sharing bytes."""
+    keys: set[str] = set()
+    end, last = -1, None
+    for chunk in sorted(rows, key=lambda c: (c.byte_offset, c.length)):
+        if chunk.key in keys:
+            raise ManifestError(f"{where}: item key {chunk.key!r} appears twice in {name}")
+        keys.add(chunk.key)
+        if chunk.byte_offset < end and chunk.length:
+            raise ManifestError(f"{where}: rows {last.key!r} and {chunk.key!r} share bytes of {name}")
+        if chunk.byte_offset + chunk.length > end:
+            end, last = chunk.byte_offset + chunk.length, chunk
 
 
 def chunk_problem(chunk: ChunkRecord) -> str:
@@ -177,16 +188,31 @@ def tiling_problem(rows: Sequence[ChunkRecord]) -> str:
     if len(rows) > 1:
         # equal counts, so any overlap also leaves a hole: sweep along the most-cut dimension
         dim = max(range(len(first.offsets)), key=lambda d: len({r.offsets[d] for r in rows}), default=0)
-        live = [r for r in rows if math.prod(r.sizes)]
-        live.sort(key=lambda r: r.offsets[dim])
-        for i, a in enumerate(live):
-            for b in live[i + 1:]:
-                if b.offsets[dim] >= a.offsets[dim] + a.sizes[dim]:
-                    break
-                if all(b.offsets[d] < a.offsets[d] + a.sizes[d] and a.offsets[d] < b.offsets[d] + b.sizes[d]
-                       for d in range(len(a.offsets))):
-                    return f"chunks at {list(a.offsets)} and {list(b.offsets)} overlap"
+        pair = first_overlap([(r.offsets, r.sizes) for r in rows if math.prod(r.sizes)], dim)
+        if pair:
+            return f"chunks at {list(pair[0])} and {list(pair[1])} overlap"
     return ""
+
+
+def first_overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], dim: int):
+    """The offsets of two boxes ``(offsets, sizes)`` that overlap, or None (pure). A sweep along
+    ``dim``: each box is compared only with the boxes that start before it ends there, by
+    index (no copy of the rest of the list), so a one-dimensional cut costs O(k log k)."""
+    boxes = sorted(boxes, key=lambda b: b[0][dim])
+    count = len(boxes)
+    for i in range(count):
+        a_off, a_size = boxes[i]
+        a_end = a_off[dim] + a_size[dim]
+        j = i + 1
+        while j < count:
+            b_off, b_size = boxes[j]
+            if b_off[dim] >= a_end:
+                break
+            if all(b_off[d] < a_off[d] + a_size[d] and a_off[d] < b_off[d] + b_size[d]
+                   for d in range(len(a_off))):
+                return a_off, b_off
+            j += 1
+    return None
 
 
 def check_files(files: dict[str, FileRecord], manifest: Manifest, where: str) -> None:
@@ -212,7 +238,7 @@ def check_files(files: dict[str, FileRecord], manifest: Manifest, where: str) ->
         if len(record.crcs) != -(-record.data_size // record.checksum_block):
             raise ManifestError(f"{where}: {name} has {len(record.crcs)} checksums for a "
                                 f"{record.data_size}-byte data region in blocks of {record.checksum_block}")
-    for chunk in manifest.chunks:
+    for chunk in manifest.rows_before({name: record.data_start for name, record in files.items()}):
         record = files[chunk.file]
         if chunk.byte_offset < record.data_start:
             raise ManifestError(f"{where}: row {chunk.key!r} of {chunk.fqn!r} starts at byte "
@@ -250,7 +276,7 @@ def check_container(store, record: FileRecord, manifest: Manifest, location: str
     if verify and crc32c.crc32c(header) != record.header_crc:
         raise ChecksumMismatchError(store.path(record.name), 0, data_start, record.header_crc,
                                     crc32c.crc32c(header), "the safetensors header")
-    problems = header_mismatches(items, manifest.rows_by_file().get(record.name, []), data_start)
+    problems = header_mismatches(items, manifest.rows_of_file(record.name), data_start)
     if problems:
         raise ManifestError(f"{where} and the index disagree: {'; '.join(problems[:3])}; the "
                             "checkpoint is damaged or forged")

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import UnknownOptionError, UnsafeItemError
 from ..lazy_imports import require
+from ..load.load_planner import NVMeLoadPlanner
 from ._common import make_reader, make_stager, make_writer, wait_future
 
 ModelParallelStrategy = require("lightning.pytorch.strategies", needed_by=__name__,
@@ -183,7 +184,7 @@ class NVMeModelParallelStrategy(ModelParallelStrategy):
         for key, opt in optimizers.items():
             state[key] = get_optimizer_state_dict(self.model, opt)
         state[META_KEY] = b""
-        dcp.load(state, storage_reader=make_reader(path, self._nvme_reader_factory))
+        dcp.load(state, storage_reader=make_reader(path, self._nvme_reader_factory), planner=NVMeLoadPlanner())
         set_model_state_dict(
             self.model, state["state_dict"], options=StateDictOptions(strict=strict)
         )

@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..lazy_imports import require
+from ..load.load_planner import NVMeLoadPlanner
 from ..storage.local_dir import is_remote_url
 from ..storage.run_dir import checkpoints
 from ._common import make_reader, make_stager, make_writer, nvme_reader, nvme_writer
@@ -136,7 +137,8 @@ class NVMeCheckpointManager(CheckpointManager):
     def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf or not self._reads_as_nvme(checkpoint_id):
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        dcp.load(state_dict, storage_reader=make_reader(checkpoint_id, self._nvme_reader_factory))
+        dcp.load(state_dict, storage_reader=make_reader(checkpoint_id, self._nvme_reader_factory),
+                 planner=NVMeLoadPlanner())
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
 

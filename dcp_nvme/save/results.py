@@ -4,6 +4,7 @@ for the tables and the manifest (pure)."""
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import replace
 from typing import Any
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import SaveError
+from ..format.manifest import encode_json
 from ..format.names import (
     new_save_key,
     save_key_of,
@@ -54,28 +56,108 @@ def key_from_results(results: list[list[WriteResult]]) -> str:
 
 
 def collect(metadata: Metadata, results: list[list[WriteResult]]):
-    """Chunk records in the metadata's order, file records by rank, and each rank's figures."""
-    order: dict[MetadataIndex, int] = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        chunks = getattr(entry, "chunks", None)
-        if chunks is None:
-            order[MetadataIndex(fqn)] = len(order)
-        else:
-            for chunk in chunks:
-                order[MetadataIndex(fqn, chunk.offsets)] = len(order)
-    records, files, stats = [], [], []
-    for rank_results in results:
-        for result in rank_results:
-            stored: StoredItem = result.storage_data
-            records.append(stored.chunk)
-            if stored.file is not None:
-                files.append(stored.file)
-            if stored.stats is not None:
-                stats.append(stored.stats)
-    written = {r.index for r in records}
-    missing = [index for index in order if index not in written]
-    if missing:
-        raise SaveError(f"no rank wrote {len(missing)} item(s) of the plan, e.g. {missing[0]}")
-    records.sort(key=lambda r: order.get(r.index, len(order)))
+    """Chunk records in an order that gives the metadata's tensors, each with its chunks, in the
+    metadata's order; file records by rank; each rank's figures.
+
+    Linear in rows with a small constant: the ranks' order is kept when it already gives that
+    (``_same_metadata``, DefaultSavePlanner's case), else items are sorted by ``(fqn, offsets)``
+    tuples (a torch.Size hashes as its tuple); no MetadataIndex is made per row, and the cyclic
+    GC is paused while the lists of a large save are built."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        records, files, stats = [], [], []
+        for rank_results in results:
+            for result in rank_results:
+                stored: StoredItem = result.storage_data
+                records.append(stored.chunk)
+                if stored.file is not None:
+                    files.append(stored.file)
+                if stored.stats is not None:
+                    stats.append(stored.stats)
+        if not _same_metadata(records, metadata):
+            planned = []
+            for fqn, entry in metadata.state_dict_metadata.items():
+                chunks = getattr(entry, "chunks", None)
+                planned.extend([(fqn, None)] if chunks is None else [(fqn, c.offsets) for c in chunks])
+            keys = [(r.fqn, r.offsets if r.kind == "tensor" else None) for r in records]
+            records = _in_plan_order(records, keys, planned)
+    finally:
+        if was:
+            gc.enable()
     files.sort(key=lambda f: f.rank)
     return records, files, stats
+
+
+def _same_metadata(records: list, metadata: Metadata) -> bool:
+    """Whether the rows in the ranks' order already give the metadata's tensors in its order,
+    each with its chunks in its order (DefaultSavePlanner builds the metadata rank by rank, as
+    the results come): then they are kept as they are, with no sort."""
+    by_fqn: dict[str, list] = {}
+    for r in records:
+        by_fqn.setdefault(r.fqn, []).append(r.offsets if r.kind == "tensor" else None)
+    if list(by_fqn) != list(metadata.state_dict_metadata):
+        return False
+    for fqn, entry in metadata.state_dict_metadata.items():
+        chunks = getattr(entry, "chunks", None)
+        if by_fqn[fqn] != ([None] if chunks is None else [c.offsets for c in chunks]):
+            return False
+    return True
+
+
+def _in_plan_order(records: list, keys: list[tuple], planned: list[tuple]) -> list:
+    order: dict[tuple, int] = {}
+    for key in planned:
+        order.setdefault(key, len(order))
+    written = set(keys)
+    missing = [key for key in order if key not in written]
+    if missing:
+        fqn, offsets = missing[0]
+        raise SaveError(f"no rank wrote {len(missing)} item(s) of the plan, e.g. {MetadataIndex(fqn, offsets)}")
+    end = len(order)
+    ranks = [order.get(key, end) for key in keys]
+    return [records[i] for i in sorted(range(len(records)), key=ranks.__getitem__)]
+
+
+def check_planner_data(plans: list[SavePlan]) -> None:
+    """Every rank's planner data is JSON we can store (``encode_json`` raises otherwise). Ranks
+    of one model send equal planner data (DefaultSavePlanner's flattening map): each distinct
+    value is encoded once, not once per rank."""
+    last: list[Any] = []
+    for plan in plans:
+        data = plan.planner_data
+        if last and _same(data, last[0]):
+            continue
+        encode_json(data)
+        last = [data]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # e.g. a tensor in planner data: encode_json then names it
+        return False
+
+
+RANK_STATS_INLINE = 64
+"""Up to this many ranks, manifest.json carries each rank's write figures; beyond, a summary:
+every rank parses manifest.json on load, so it must not grow with the world size."""
+
+
+def rank_stats_doc(rank_stats: list[dict[str, Any]], layers: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's ``ranks`` and ``layers`` entries: in full for a small world; for a large
+    one, the straggler, the throttled ranks and the spread of the ranks' bandwidth (pure)."""
+    if len(rank_stats) <= RANK_STATS_INLINE:
+        return {"ranks": rank_stats, "layers": layers}
+    speeds = sorted(r["gbps"] for r in layers["ranks"])
+    nodes = sorted(n["gbps"] for n in layers["nodes"].values())
+    return {"layers": {
+        "straggler": layers["straggler"], "throttled_ranks": layers["throttled_ranks"][:RANK_STATS_INLINE],
+        "summary": {"ranks": len(speeds), "nodes": len(nodes),
+                    "rank_gbps": _spread(speeds), "node_gbps": _spread(nodes)}}}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {"min": values[0], "median": values[len(values) // 2], "max": values[-1]}

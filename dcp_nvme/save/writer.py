@@ -32,7 +32,7 @@ from ..config import IOConfig, check_option, option_or_env, resolve_config
 from ..engines import shared_engine
 from ..engines.windows import host_address
 from ..errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, StorageError
-from ..format.manifest import build_manifest_doc, encode_json, seal, table_entry
+from ..format.manifest import build_manifest_doc, seal, table_entry
 from ..format.names import (
     FORMAT,
     FORMAT_VERSION,
@@ -65,7 +65,15 @@ from .node_commit import (
     shared_store,
     start_committer,
 )
-from .results import collect, key_from_results, storage_meta_doc, write_results
+from .plan_cache import with_cached_plans
+from .results import (
+    check_planner_data,
+    collect,
+    key_from_results,
+    rank_stats_doc,
+    storage_meta_doc,
+    write_results,
+)
 from .topology import (
     NODE_LOCAL,
     NodeTag,
@@ -199,6 +207,8 @@ class NVMeWriter(StorageWriter):
         """On the coordinator: where the ranks' directories are, found while planning."""
         self._committer: NodeCommitter | None = None
         """On a node writer: the thread committing this node's copy of the last save."""
+        self._sent_plans: list[SavePlan] | None = None
+        """On the coordinator: the plans of the last save, for a planner that caches (``plan_cache``)."""
         refuse_existing_early(self.path, self.overwrite)
 
     # ------------------------------------------------------------------ DCP protocol
@@ -267,15 +277,17 @@ class NVMeWriter(StorageWriter):
         self._lock = save_lock.acquire(self.path, key)
         try:
             self._refuse_existing(self.path)
-            for plan in plans:  # fail before any byte is written, not after
-                encode_json(plan.planner_data)
+            plans, cached = with_cached_plans(plans, self._sent_plans, self.path)  # enable_plan_caching
+            check_planner_data(plans)  # fail before any byte is written, not after
             tags = [plan.storage_data if isinstance(plan.storage_data, NodeTag) else None for plan in plans]
             counts = ranks_per_host([tag.host if tag else None for tag in tags])
-            self._topology = decide(self._rank, tags, lambda name: probe_visible(self.path, name))
+            if not (cached and self._topology is not None):
+                self._topology = decide(self._rank, tags, lambda name: probe_visible(self.path, name))
         except BaseException:
             self._release_lock()
             raise
         writers = set(self._topology.node_writers)
+        self._sent_plans = plans
         return [replace(plan, storage_data=RankPlan(rank, key, counts[rank], rank in writers))
                 for rank, plan in enumerate(plans)]
 
@@ -464,8 +476,8 @@ class NVMeWriter(StorageWriter):
             world_size=len(results), planner_data=metadata.planner_data,
             dcp_version=metadata.version or dcp_version(),  # what the stock writer records
             storage_meta=storage_meta_doc(self.storage_meta()),
-            extra={"created_unix": time.time(), "config": self.config.to_dict(), "ranks": rank_stats,
-                   "layers": layers,
+            extra={"created_unix": time.time(), "config": self.config.to_dict(),
+                   **rank_stats_doc(rank_stats, layers),
                    **({"topology": self._topology.to_doc()} if self._topology is not None else {})},
         )
         sealed = seal(doc)  # everything that can fail happens before the commit

@@ -1,0 +1,225 @@
+"""Metadata at many ranks: the scale bench at small N, the work that must not grow with the world
+size (file stats, tiling comparisons), the columnar checks agreeing with the row-by-row ones, and
+NVMeLoadPlanner planning what DefaultLoadPlanner plans."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from dcp_nvme import ManifestError, NVMeLoadPlanner, NVMeReader
+from dcp_nvme.format import column_checks, validation
+from dcp_nvme.format.columns import ChunkColumns
+from dcp_nvme.format.tables import ChunkRecord, chunks_table, read_chunk_table
+
+
+def _bench():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "metadata_scale.py"
+    spec = importlib.util.spec_from_file_location("metadata_scale", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["metadata_scale"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+
+
+def _save(tmp_path, world: int, layers: int = 1) -> str:
+    directory = str(tmp_path / f"w{world}")
+    os.makedirs(directory)
+    BENCH.run_here("save", world, layers, directory, 0)
+    return directory
+
+
+def _items(plan) -> set:
+    return {(i.dest_index.fqn, tuple(i.dest_index.offset), tuple(i.dest_offsets), tuple(i.storage_index.offset),
+             tuple(i.storage_offsets), tuple(i.lengths)) for i in plan.items}
+
+
+def _plan(planner, state, metadata):
+    planner.original_state_dict = planner.state_dict = state
+    planner.metadata, planner.is_coordinator, planner.mappings = metadata, False, {}
+    return planner.create_local_plan()
+
+
+def test_bench_runs_at_small_n_and_writes_json(tmp_path):
+    out = tmp_path / "scale.json"
+    assert BENCH.main(["--ranks", "2,8", "--layers", "1", "--in-process", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    tensors = len(BENCH.Model(layers=1).tensors())
+    assert [p["ranks"] for p in doc["points"]] == [2, 8]
+    for point in doc["points"]:
+        assert point["rows"] == point["ranks"] * tensors
+        # one rank's plan: the same number of reads with each planner, and with stock DCP's metadata
+        assert point["nvme_planner_items"] == point["default_planner_items"] == point["stock_planner_items"]
+        assert point["nvme_planner_items"] >= tensors
+        assert point["stock_bytes"] > point["index_bytes"] > 0 and point["commit_s"] > 0
+    assert doc["fitted"]["commit_cpu_s"] > 0
+
+
+def test_read_metadata_stats_no_data_file_and_plans_as_the_default(tmp_path, monkeypatch):
+    """The row bound comes from the manifest's declared sizes: reading the metadata of 4 or 32
+    ranks makes the same few stat calls (none per container). Both planners plan the same reads
+    for a rank's FSDP shards, on our lazy Metadata and on stock DCP's."""
+    counts = {}
+    real_stat, real_lstat = os.stat, os.lstat
+    for world in (4, 32):
+        directory = _save(tmp_path, world)
+        calls: list = []
+
+        def counted(real, calls=calls):
+            return lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+
+        monkeypatch.setattr(os, "stat", counted(real_stat))
+        monkeypatch.setattr(os, "lstat", counted(real_lstat))
+        metadata = NVMeReader(directory).read_metadata()
+        monkeypatch.setattr(os, "stat", real_stat)
+        monkeypatch.setattr(os, "lstat", real_lstat)
+        assert not [c for c in calls if str(c).endswith(".safetensors")]
+        counts[world] = len(calls)
+        state = BENCH.local_chunks(BENCH.Model(layers=1), world, world // 2)
+        ours = _items(_plan(NVMeLoadPlanner(**BENCH.FLAT), state, metadata))
+        assert metadata.state_dict_metadata["model.norm.weight"]._chunks is None  # no chunk list was made
+        default = _items(_plan(DefaultLoadPlanner(**BENCH.FLAT), state, metadata))
+        assert ours == default and len(ours) == len(state)
+        # every planned read finds its row in storage_data (by the hint, and without it)
+        for item in _plan(NVMeLoadPlanner(**BENCH.FLAT), state, metadata).items:
+            record = metadata.storage_data[item.storage_index]
+            assert record.fqn == item.storage_index.fqn and record.offsets == tuple(item.storage_index.offset)
+    assert counts[4] == counts[32]
+
+
+def test_interval_index_plans_a_2d_reshard_as_the_default():
+    """Saved as a 4 x 3 grid (uneven, with an empty chunk), loaded as 3 x 2 shards plus an empty
+    one: NVMeLoadPlanner over a stock Metadata gives DefaultLoadPlanner's reads."""
+    shape = (10, 7)
+
+    def grid(rows, cols):
+        return [ChunkStorageMetadata(torch.Size((r0, c0)), torch.Size((r1 - r0, c1 - c0)))
+                for r0, r1 in zip(rows, rows[1:]) for c0, c1 in zip(cols, cols[1:])]
+
+    saved = grid([0, 3, 5, 5, 10], [0, 2, 6, 7])
+    md = Metadata({"w": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size(shape), saved)})
+    for local in grid([0, 4, 7, 10], [0, 3, 7]) + [ChunkStorageMetadata(torch.Size((10, 0)), torch.Size((0, 7)))]:
+        state = {"w": BENCH.FakeShard(torch.Size(shape), local)}
+        ours = _items(_plan(NVMeLoadPlanner(**BENCH.FLAT), state, md))
+        assert ours == _items(_plan(DefaultLoadPlanner(**BENCH.FLAT), state, md))
+        covered = sum(torch.Size(i[5]).numel() for i in ours)
+        assert covered == local.sizes.numel()
+
+
+def _rows(k: int, file: str = "rank_00000.ab.safetensors") -> list[ChunkRecord]:
+    return [ChunkRecord("t", "tensor", (i, 0), (1, 4), (k, 4), "float32", file, 4096 + 16 * i, 16, f"t@{i}")
+            for i in range(k)]
+
+
+def test_tiling_sweep_compares_linearly_in_chunks():
+    """The overlap sweep touches each chunk a bounded number of times (it was a copy of the rest
+    of the list per chunk): offsets that count their reads, at k and 4k chunks."""
+    reads = [0]
+
+    class Counting(tuple):
+        def __getitem__(self, i):
+            reads[0] += 1
+            return tuple.__getitem__(self, i)
+
+    per_k = {}
+    for k in (500, 2000):
+        reads[0] = 0
+        boxes = [(Counting((i, 0)), Counting((1, 4))) for i in range(k)]
+        assert validation.first_overlap(boxes, 0) is None
+        per_k[k] = reads[0]
+    assert per_k[2000] <= 4.5 * per_k[500]
+    overlapping = [((0, 0), (2, 4)), ((1, 0), (2, 4))]
+    assert validation.first_overlap(overlapping, 0) == ((0, 0), (1, 0))
+
+
+def _doc(rows, size=1 << 20):
+    files = sorted({r.file for r in rows})
+    return {"save_key": "ab", "files": [{"name": f, "rank": int(f[5:10]), "size": size} for f in files]}
+
+
+def _columns(rows):
+    return ChunkColumns.from_table(read_chunk_table(chunks_table(rows), "index", len(rows) + 1))
+
+
+def test_columnar_checks_run_no_row_check_on_a_good_index(monkeypatch):
+    called = []
+    monkeypatch.setattr(column_checks, "tiling_problem", lambda rows: called.append(rows) or "")
+    monkeypatch.setattr(column_checks, "check_row", lambda *a: called.append(a))
+    rows = _rows(3000)
+    column_checks.check_columns(_columns(rows), _doc(rows), "index")
+    assert called == []
+
+
+BAD = {
+    "overlap": lambda rows: rows.__setitem__(5, ChunkRecord("t", "tensor", (4, 0), (2, 4), rows[5].global_shape,
+                                                             "float32", rows[5].file, 9000, 32, "t@x")),
+    "shared bytes": lambda rows: rows.__setitem__(7, ChunkRecord(*[*vars(rows[7]).values()][:7], rows[6].byte_offset + 8,
+                                                                 16, rows[7].key)),
+    "twice": lambda rows: rows.__setitem__(9, ChunkRecord(*[*vars(rows[9]).values()][:9], rows[8].key)),
+    "hole": lambda rows: rows.pop(3),
+    "outside": lambda rows: rows.__setitem__(2, ChunkRecord(*[*vars(rows[2]).values()][:7], (1 << 20) - 8, 16, rows[2].key)),
+    "length": lambda rows: rows.__setitem__(4, ChunkRecord(*[*vars(rows[4]).values()][:8], 12, rows[4].key)),
+    "dtype": lambda rows: rows.__setitem__(1, ChunkRecord(*[*vars(rows[1]).values()][:5], "float33",
+                                                          *[*vars(rows[1]).values()][6:])),
+    "shape": lambda rows: rows.__setitem__(6, ChunkRecord(*[*vars(rows[6]).values()][:4], (20, 5),
+                                                          *[*vars(rows[6]).values()][5:])),
+    "unlisted file": lambda rows: rows.__setitem__(8, ChunkRecord(*[*vars(rows[8]).values()][:6],
+                                                                  "rank_00001.ab.safetensors", *[*vars(rows[8]).values()][7:])),
+    "empty key": lambda rows: rows.__setitem__(0, ChunkRecord(*[*vars(rows[0]).values()][:9], "")),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(BAD))
+def test_columnar_checks_raise_what_the_row_checks_raise(fault):
+    rows = _rows(20)
+    doc = _doc(rows)
+    BAD[fault](rows)
+    with pytest.raises(ManifestError) as expected:
+        validation.check_chunks(rows, doc, "index")
+    with pytest.raises(ManifestError) as got:
+        column_checks.check_columns(_columns(rows), doc, "index")
+    assert str(got.value) == str(expected.value)
+
+
+def test_commit_keeps_the_ranks_order_when_it_is_the_metadata_order_else_sorts():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from dcp_nvme import SaveError
+    from dcp_nvme.format.tables import StoredItem
+    from dcp_nvme.save.results import collect
+
+    def row(fqn, start, rank):
+        return ChunkRecord(fqn, "tensor", (start,), (2,), (4,), "float32", f"rank_{rank:05d}.ab.safetensors",
+                           4096, 8, fqn)
+
+    ranks = [[row("a", 0, 0), row("b", 0, 0)], [row("a", 2, 1), row("b", 2, 1)]]
+    results = [[WriteResult(MetadataIndex(r.fqn, r.offsets), 8, StoredItem(r)) for r in rank] for rank in ranks]
+
+    def meta(order):
+        return Metadata({fqn: TensorStorageMetadata(TensorProperties(torch.float32), torch.Size((4,)),
+                         [ChunkStorageMetadata(torch.Size((s,)), torch.Size((2,))) for s in (0, 2)])
+                         for fqn in order})
+
+    kept, _, _ = collect(meta("ab"), results)
+    assert [(r.fqn, r.offsets) for r in kept] == [("a", (0,)), ("b", (0,)), ("a", (2,)), ("b", (2,))]
+    ordered, _, _ = collect(meta("ba"), results)
+    assert [(r.fqn, r.offsets) for r in ordered] == [("b", (0,)), ("b", (2,)), ("a", (0,)), ("a", (2,))]
+    with pytest.raises(SaveError, match="no rank wrote 2 item"):
+        collect(meta("abc"), results)
