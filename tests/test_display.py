@@ -18,9 +18,14 @@ def test_a_disabled_progress_bar_prints_nothing(capsys):
     assert capsys.readouterr() == ("", "")
 
 
-def test_an_enabled_progress_bar_draws_on_stderr(capsys):
-    bar = progress_bar(1 << 20, True, "export")
-    bar.update(1 << 20)
-    bar.close()
-    out, err = capsys.readouterr()
-    assert out == "" and "export" in err
+def test_an_enabled_progress_bar_draws_on_a_terminal_only_for_large_work(capsys, monkeypatch):
+    from dcp_nvme import humanize
+
+    for terminal, total, drawn in ((True, humanize.PROGRESS_MIN_BYTES, True), (False, humanize.PROGRESS_MIN_BYTES, False),
+                                   (True, humanize.PROGRESS_MIN_BYTES - 1, False)):
+        monkeypatch.setattr(humanize, "_is_terminal", lambda stream, t=terminal: t)
+        bar = progress_bar(total, True, "export")
+        bar.update(total)
+        bar.close()
+        out, err = capsys.readouterr()
+        assert out == "" and ("export" in err) == drawn, (terminal, total, err)

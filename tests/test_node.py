@@ -39,7 +39,7 @@ def test_share_of_the_node_budget():
     assert ranks_per_host(["a", "b", "a", None]) == [2, 1, 2, 1]
 
 
-def test_node_queue_depth_is_validated_from_every_source(monkeypatch, tmp_path):
+def test_node_queue_depth_is_validated_from_every_source(monkeypatch, tmp_path, caplog):
     for bad in (0, -3, 65537, "lots", True, 2.5):
         with pytest.raises(ValueError, match=r"node_queue_depth=.* is not valid: .*1 to 65536"):
             IOConfig(node_queue_depth=bad)
@@ -58,9 +58,11 @@ def test_node_queue_depth_is_validated_from_every_source(monkeypatch, tmp_path):
                                          "node_queue_depth": 24}}))
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune))
     assert resolve_config().node_queue_depth == 24
-    tune.write_text(json.dumps({"best": {"node_queue_depth": 0}}))
-    with pytest.raises(ValueError, match="from tune file"):
-        resolve_config()
+    tune.write_text(json.dumps({"best": {"node_queue_depth": 0, "queue_depth": 4}}))
+    with caplog.at_level("WARNING", logger="dcp_nvme.config"):
+        config = resolve_config()  # an out-of-range tuned value is skipped, the file's others apply
+    assert config.node_queue_depth != 0 and config.queue_depth == 4
+    assert "ignoring node_queue_depth of tune file" in caplog.text and "from 1 to 65536" in caplog.text
 
 
 def test_local_world_size_wins_and_is_checked(monkeypatch):

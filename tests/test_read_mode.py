@@ -41,15 +41,16 @@ def test_reads_direct_follows_the_mode_then_direct_io():
     assert IOConfig(direct_io=False, read_mode="direct").reads_direct
 
 
-def test_a_tuned_read_mode_is_used_unless_overridden(tmp_path, monkeypatch):
+def test_a_tuned_read_mode_is_used_unless_overridden(tmp_path, monkeypatch, caplog):
     tune_file = tmp_path / "tune.json"
     tune_file.write_text(json.dumps({"best": {"read_mode": "buffered"}}))
     monkeypatch.setenv(TUNE_FILE_ENV, str(tune_file))
     assert resolve_config().read_mode == "buffered"
     assert resolve_config(read_mode="direct").read_mode == "direct"
     tune_file.write_text(json.dumps({"best": {"read_mode": "sideways"}}))
-    with pytest.raises(ValueError, match="tune file"):
-        resolve_config()
+    with caplog.at_level("WARNING", logger="dcp_nvme.config"):
+        assert resolve_config().read_mode == resolve_config(read_mode=None).read_mode != "sideways"
+    assert "ignoring read_mode of tune file" in caplog.text and "expected one of auto, direct, buffered" in caplog.text
 
 
 def test_pick_read_mode_needs_a_clear_win_to_leave_o_direct():
