@@ -28,6 +28,17 @@ PRIVATE_NAMES: dict[str, str] = {
         "(save/node_commit.py); torch's own checkpoint code reaches it the same way",
     "torch.distributed.PrefixStore":
         "a namespace of our own in that store (save/node_commit.py)",
+    "torch.distributed.checkpoint.planner_helpers._create_chunk_list":
+        "a local tensor's chunks, as DefaultLoadPlanner finds them (load/load_planner.py)",
+    "torch.distributed.checkpoint.planner_helpers._create_read_item_for_tensor":
+        "one ReadItem for an overlap, as DefaultLoadPlanner builds it (load/load_planner.py)",
+    "torch.distributed.checkpoint.planner_helpers._create_read_items":
+        "the ReadItems of a non-tensor or a bytes entry (load/load_planner.py)",
+    "torch.distributed.checkpoint._nested_dict.flatten_state_dict":
+        "the keys a checkpoint from before torch 2.4 used (load/load_planner.py)",
+    "torch.distributed.checkpoint._version":
+        "its ``_derived_version``, set while those old keys are computed, as DefaultLoadPlanner "
+        "does (load/load_planner.py)",
 }
 """Fully qualified name -> what dcp_nvme uses it for."""
 

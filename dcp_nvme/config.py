@@ -287,12 +287,17 @@ _TUNED = ("queue_depth", "block_size", "direct_io", "node_queue_depth", "read_mo
           "node_write_order")
 
 
-OTHER_ENV = ("DCP_NVME_TUNE_FILE", "DCP_NVME_KVIKIO_PROBE_TIMEOUT")
-"""The ``DCP_NVME_*`` variables read outside ``IOConfig`` (the tune file, the kvikio probe)."""
+OUTSIDE_OPTIONS = ("replicas", "replica_bandwidth", "replica_stride", "peers")
+"""The options read through ``option_or_env`` (not IOConfig fields), each as ``DCP_NVME_<NAME>``."""
+
+OTHER_ENV = ("DCP_NVME_TUNE_FILE", "DCP_NVME_KVIKIO_PROBE_TIMEOUT", "DCP_NVME_PEER_ADDR",
+             "DCP_NVME_DEMO_DIR", "DCP_NVME_S3_BENCH")
+"""The other ``DCP_NVME_*`` variables read: the tune file, the kvikio probe, the peer server's
+address, and the development scripts' (scripts/dev.sh's demo directory, the S3 bench switch)."""
 
 
 def known_env_names() -> tuple[str, ...]:
-    return tuple(ENV_PREFIX + name.upper() for name in _FIELDS) + OTHER_ENV
+    return tuple(ENV_PREFIX + name.upper() for name in (*_FIELDS, *OUTSIDE_OPTIONS)) + OTHER_ENV
 
 
 def closest(name: str, choices: Any, cutoff: float = 0.6) -> str | None:
@@ -404,6 +409,8 @@ def resolve_config(**explicit: Any) -> IOConfig:
 def option_or_env(name: str, value: Any, default: Any) -> Any:
     """An option outside IOConfig (``replicas``, ``replica_bandwidth``...): the argument, else
     ``DCP_NVME_<NAME>``, else ``default``; checked, and an error names its source."""
+    if name not in OUTSIDE_OPTIONS:  # its variable must be known, or it is warned about as misspelt
+        raise AssertionError(f"option_or_env({name!r}): add it to config.OUTSIDE_OPTIONS")
     if value is not None:
         return check_option(name, value)
     env_name = ENV_PREFIX + name.upper()

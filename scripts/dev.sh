@@ -28,5 +28,7 @@ fi
 
 case "$job" in
   demo) exec "$venv/bin/dcp-nvme" bench --size 512MiB --dir "${DCP_NVME_DEMO_DIR:-./bench_out/demo}" "$@" ;;
-  test) exec "$venv/bin/python" -m pytest -q "$@" ;;
+  # two workers, one test file each at a time: most tests wait on subprocesses and disks, and a
+  # file's module fixtures (servers, saved checkpoints) stay in one worker; -n 0 runs in one process
+  test) exec "$venv/bin/python" -m pytest -q -n 2 --dist loadfile "$@" ;;
 esac

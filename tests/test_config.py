@@ -268,3 +268,15 @@ def test_misspelt_environment_variable_is_named_with_the_closest_real_one(monkey
     assert config.warn_unknown_env({"DCP_NVME_ZZZZZZZZZZZZ": "1"}) == [
         "dcp_nvme: environment variable DCP_NVME_ZZZZZZZZZZZZ is not a dcp_nvme setting and is ignored; "
         "the variables read are " + ", ".join(config.known_env_names())]
+
+
+def test_every_variable_the_package_reads_is_known_to_the_misspelling_warning():
+    """A DCP_NVME_* name in the code that warn_unknown_env does not know would be read and
+    warned about as misspelt at once (replicas=, the peer server's address, dev.sh's own)."""
+    from dcp_nvme.config import known_env_names, warn_unknown_env
+
+    root = Path(__file__).parents[1]
+    sources = [*(root / "dcp_nvme").rglob("*.py"), root / "scripts" / "dev.sh"]
+    named = {m for path in sources for m in re.findall(r"DCP_NVME_[A-Z0-9_]*[A-Z0-9]", path.read_text())}
+    assert len(named) > 10 and named <= set(known_env_names()), sorted(named - set(known_env_names()))
+    assert warn_unknown_env({name: "1" for name in named}) == []

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from ..errors import ManifestError
 from .columns import ChunkColumns, as_numpy
-from .container import MAX_NDIM, parse_dtype
+from .container import MAX_NDIM, dtype_itemsize
 from .names import check_name
 from .validation import check_file_rows, check_row, tiling_problem
 
@@ -71,7 +71,7 @@ class _Screen:
         itemsizes = []
         for name in cols.dtypes:
             try:
-                itemsizes.append(parse_dtype(name).itemsize)
+                itemsizes.append(dtype_itemsize(name))  # by name: no torch import
             except ManifestError:
                 itemsizes.append(0)
         itemsize = np.array(itemsizes, dtype=np.int64)[cols.dtype] if n else np.zeros(0, np.int64)

@@ -15,20 +15,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import _version
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import (
-    _create_chunk_list,
-    _create_read_item_for_tensor,
-    _create_read_items,
-)
 from torch.distributed.tensor import DTensor
 
+from ..compat import resolve
 from ..format.columns import gc_paused
 from ..format.metadata_view import ChunkIndex, IndexedTensorMetadata
+
+# DefaultLoadPlanner's own helpers (private to torch: listed in compat.PRIVATE_NAMES)
+_HELPERS = "torch.distributed.checkpoint.planner_helpers"
+_create_chunk_list = resolve(f"{_HELPERS}._create_chunk_list")
+_create_read_item_for_tensor = resolve(f"{_HELPERS}._create_read_item_for_tensor")
+_create_read_items = resolve(f"{_HELPERS}._create_read_items")
+flatten_state_dict = resolve("torch.distributed.checkpoint._nested_dict.flatten_state_dict")
+_version = resolve("torch.distributed.checkpoint._version")
 
 
 class NVMeLoadPlanner(DefaultLoadPlanner):
