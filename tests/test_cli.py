@@ -14,27 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cli_runs import ENV, REPO, run_all
 
 import dcp_nvme
 from dcp_nvme import NVMeWriter
 from dcp_nvme.cli import BROKEN_PIPE_STATUS, COMMANDS, build_parser
-
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-
-
-def run_all(*runs: tuple[list[str], dict]) -> list[subprocess.CompletedProcess]:
-    """Several ``python -m dcp_nvme ...`` at once (each pays the torch import); an env value of
-    None removes that variable."""
-    procs = [subprocess.Popen([sys.executable, "-m", "dcp_nvme", *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO,
-                              env={k: v for k, v in {**ENV, **env}.items() if v is not None})
-             for argv, env in runs]
-    done = []
-    for (argv, _), proc in zip(runs, procs):
-        out, err = proc.communicate(timeout=240)
-        done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
-    return done
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:

@@ -6,31 +6,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from cli_runs import run_many
 
 from dcp_nvme import NVMeWriter
 from dcp_nvme.cli import main as cli_main
-
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-
-
-def run_many(*argvs: list[str], importtime: bool = False) -> list[subprocess.CompletedProcess]:
-    flags = ["-X", "importtime"] if importtime else []
-    procs = [subprocess.Popen([sys.executable, *flags, "-m", "dcp_nvme", *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV) for argv in argvs]
-    done = []
-    for argv, proc in zip(argvs, procs):
-        out, err = proc.communicate(timeout=240)
-        done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
-    return done
 
 
 def imported(stderr: str) -> set[str]:
@@ -50,7 +34,7 @@ def test_read_only_commands_import_no_torch_and_share_one_json_shape(tmp_path):
     argvs = [["list", str(run), "--json"], ["status", str(ckpt), "--json"], ["status", str(run), "--json"],
              ["inspect", str(ckpt), "--json"], ["verify", str(ckpt), "--json"],
              ["unlock", str(ckpt), "--json"]]
-    procs = run_many(*argvs, importtime=True)
+    procs = run_many(*argvs, flags=["-X", "importtime"])
     for proc in procs:
         assert proc.returncode == 0, (proc.args, other_lines(proc.stderr))
         modules = imported(proc.stderr)

@@ -5,15 +5,13 @@ model export takes by default. The CLI runs as a subprocess, as a user runs it."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cli_runs import run_many
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -26,18 +24,6 @@ from dcp_nvme.tools.inspection import inspect_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-
-def _run_cli(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
-    """The CLI runs, started together (each pays its own interpreter start)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-m", "dcp_nvme.cli", *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO, env=env) for argv in argvs]
-    done = []
-    for argv, proc in zip(argvs, procs):
-        out, err = proc.communicate(timeout=300)
-        done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
-    return done
 
 
 def _state() -> dict:
@@ -60,11 +46,12 @@ def run(tmp_path_factory) -> Path:
 
 def test_cli_messages(run: Path):
     hf = run / "hf"
-    inspect, status, verify, export = _run_cli(
+    inspect, status, verify, export = run_many(
         ["inspect", str(run / "notes.txt")],
         ["status", str(run / "run" / "step_2")],
         ["verify", str(run / "broken"), "--json"],
         ["export", str(run / "run" / "step_1"), "--to", "hf", str(hf), "--no-progress"],
+        timeout=300,
     )
     lines = inspect.stderr.strip().splitlines()
     assert inspect.returncode == 1 and len(lines) == 1, inspect.stderr
