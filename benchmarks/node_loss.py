@@ -40,6 +40,7 @@ from dcp_nvme import NVMeReader, NVMeWriter  # noqa: E402
 from dcp_nvme.config import parse_size  # noqa: E402
 from dcp_nvme.format.manifest import read_manifest, seal  # noqa: E402
 from dcp_nvme.load import sources  # noqa: E402
+from dcp_nvme.observe.machine import evict_from_page_cache  # noqa: E402
 from dcp_nvme.storage.local_dir import LocalStore  # noqa: E402
 from dcp_nvme.storage.peer_client import PeerSource  # noqa: E402
 from dcp_nvme.storage.peer_server import PeerServer  # noqa: E402
@@ -58,24 +59,8 @@ def empty_like(state: dict) -> dict:
     return {k: torch.empty_like(v) for k, v in state.items()}
 
 
-def drop_cache(path: str) -> bool:
-    """Evict a file from the page cache (POSIX_FADV_DONTNEED after fsync); True when done."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-
-
 def drop_dir(directory: str) -> None:
-    for name in os.listdir(directory):
-        if os.path.isfile(os.path.join(directory, name)):
-            drop_cache(os.path.join(directory, name))
+    evict_from_page_cache([os.path.join(directory, name) for name in os.listdir(directory)])
 
 
 def timed(fn):
@@ -123,7 +108,7 @@ def socket_copy(src: str, dest: str) -> float:
 
 
 def plain_read(path: str, block: int = 8 << 20) -> float:
-    drop_cache(path)
+    evict_from_page_cache([path])
     began = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.read(block):

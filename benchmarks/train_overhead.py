@@ -41,10 +41,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from dcp_nvme import NVMeReader, NVMeStager, NVMeWriter
 from dcp_nvme.bench.compression import TinyLM, stdlib_text
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the async bench's set-up of DCP's stager
+from async_save import dcp_best_options  # noqa: E402
 
 PEERS = ("nvme", "dcp", "torch_checkpointing")
 
@@ -108,15 +111,6 @@ class NVMe(Method):
 
     def close(self) -> None:
         self.stager.close()
-
-
-def dcp_best_options() -> StagingOptions:
-    """DCP's best stager for the THREAD checkpointer: async staging, pinned memory and
-    non-blocking copies where CUDA is there (DCP refuses them without), no shared memory (it
-    only serves the PROCESS checkpointer)."""
-    cuda = torch.cuda.is_available()
-    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                          use_non_blocking_copy=cuda)
 
 
 class DCPBest(Method):
