@@ -14,22 +14,13 @@ import sys
 import time
 
 import pytest
-from multinode import SCRIPTS, Cluster, all_records, describe, unshare_unavailable
+from multinode import SCRIPTS, all_records, describe
 
 from dcp_nvme.format.names import REPLICA_MARKER, REPLICAS_DIR
 
 pytestmark = pytest.mark.slow
 SCRIPT = SCRIPTS / "node_loss.py"
 SHARD = 64 << 10  # float32 per rank: 256 KiB rank files, several checksum blocks each
-
-
-@pytest.fixture
-def cluster3(tmp_path):
-    reason = unshare_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with Cluster(tmp_path / "cluster", nodes=3, ranks_per_node=1) as c:
-        yield c
 
 
 def _run(cluster, action, env, **kwargs):
