@@ -16,7 +16,7 @@ import torch
 from ..config import IOConfig
 from ..errors import DCPNVMeError
 from ..observe.stats import IOStats
-from ..storage.local_dir import open_regular
+from ..storage.local_dir import open_regular, pwrite_all
 from .requests import ReadRequest
 
 log = logging.getLogger(__name__)
@@ -70,12 +70,6 @@ def open_for_reading(path: str, config: IOConfig) -> tuple[int, bool]:
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     return fd, False
-
-
-def pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:
-    while len(buffer):
-        written = os.pwrite(fd, buffer, offset)
-        buffer, offset = buffer[written:], offset + written
 
 
 def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:

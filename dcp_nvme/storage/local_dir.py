@@ -203,6 +203,14 @@ def make_private_dir(path: str | os.PathLike) -> str:
     return path
 
 
+def pwrite_all(fd: int, buffer: memoryview | bytes, offset: int) -> None:
+    """pwrite until every byte is written (a regular file may take fewer at a time)."""
+    buffer = memoryview(buffer)
+    while len(buffer):
+        written = os.pwrite(fd, buffer, offset)
+        buffer, offset = buffer[written:], offset + written
+
+
 def write_file_fresh(path: str | os.PathLike, data: bytes) -> None:
     """``data`` as the new temp or scratch file ``path`` (``create_no_follow(fresh=True)``), fsynced."""
     fd = create_no_follow(path, os.O_WRONLY, fresh=True)

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import ManifestError, PeerError
 from ..format.pieces import plan_pieces, verify_piece
 from ..format.tables import FileRecord
-from .local_dir import create_no_follow, fsync_dir, open_regular, read_regular
+from .local_dir import create_no_follow, fsync_dir, open_regular, pwrite_all, read_regular, write_file_fresh
 from .peer_server import MAX_READ, recv_exact, recv_frame, send_frame
 
 CONNECT_TIMEOUT = 10.0
@@ -265,7 +265,7 @@ def fetch_file(source: Any, record: FileRecord, directory: str, *, queue_depth: 
                 limiter.take(piece.length)
             data = source.read_range(record.name, piece.offset, piece.length)
             verify_piece(record, piece.offset, data, source.describe(record.name))  # never write bad bytes
-            os.pwrite(fd, data, piece.offset)
+            pwrite_all(fd, data, piece.offset)
 
         if queue_depth <= 1 or len(pieces) == 1:
             for piece in pieces:
@@ -295,12 +295,7 @@ def fetch_file(source: Any, record: FileRecord, directory: str, *, queue_depth: 
 def write_small(directory: str, name: str, data: bytes) -> None:
     """A small file (table, manifest, marker) written whole: temp, fsync, rename, fsync dir."""
     temp = os.path.join(directory, f".{name}.fetch-{secrets.token_hex(4)}")
-    fd = create_no_follow(temp, os.O_WRONLY, fresh=True)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file_fresh(temp, data)  # every byte written (a short write resumed), or the temp removed
     os.replace(temp, os.path.join(directory, name))
     fsync_dir(directory)
 

@@ -35,6 +35,7 @@ from ..storage.local_dir import (
     fsync_dir,
     is_remote_url,
     local_path,
+    pwrite_all,
     write_file_fresh,
 )
 
@@ -161,10 +162,7 @@ class LocalSink(Sink):
     def put_piece(self, name: str, piece: Piece, data: bytes, entry: dict[str, Any]) -> str:
         fd = create_no_follow(self._partial(name), os.O_WRONLY)  # a link planted since begin: refused
         try:
-            view, offset = memoryview(data), piece.offset
-            while len(view):
-                written = os.pwrite(fd, view, offset)
-                view, offset = view[written:], offset + written
+            pwrite_all(fd, data, piece.offset)
             os.fsync(fd)  # durable before the journal says so
         finally:
             os.close(fd)
