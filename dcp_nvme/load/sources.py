@@ -47,7 +47,7 @@ from ..storage.peer_client import (
     fetch_metadata,
     job_store,
     server_address,
-    write_small,
+    write_metadata,
 )
 from ..storage.peer_server import process_server, replica_files
 
@@ -203,9 +203,7 @@ class RestoreSources:
             finally:
                 source.close()
             os.makedirs(self.path, exist_ok=True)
-            for name, data in tables:
-                write_small(self.path, name, data)
-            write_small(self.path, MANIFEST, manifest_bytes)  # last: the local commit
+            write_metadata(self.path, manifest_bytes, tables)  # the manifest last: the local commit
             self._took(source.kind, len(manifest_bytes) + sum(len(d) for _, d in tables),
                        time.perf_counter() - began)
             log.info("dcp_nvme: %s: the manifest came from %s", self.path, source.describe())

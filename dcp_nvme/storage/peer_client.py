@@ -366,3 +366,13 @@ def fetch_metadata(source: Any, location: str) -> tuple[bytes, list[tuple[str, b
     manifest = read_manifest(store, source.describe())
     read_files(store, manifest, source.describe())
     return manifest_bytes, [(name, files[name]) for name in names], manifest
+
+
+def write_metadata(directory: str, manifest_bytes: bytes, tables: list[tuple[str, bytes]]) -> None:
+    """What ``fetch_metadata`` returned, written into ``directory``: the tables, then the
+    manifest last (the manifest present means the tables it names are complete)."""
+    from ..format.names import MANIFEST
+
+    for name, data in tables:
+        write_small(directory, name, data)
+    write_small(directory, MANIFEST, manifest_bytes)

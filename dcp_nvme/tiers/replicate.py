@@ -43,6 +43,7 @@ from ..storage.peer_client import (
     fetch_metadata,
     job_store,
     server_address,
+    write_metadata,
     write_small,
 )
 from ..storage.peer_server import process_server, replica_files
@@ -189,9 +190,7 @@ def pull_replica(source: PeerSource, directory: str, owner: str, key: str, *, qu
         for name in names:
             copied += fetch_file(source, records[name], replica_dir, queue_depth=queue_depth,
                                  block_size=block_size, limiter=limiter)
-        for name, data in tables:
-            write_small(replica_dir, name, data)
-        write_small(replica_dir, MANIFEST, manifest_bytes)
+        write_metadata(replica_dir, manifest_bytes, tables)
         listed = {name: records[name].size for name in names}
         listed.update({name: len(data) for name, data in tables})
         write_small(replica_dir, REPLICA_MARKER, json.dumps({
