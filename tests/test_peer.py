@@ -260,6 +260,11 @@ def test_options_are_checked_where_read(monkeypatch, tmp_path):
     assert NVMeWriter(tmp_path / "x", replica_bandwidth="100MB").replica_bandwidth == 100_000_000
     assert NVMeReader(tmp_path / "x", mirror=str(tmp_path)).peers is True
     assert NVMeReader(tmp_path / "x").peers is False
+    monkeypatch.setenv("DCP_NVME_REPLICA_STRIDE", "0")  # env only: refused at construction, never after a commit
+    with pytest.raises(InvalidInputError, match="environment variable DCP_NVME_REPLICA_STRIDE"):
+        NVMeWriter(tmp_path / "x")
+    monkeypatch.setenv("DCP_NVME_REPLICA_STRIDE", "4")
+    assert NVMeWriter(tmp_path / "x").replica_stride == 4
 
 
 def test_replicas_of_a_one_process_save_are_skipped_with_a_reason(tmp_path):

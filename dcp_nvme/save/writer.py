@@ -161,6 +161,7 @@ class NVMeWriter(StorageWriter):
         writer_stock_options(type(self), stock_args, stock_kwargs)
         self.replicas = option_or_env("replicas", replicas, 0)
         self.replica_bandwidth = option_or_env("replica_bandwidth", replica_bandwidth, None)
+        self.replica_stride = option_or_env("replica_stride", None, 1)  # env only: checked here, not after a commit
         self.replication_future = None
         """With ``replicas``, on each node writer: a Future of the last save's ReplicationResult."""
         self.path: str | None = writer_location(path)
@@ -451,7 +452,7 @@ class NVMeWriter(StorageWriter):
             self.replication_future = start_replication(
                 self.path, node_identity(), self.replicas, queue_depth=self.config.queue_depth,
                 block_size=self.config.block_size, bandwidth=self.replica_bandwidth,
-                stride=option_or_env("replica_stride", None, 1))
+                stride=getattr(self, "replica_stride", 1))
         url = self.mirror_url()
         if url:
             from ..tiers import submit_mirror
