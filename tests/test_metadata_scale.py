@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_nvme import ManifestError, NVMeLoadPlanner, NVMeReader
 from dcp_nvme.format import column_checks, validation
 from dcp_nvme.format.columns import ChunkColumns
+from dcp_nvme.format.container import default_item_key
 from dcp_nvme.format.tables import ChunkRecord, chunks_table, read_chunk_table
 
 
@@ -122,8 +124,11 @@ def test_interval_index_plans_a_2d_reshard_as_the_default():
         assert covered == local.sizes.numel()
 
 
-def _rows(k: int, file: str = "rank_00000.ab.safetensors") -> list[ChunkRecord]:
-    return [ChunkRecord("t", "tensor", (i, 0), (1, 4), (k, 4), "float32", file, 4096 + 16 * i, 16, f"t@{i}")
+def _rows(k: int, file: str = "rank_00000.ab.safetensors", keys: str = "stored") -> list[ChunkRecord]:
+    """k chunks of tensor "t"; their keys stored in the index (``keys="stored"``: not the
+    default) or left to the default (``"default"``: the index holds none)."""
+    return [ChunkRecord("t", "tensor", (i, 0), (1, 4), (k, 4), "float32", file, 4096 + 16 * i, 16,
+                        f"t@{i}" if keys == "stored" else default_item_key("t", (i, 0)))
             for i in range(k)]
 
 
@@ -182,19 +187,51 @@ BAD = {
     "unlisted file": lambda rows: rows.__setitem__(8, ChunkRecord(*[*vars(rows[8]).values()][:6],
                                                                   "rank_00001.ab.safetensors", *[*vars(rows[8]).values()][7:])),
     "empty key": lambda rows: rows.__setitem__(0, ChunkRecord(*[*vars(rows[0]).values()][:9], "")),
+    "same chunk twice": lambda rows: rows.__setitem__(9, replace(rows[8], byte_offset=rows[9].byte_offset)),
+    "a name spelling a key": lambda rows: rows.append(ChunkRecord(
+        "t@3,0", "tensor", (0,), (1,), (1,), "float32", rows[0].file, 9000, 4, "t@3,0")),
 }
 
 
+@pytest.mark.parametrize("keys", ["stored", "default"])
 @pytest.mark.parametrize("fault", sorted(BAD))
-def test_columnar_checks_raise_what_the_row_checks_raise(fault):
-    rows = _rows(20)
+def test_columnar_checks_raise_what_the_row_checks_raise(fault, keys):
+    rows = _rows(20, keys=keys)
     doc = _doc(rows)
     BAD[fault](rows)
-    with pytest.raises(ManifestError) as expected:
-        validation.check_chunks(rows, doc, "index")
-    with pytest.raises(ManifestError) as got:
-        column_checks.check_columns(_columns(rows), doc, "index")
-    assert str(got.value) == str(expected.value)
+    expected = _error_of(lambda: validation.check_chunks(rows, doc, "index"))
+    got = _error_of(lambda: column_checks.check_columns(_columns(rows), doc, "index"))
+    assert got == expected
+    # only default keys make the name "t@3,0" collide with the chunk of "t" at (3, 0)
+    assert expected is not None or (fault, keys) == ("a name spelling a key", "stored")
+
+
+def _error_of(check) -> str | None:
+    try:
+        check()
+    except ManifestError as exc:
+        return str(exc)
+    return None
+
+
+def test_an_index_of_default_keys_stores_none_and_reads_them_back():
+    """Format 3: a key equal to ``default_item_key`` is a null in the index; records, the tools'
+    parse and a table mixing stored and default keys all give every row its key."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dcp_nvme.format.tables import parse_chunks
+
+    rows = _rows(6, keys="default") + [ChunkRecord("b", "bytes", (), (), (), "uint8", "rank_00000.ab.safetensors",
+                                                   9000, 5, "b")]
+    data = chunks_table(rows)
+    assert pq.read_table(pa.BufferReader(data)).column("key").null_count == len(rows)
+    assert parse_chunks(data) == rows
+    assert _columns(rows).records() == rows
+    mixed = rows[:3] + [replace(rows[3], key="custom")] + rows[4:]
+    assert pq.read_table(pa.BufferReader(chunks_table(mixed))).column("key").null_count == len(rows) - 1
+    assert _columns(mixed).records() == mixed
+    column_checks.check_columns(_columns(mixed), _doc(mixed), "index")
 
 
 def test_commit_keeps_the_ranks_order_when_it_is_the_metadata_order_else_sorts():
@@ -217,6 +254,19 @@ def test_commit_keeps_the_ranks_order_when_it_is_the_metadata_order_else_sorts()
                          [ChunkStorageMetadata(torch.Size((s,)), torch.Size((2,))) for s in (0, 2)])
                          for fqn in order})
 
+    from dcp_nvme.format.tables import chunk_rows, rows_blob
+    from dcp_nvme.save import results as results_module
+
+    blobs = [[WriteResult(r[0].index, 8, StoredItem(r[0].storage_data.chunk, rows=rows_blob(ranks[i])))]
+             + r[1:] for i, r in enumerate(results)]
+    fast, _, _ = results_module.collect_rows(meta("ab"), blobs)  # the ranks' rows, concatenated
+    assert fast.equals(chunk_rows([r for rank in ranks for r in rank]))
+    assert results_module.rows_in_metadata_order(fast, meta("ab"))
+    assert not results_module.rows_in_metadata_order(fast, meta("ba"))
+    slow, _, _ = results_module.collect_rows(meta("ba"), blobs)  # not the metadata's order: sorted
+    assert slow.column("fqn").to_pylist() == ["b", "b", "a", "a"]
+    with pytest.raises(SaveError, match="no rank wrote 2 item"):
+        results_module.collect_rows(meta("abc"), blobs)
     kept, _, _ = collect(meta("ab"), results)
     assert [(r.fqn, r.offsets) for r in kept] == [("a", (0,)), ("b", (0,)), ("a", (2,)), ("b", (2,))]
     ordered, _, _ = collect(meta("ba"), results)

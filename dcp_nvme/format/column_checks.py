@@ -24,13 +24,6 @@ LIMIT = float(1 << 62)
 """Above this a product or sum in int64 may have wrapped: such rows take the exact check."""
 
 
-def _per_row(flags: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Whether any flag is set in each row's slice ``[starts[r], starts[r + 1])``."""
-    total = np.zeros(len(flags) + 1, dtype=np.int64)
-    np.cumsum(flags, out=total[1:])
-    return total[starts[1:]] > total[starts[:-1]]
-
-
 class _Screen:
     """What the per-row screen finds besides suspects: each row's element count and itemsize."""
 
@@ -81,21 +74,20 @@ class _Screen:
         u8 = np.array([d == "uint8" for d in cols.dtypes], dtype=bool)[cols.dtype] if n else tensor
         self.suspect |= ~tensor & known & (nonbytes | ~u8)
         self.suspect |= tensor & ((itemsize == 0) | (no != ns) | (ns != ng) | (no > MAX_NDIM))
-        # bounds and lengths, on the tensor rows whose three lists agree
+        # bounds and lengths, on the tensor rows whose three lists agree (padding passes both)
         ok = tensor & ~self.suspect
-        self.elements[~tensor] = 0
         rows = np.flatnonzero(ok)
-        for dims in np.unique(no[rows]).tolist() if len(rows) else []:
-            group = rows[no[rows] == dims]
-            off, size, shape = (cols.matrix(w, group, dims) for w in range(3))
+        if len(rows):
+            whole = len(rows) == n  # no gather: the grids are the rows
+            off, size, shape = (g if whole else g[rows] for g in cols.grid)
             bad = ((off < 0) | (size < 0) | (size > shape) | (off > shape - size)).any(axis=1)
-            count = np.prod(size, axis=1, dtype=np.int64) if dims else np.ones(len(group), np.int64)
-            count_f = np.prod(size.astype(np.float64), axis=1) if dims else np.ones(len(group))
-            nbytes_f = count_f * itemsize[group]
-            bad |= (nbytes_f > LIMIT) | (count * itemsize[group] != cols.length[group])
-            self.suspect[group] |= bad
-            self.elements[group] = count
-            self.elements_f[group] = count_f
+            count = np.prod(size, axis=1, dtype=np.int64)
+            count_f = np.prod(size.astype(np.float64), axis=1)
+            nbytes_f = count_f * itemsize[rows]
+            bad |= (nbytes_f > LIMIT) | (count * itemsize[rows] != cols.length[rows])
+            self.suspect[rows] |= bad
+            self.elements[rows] = count
+            self.elements_f[rows] = count_f
         # inside its file, past the 8-byte length prefix
         limit = file_size[cols.file] if n else np.zeros(0, np.int64)
         self.suspect |= (cols.byte_offset < 8) | (cols.length < 0) | (cols.byte_offset > limit - cols.length)
@@ -111,7 +103,7 @@ def check_columns(cols: ChunkColumns, doc: dict[str, Any], where: str) -> None:
         sizes = {f["name"]: f["size"] for f in doc["files"]}
         for row in np.flatnonzero(screen.suspect).tolist():
             check_row(cols.record(row), sizes, doc["save_key"], where)
-    _check_files(cols, where)
+    _check_files(cols, where, screen)
     _check_tilings(cols, screen, where)
 
 
@@ -122,16 +114,27 @@ def _first_use_order(codes: np.ndarray, suspects: list[int]) -> list[int]:
     return sorted(suspects, key=lambda c: position[c])
 
 
-def _check_files(cols: ChunkColumns, where: str) -> None:
-    """Per file: keys once, no shared bytes (``check_file_rows`` on the files the screen flags)."""
+def _check_files(cols: ChunkColumns, where: str, screen: _Screen | None = None) -> None:
+    """Per file: keys once, no shared bytes (``check_file_rows`` on the files the screen flags).
+
+    With default keys and a ``screen``, keys are compared only among the rows of tensors with
+    an empty chunk: two non-empty chunks with one key have the same offsets, so they overlap,
+    and ``_check_tilings`` flags their tensor; it then calls this again without a screen before
+    it raises, so the error is the one the row checks give first."""
     suspects: set[int] = set()
-    pair = cols.file.astype(np.int64) * max(len(cols.keys), 1) + cols.key
-    ordered = np.sort(pair)
-    dup = np.flatnonzero(ordered[1:] == ordered[:-1])
-    if len(dup):
-        suspects.update((ordered[dup] // max(len(cols.keys), 1)).tolist())
+    if cols.derived_keys:
+        suspects.update(_derived_key_suspects(cols, None if screen is None else _rows_near_empty(cols, screen)))
+    else:
+        pair = cols.file.astype(np.int64) * max(len(cols.keys), 1) + cols.key
+        ordered = np.sort(pair)
+        dup = np.flatnonzero(ordered[1:] == ordered[:-1])
+        if len(dup):
+            suspects.update((ordered[dup] // max(len(cols.keys), 1)).tolist())
     live = np.flatnonzero(cols.length > 0)
-    order = live[np.lexsort((cols.length[live], cols.byte_offset[live], cols.file[live]))]
+    file, start, length = cols.file[live], cols.byte_offset[live], cols.length[live]
+    sorted_already = ((file[1:] > file[:-1]) | ((file[1:] == file[:-1]) & (
+        (start[1:] > start[:-1]) | ((start[1:] == start[:-1]) & (length[1:] >= length[:-1]))))).all()
+    order = live if sorted_already else live[np.lexsort((length, start, file))]  # rank order often is
     same = cols.file[order[1:]] == cols.file[order[:-1]]
     ends = cols.byte_offset[order[:-1]] + cols.length[order[:-1]]
     shared = np.flatnonzero(same & (cols.byte_offset[order[1:]] < ends))
@@ -144,6 +147,44 @@ def _check_files(cols: ChunkColumns, where: str) -> None:
             check_file_rows(name, cols.records(by_file[name]), where)
 
 
+def _rows_near_empty(cols: ChunkColumns, screen: _Screen) -> np.ndarray:
+    """The rows of every tensor (or bytes item) that has an empty chunk."""
+    marked = np.zeros(len(cols.fqns), dtype=bool)
+    marked[cols.fqn[screen.elements == 0]] = True
+    return np.flatnonzero(marked[cols.fqn])
+
+
+def _derived_key_suspects(cols: ChunkColumns, rows: np.ndarray | None = None) -> list[int]:
+    """Files where two rows may have the same default key. The key is the fqn, plus the offsets
+    when one is non-zero: rows hash by file, fqn and (then) their offsets; equal hashes flag their
+    file (a collision only costs an exact check). An fqn with an ``@`` could spell another row's
+    key ("a@1" and "a" at offset 1): the files of such names are flagged outright."""
+    every = rows is None
+    pick = (lambda a: a) if every else (lambda a: a[rows])
+    offsets = pick(cols.grid[0]).astype(np.uint64)  # padded with zeros: they add nothing
+    weights = np.array([pow(0x9E3779B97F4A7C15, k + 1, 1 << 64) for k in range(cols.width)], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        # each row's offsets folded into one number, sum of value * weight(position), mod 2^64
+        folded = (offsets * weights).sum(axis=1, dtype=np.uint64)
+        tensor = np.array([k == "tensor" for k in cols.kinds], dtype=bool)[pick(cols.kind)]
+        with_offsets = (offsets != 0).any(axis=1) & tensor
+        file = pick(cols.file)
+        ident = (file.astype(np.uint64) << np.uint64(32)) ^ pick(cols.fqn).astype(np.uint64)
+        ident = ident * np.uint64(0xBF58476D1CE4E5B9) + np.where(
+            with_offsets, folded + pick(cols.ndim[0]).astype(np.uint64) + np.uint64(1), np.uint64(0))
+    flagged = set()
+    if cols.longer[0]:  # rows past the grid (a damaged table's): their files are checked outright
+        flagged.update(int(cols.file[row]) for row in cols.longer[0])
+    ordered = np.sort(ident)
+    dup = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if len(dup):
+        flagged.update(np.unique(file[np.isin(ident, ordered[dup])]).tolist())
+    spelled = [i for i, name in enumerate(cols.fqns) if "@" in name]
+    if spelled:
+        flagged.update(np.unique(cols.file[np.isin(cols.fqn, spelled)]).tolist())
+    return sorted(flagged)
+
+
 def _check_tilings(cols: ChunkColumns, screen: _Screen, where: str) -> None:
     """Per tensor: rows agree, their elements add up to the shape's, none overlap
     (``tiling_problem`` on the tensors the screen flags)."""
@@ -151,25 +192,21 @@ def _check_tilings(cols: ChunkColumns, screen: _Screen, where: str) -> None:
     codes = cols.fqn[order[first]]
     suspects = np.zeros(len(first), dtype=bool)
     group_of = np.repeat(np.arange(len(first)), counts)  # position in ``order`` -> group
-    same = np.diff(group_of) == 0 if len(order) > 1 else np.zeros(0, bool)
-    a, b = order[:-1], order[1:]
-    differ = (cols.kind[a] != cols.kind[b]) | (cols.dtype[a] != cols.dtype[b])
-    for w in range(3):
-        differ |= cols.ndim[w][a] != cols.ndim[w][b]
-    suspects[group_of[1:][same & differ]] = True
+    # kind, dtype, dimensions and shape: every row as its tensor's first (a gather from a small
+    # table per column, no pass in ``order``; padding is equal)
+    first_row = order[first]
+    group = np.zeros(len(cols.fqns), dtype=np.int64)
+    group[codes] = np.arange(len(first))
+    of_row = group[cols.fqn]
+    differ = np.zeros(len(cols), dtype=bool)
+    for column in (cols.kind, cols.dtype, *cols.ndim):
+        differ |= column != column[first_row][of_row]
+    if cols.width:
+        differ |= (cols.grid[2] != cols.grid[2][first_row][of_row]).any(axis=1)
+    suspects[of_row[differ]] = True
     kinds = np.array([k == "bytes" for k in cols.kinds], dtype=bool)
-    is_bytes = kinds[cols.kind[order[first]]]
+    is_bytes = kinds[cols.kind[first_row]]
     suspects |= is_bytes & (counts > 1)
-    # shapes per ndim, compared with the row before in the same tensor
-    ndim = cols.ndim[2]
-    for dims in np.unique(ndim).tolist():
-        positions = np.flatnonzero(ndim[order] == dims)
-        if len(positions) < 2 or not dims:
-            continue
-        shape = cols.matrix(2, order[positions], dims)
-        neighbour = (group_of[positions[1:]] == group_of[positions[:-1]]) & \
-            (shape[1:] != shape[:-1]).any(axis=1)
-        suspects[group_of[positions[1:]][neighbour]] = True
     # elements: the chunks' sum against the shape's product (a Python int per tensor)
     elements = np.add.reduceat(screen.elements[order], first)
     elements_f = np.add.reduceat(screen.elements_f[order], first)
@@ -181,6 +218,8 @@ def _check_tilings(cols: ChunkColumns, screen: _Screen, where: str) -> None:
     _screen_overlaps(cols, screen, order, first, counts, group_of, suspects, is_bytes)
     flagged = np.flatnonzero(suspects)
     if len(flagged):
+        if cols.derived_keys:  # a key twice in a file may be behind it: that error comes first
+            _check_files(cols, where)
         for code in _first_use_order(cols.fqn, codes[flagged].tolist()):
             g = int(np.searchsorted(codes, code))  # codes ascend: ``order`` sorts by them
             message = tiling_problem(cols.records(order[first[g]:first[g] + counts[g]]))
@@ -198,22 +237,26 @@ def _screen_overlaps(cols, screen, order, first, counts, group_of, suspects, is_
     if not multi.any():
         return
     pos = live_pos[multi[group_of[live_pos]]]
-    ndim = cols.ndim[0][order[pos]]
-    for dims in np.unique(ndim).tolist():
-        these = pos[ndim == dims]
-        rows = order[these]
-        groups = group_of[these]
-        off = cols.matrix(0, rows, dims)
-        size = cols.matrix(1, rows, dims)
-        clear = np.zeros(len(first), dtype=bool)
-        for d in range(dims):
-            sort = np.lexsort((off[:, d], groups))
-            g, start = groups[sort], off[sort, d]
+    rows = order[pos]
+    groups = group_of[pos]
+    off, size = cols.grid[0][rows], cols.grid[1][rows]
+    present = np.zeros(len(first), dtype=bool)
+    present[groups] = True
+    clear = np.zeros(len(first), dtype=bool)
+    for d in range(cols.width):  # a padded dimension (offset 0, size 1) never clears a tensor
+        g, start = groups, off[:, d]
+        step = g[1:] == g[:-1]
+        if not (~step | (start[1:] >= start[:-1])).all():  # rank order is often sorted already
+            sort = np.lexsort((start, g))
+            g, start = g[sort], start[sort]
+            step = g[1:] == g[:-1]
             end = start + size[sort, d]
-            meet = (g[1:] == g[:-1]) & (start[1:] < end[:-1])
-            touched = np.zeros(len(first), dtype=bool)
-            touched[g[1:][meet]] = True
-            clear |= ~touched
-        present = np.zeros(len(first), dtype=bool)
-        present[groups] = True
-        suspects |= present & ~clear
+        else:
+            end = start + size[:, d]
+        meet = step & (start[1:] < end[:-1])
+        touched = np.zeros(len(first), dtype=bool)
+        touched[g[1:][meet]] = True
+        clear |= ~touched
+        if clear[present].all():
+            break
+    suspects |= present & ~clear

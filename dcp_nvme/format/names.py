@@ -86,10 +86,12 @@ def rank_of(name: str) -> int:
 FORMAT = "dcp_nvme"
 
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """2: a container's data may be preceded by ``__pad__.N`` padding entries (zero-copy placement).
-A reader before 2 would call such a file damaged; the bump makes it ask for an upgrade instead.
-This reader loads 1 and 2 alike (padding is dropped by ``format.parse_header``)."""
+3: the index's ``key`` column is null where the key is the default one (``default_item_key``).
+A reader before a version would call such a checkpoint damaged; the bump makes it ask for an
+upgrade instead. This reader loads 1, 2 and 3 alike (padding is dropped by
+``format.parse_header``, a null key is derived wherever a key is read)."""
 
 
 OLDEST_FORMAT_VERSION = 1

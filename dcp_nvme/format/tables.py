@@ -1,7 +1,8 @@
 """The two Parquet tables of a checkpoint, and their checked decoding.
 
     index.<key>.parquet    one row per stored chunk: fqn, chunk offsets/sizes, global shape,
-                           dtype, file, byte offset, length.
+                           dtype, file, byte offset, length, and the item's key in its
+                           container where it is not ``default_item_key`` (null where it is).
     blocks.<key>.parquet   one row per container file: size, data start, crc32c per block.
 
 Decoding treats the bytes as hostile: footer, row counts and column values are bounded before
@@ -25,6 +26,7 @@ from ..errors import (
 )
 from .container import (
     MAX_NDIM,
+    default_item_key,
 )
 
 if TYPE_CHECKING:
@@ -72,11 +74,13 @@ class FileRecord:
 
 @dataclass(frozen=True)
 class StoredItem:
-    """A WriteResult's ``storage_data``: the chunk, plus its file on one result per file."""
+    """A WriteResult's ``storage_data``: the chunk, plus its file on one result per file, with
+    the rank's figures and all of its index rows encoded (``rows_blob``)."""
 
     chunk: ChunkRecord
     file: FileRecord | None = None
     stats: dict[str, Any] | None = None
+    rows: bytes | None = None
 
 
 _CHUNK_SCHEMA = pa.schema([
@@ -107,7 +111,7 @@ _FILE_SCHEMA = pa.schema([
 
 def _parquet_bytes(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
+    pq.write_table(table, sink, compression="zstd", write_statistics=False)  # our reader uses none
     return sink.getvalue().to_pybytes()
 
 
@@ -120,9 +124,10 @@ def _list_column(values: Sequence[Sequence[int]]) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
 
-def chunks_table(chunks: Sequence[ChunkRecord]) -> bytes:
-    """The index table: each column made in one pass, GC paused (a commit at 16k ranks makes
-    millions of short-lived objects, and the cyclic GC would walk them again and again)."""
+def chunk_rows(chunks: Sequence[ChunkRecord]) -> pa.Table:
+    """Index rows as an Arrow table: each column made in one pass, GC paused (a commit at 16k
+    ranks makes millions of short-lived objects, and the cyclic GC would walk them again and
+    again)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -136,12 +141,43 @@ def chunks_table(chunks: Sequence[ChunkRecord]) -> bytes:
             pa.array([c.file for c in chunks], pa.string()),
             pa.array(np.fromiter((c.byte_offset for c in chunks), dtype=np.int64, count=len(chunks))),
             pa.array(np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))),
-            pa.array([c.key for c in chunks], pa.string()),
+            pa.array([None if c.key == default_item_key(c.fqn, c.offsets) else c.key for c in chunks],
+                     pa.string()),
         ]
     finally:
         if was:
             gc.enable()
-    return _parquet_bytes(pa.Table.from_arrays(columns, schema=_CHUNK_SCHEMA))
+    return pa.Table.from_arrays(columns, schema=_CHUNK_SCHEMA)
+
+
+def chunks_table(chunks: Sequence[ChunkRecord]) -> bytes:
+    """The index table's bytes."""
+    return index_table_bytes(chunk_rows(chunks))
+
+
+def index_table_bytes(rows: pa.Table) -> bytes:
+    """The index table's bytes from its rows (``chunk_rows``, or ranks' rows concatenated)."""
+    return _parquet_bytes(rows)
+
+
+def rows_blob(chunks: Sequence[ChunkRecord]) -> bytes:
+    """A rank's index rows as an Arrow IPC stream: the rank encodes its own rows, so the
+    coordinator of a 16k-rank save concatenates columns instead of making each row's."""
+    sink = pa.BufferOutputStream()
+    table = chunk_rows(chunks)
+    with pa.ipc.new_stream(sink, table.schema) as stream:
+        stream.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def rows_from_blobs(blobs: Sequence[bytes]) -> pa.Table:
+    """The ranks' rows (``rows_blob``) as one table, in the order given. The blobs come from
+    this save's own ranks (not from disk): a schema other than the index's is a bug."""
+    tables = [pa.ipc.open_stream(pa.BufferReader(blob)).read_all() for blob in blobs]
+    for table in tables:
+        if table.schema != _CHUNK_SCHEMA:
+            raise ValueError(f"a rank's index rows have schema {table.schema}, not the index's")
+    return pa.concat_tables(tables) if tables else _CHUNK_SCHEMA.empty_table()
 
 
 def files_table(files: Sequence[FileRecord]) -> bytes:
@@ -226,15 +262,19 @@ def _check_counts(parquet: pq.ParquetFile, what: str, max_rows: int,
 
 
 def _read_table(data: bytes, schema: pa.Schema, what: str, max_rows: int,
-                long_column: str | None = None, max_long: int = 0) -> dict[str, list]:
-    table = _read_arrow(data, schema, what, max_rows, long_column, max_long)
+                long_column: str | None = None, max_long: int = 0, nullable: tuple = ()) -> dict[str, list]:
+    table = _read_arrow(data, schema, what, max_rows, long_column, max_long, nullable=nullable)
     return {name: table.column(name).to_pylist() for name in schema.names}
 
 
 def read_chunk_table(data: bytes, what: str = "index", max_rows: int = FREE_ROWS) -> pa.Table:
     """The index as an Arrow table, with the checks of ``parse_chunks`` (footer bounds, column
-    types, no nulls) and no Python object per row."""
-    return _read_arrow(data, _CHUNK_SCHEMA, what, max_rows, dictionary=_CODED)
+    types, no nulls but in ``key``) and no Python object per row."""
+    return _read_arrow(data, _CHUNK_SCHEMA, what, max_rows, dictionary=_CODED, nullable=_NULLABLE)
+
+
+_NULLABLE = ("key",)
+"""A null key is the default one (``default_item_key``); format version 3 writes them."""
 
 
 _CODED = ("fqn", "kind", "dtype", "file")
@@ -243,7 +283,8 @@ string per row is made, and ``columns`` takes their codes as they are."""
 
 
 def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
-                long_column: str | None = None, max_long: int = 0, dictionary: tuple = ()) -> pa.Table:
+                long_column: str | None = None, max_long: int = 0, dictionary: tuple = (),
+                nullable: tuple = ()) -> pa.Table:
     parquet = parquet_footer(data, what)
     if dictionary:
         parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(dictionary))
@@ -265,7 +306,7 @@ def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
             kind = kind.value_type
         if kind != schema.field(name).type:
             raise ManifestError(f"{what}: column {name} is {column.type}, expected {schema.field(name).type}")
-        nulls = column.null_count
+        nulls = 0 if name in nullable else column.null_count
         if pa.types.is_list(column.type):
             nulls += pc.list_flatten(column).null_count
         if nulls:
@@ -275,9 +316,10 @@ def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
 
 def parse_chunks(data: bytes, what: str = "index", max_rows: int = FREE_ROWS) -> list[ChunkRecord]:
     """The index rows, refused unread when the footer declares more than ``max_rows``."""
-    cols = _read_table(data, _CHUNK_SCHEMA, what, max_rows)
+    cols = _read_table(data, _CHUNK_SCHEMA, what, max_rows, nullable=_NULLABLE)
     return [
-        ChunkRecord(fqn, kind, tuple(off), tuple(sizes), tuple(shape), dtype, file, int(b), int(n), key)
+        ChunkRecord(fqn, kind, tuple(off), tuple(sizes), tuple(shape), dtype, file, int(b), int(n),
+                    default_item_key(fqn, tuple(off) if kind == "tensor" else None) if key is None else key)
         for fqn, kind, off, sizes, shape, dtype, file, b, n, key in zip(*cols.values())
     ]
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import (
 
 from ..engines.buffers import aligned_buffer, tensor_bytes
 from ..errors import UnsupportedItemError
-from ..format.container import PAD_PREFIX, dtype_name, stored_as
+from ..format.container import PAD_PREFIX, default_item_key, dtype_name, stored_as
 from ..format.placement import ITEMSIZE_GAP, ContainerLayout, ItemSpec
 from ..format.tables import ChunkRecord
 
@@ -40,10 +40,7 @@ def check_item_name(fqn: str) -> None:
 
 def _item_key(item: WriteItem) -> str:
     """The item's name inside its container; unique per container."""
-    fqn, offset = item.index.fqn, item.index.offset
-    if item.type == WriteItemType.BYTE_IO or offset is None or not any(offset):
-        return fqn
-    return f"{fqn}@{','.join(str(o) for o in offset)}"
+    return default_item_key(item.index.fqn, None if item.type == WriteItemType.BYTE_IO else item.index.offset)
 
 
 def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, ChunkRecord]:

@@ -5,10 +5,15 @@ for the tables and the manifest (pure)."""
 from __future__ import annotations
 
 import gc
+import itertools
+import operator
 import os
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -16,13 +21,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import SaveError
+from ..format.columns import as_numpy, gc_paused
 from ..format.manifest import encode_json
 from ..format.names import (
     new_save_key,
     save_key_of,
 )
 from ..format.placement import ContainerLayout
-from ..format.tables import FileRecord, StoredItem
+from ..format.tables import FileRecord, StoredItem, chunk_rows, rows_blob, rows_from_blobs
 
 
 def write_results(plan: SavePlan, resolved: list, layout: ContainerLayout, written: Any,
@@ -32,10 +38,13 @@ def write_results(plan: SavePlan, resolved: list, layout: ContainerLayout, writt
     name = stats["file"]
     file_record = FileRecord(name, stats["rank"], written.size, written.data_start,
                              written.checksum_block, written.header_crc, tuple(written.crcs))
+    placed = [replace(record, file=name, byte_offset=layout.data_start + layout.offsets[position])
+              for position, (_, _, record) in enumerate(resolved)]
     results = []
-    for position, (item, (_, source, record)) in enumerate(zip(plan.items, resolved)):
-        placed = replace(record, file=name, byte_offset=layout.data_start + layout.offsets[position])
-        stored = StoredItem(placed, file_record if position == 0 else None, stats if position == 0 else None)
+    for position, (item, (_, source, _)) in enumerate(zip(plan.items, resolved)):
+        first = position == 0
+        stored = StoredItem(placed[position], file_record if first else None, stats if first else None,
+                            rows_blob(placed) if first else None)
         results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
     return results
 
@@ -87,6 +96,59 @@ def collect(metadata: Metadata, results: list[list[WriteResult]]):
             gc.enable()
     files.sort(key=lambda f: f.rank)
     return records, files, stats
+
+
+def collect_rows(metadata: Metadata, results: list[list[WriteResult]]):
+    """``collect``, with the chunk records as index rows (an Arrow table). When every rank sent
+    its rows encoded (``rows_blob``, on its first result) and their order is the metadata's
+    (``rows_in_metadata_order``), the rows are the ranks' concatenated: no object per row on
+    the coordinator. Else ``collect``'s records, made into rows."""
+    heads = [rank_results[0].storage_data for rank_results in results if rank_results]
+    blobs = [head.rows for head in heads if isinstance(head, StoredItem)]
+    if len(blobs) == len(heads) and all(blobs):
+        rows = rows_from_blobs(blobs)
+        if rows.num_rows == sum(len(r) for r in results) and rows_in_metadata_order(rows, metadata):
+            files = sorted((h.file for h in heads if h.file is not None), key=lambda f: f.rank)
+            return rows, files, [h.stats for h in heads if h.stats is not None]
+    records, files, stats = collect(metadata, results)
+    return chunk_rows(records), files, stats
+
+
+def rows_in_metadata_order(rows: pa.Table, metadata: Metadata) -> bool:
+    """``_same_metadata`` on index rows: the tensors first appear in the metadata's order, each
+    has the metadata's chunks in its order (a bytes item: one row), by array comparisons and a
+    pass over the metadata's chunks."""
+    entries = metadata.state_dict_metadata
+    fqn = pc.dictionary_encode(rows.column("fqn").combine_chunks())  # codes in order of first use
+    if fqn.dictionary.to_pylist() != list(entries):
+        return False
+    codes = as_numpy(fqn.indices, np.int64)
+    expected_counts, is_bytes, dims, flat = [], [], [], []
+    with gc_paused():
+        for entry in entries.values():
+            chunks = getattr(entry, "chunks", None)
+            is_bytes.append(chunks is None)
+            expected_counts.append(1 if chunks is None else len(chunks))
+            if chunks:
+                dims.append(len(entry.size))
+                flat.append(np.fromiter(itertools.chain.from_iterable(map(_offsets_of, chunks)), np.int64))
+    if not np.array_equal(np.bincount(codes, minlength=len(entries)), expected_counts):
+        return False
+    row_bytes = as_numpy(pc.equal(rows.column("kind"), "bytes").combine_chunks().cast(pa.int8()), np.int8) > 0
+    if not np.array_equal(row_bytes, np.array(is_bytes, dtype=bool)[codes]):
+        return False
+    tensor_rows = np.flatnonzero(~row_bytes)
+    order = tensor_rows[np.argsort(codes[tensor_rows], kind="stable")]
+    offsets = rows.column("chunk_offsets").combine_chunks().take(pa.array(order))
+    got_lengths = np.diff(as_numpy(offsets.offsets, np.int64))
+    # every chunk as long as its tensor's shape (else a mismatch: the exact path decides)
+    counts = np.array([c for c, b in zip(expected_counts, is_bytes) if not b], dtype=np.int64)
+    expected_lengths = np.repeat(np.array(dims, dtype=np.int64), counts[counts > 0]) if dims else np.zeros(0, np.int64)
+    expected = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+    return np.array_equal(got_lengths, expected_lengths) and \
+        np.array_equal(as_numpy(offsets.flatten(), np.int64), expected)
+
+_offsets_of = operator.attrgetter("offsets")
 
 
 def _same_metadata(records: list, metadata: Metadata) -> bool:

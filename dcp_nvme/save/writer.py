@@ -44,7 +44,7 @@ from ..format.names import (
     temp_of,
 )
 from ..format.placement import ContainerLayout, plan_container
-from ..format.tables import chunks_table, files_table
+from ..format.tables import files_table, index_table_bytes
 from ..load.dropin import require_location, writer_location
 from ..observe.blockdev import warn_once
 from ..observe.drive_health import DriveWatch
@@ -68,7 +68,7 @@ from .node_commit import (
 from .plan_cache import with_cached_plans
 from .results import (
     check_planner_data,
-    collect,
+    collect_rows,
     key_from_results,
     rank_stats_doc,
     storage_meta_doc,
@@ -463,10 +463,10 @@ class NVMeWriter(StorageWriter):
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
         """The tables, then manifest.json renamed into place: the commit. Returns the manifest."""
-        chunks, files, rank_stats = collect(metadata, results)
+        rows, files, rank_stats = collect_rows(metadata, results)
         layers = layer_summary(rank_stats)
         log.info("dcp_nvme: save %s: %s", key, format_summary(layers))
-        index_bytes = chunks_table(chunks)
+        index_bytes = index_table_bytes(rows)
         blocks_bytes = files_table(files)
         index_name, blocks_name = table_name("index", key), table_name("blocks", key)
         write_commit_file(self.path, index_name, index_bytes, key)
