@@ -263,6 +263,32 @@ def child_load(args) -> dict:
     return out
 
 
+def _pss_mib() -> float | None:
+    """Proportional set size: a page the node's ranks share counts 1/k to each of k."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def child_node(args) -> dict:
+    """``read_metadata`` as one of a node's two ranks (``LOCAL_WORLD_SIZE=2``): the first to
+    come decodes the index and shares it, the second maps what the first shared."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    from dcp_nvme import NVMeReader
+
+    reader = NVMeReader(args.dir)
+    t0, c0 = time.perf_counter(), time.process_time()
+    reader.read_metadata()
+    t1, c1 = time.perf_counter(), time.process_time()
+    mapped = not reader.manifest().columns.grid[0].flags.writeable
+    return {"s": t1 - t0, "cpu_s": c1 - c0, "mapped": mapped, "pss_mib": _pss_mib(), "peak_mib": peak_mib()}
+
+
 def child_stock(args) -> dict:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -307,6 +333,12 @@ def measure(world: int, layers: int, work: str, run=None) -> dict:
         point.update(run("save", world, layers, directory, 0))
         rank = world // 2  # a middle rank: its shards are inside every tensor
         point.update(run("load", world, layers, directory, rank))
+        if run is run_child:  # a node's two ranks, one after the other: one decodes, one maps
+            first, second = run("node", world, layers, directory, rank), run("node", world, layers, directory, rank)
+            point.update({"node_first_read_metadata_cpu_s": first["cpu_s"], "node_first_pss_mib": first["pss_mib"],
+                          "node_other_read_metadata_s": second["s"],
+                          "node_other_read_metadata_cpu_s": second["cpu_s"],
+                          "node_other_mapped": second["mapped"], "node_other_pss_mib": second["pss_mib"]})
         point.update(run("stock", world, layers, directory, rank))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -330,6 +362,7 @@ def fit(points: list[dict], key: str, at: int) -> float | None:
 
 
 SERIES = [("commit_cpu_s", "our commit"), ("read_metadata_cpu_s", "our read_metadata"),
+          ("node_other_read_metadata_cpu_s", "our read_metadata, a node's other ranks"),
           ("nvme_planner_s", "NVMeLoadPlanner plan"), ("default_planner_s", "DefaultLoadPlanner plan (ours)"),
           ("stock_dump_cpu_s", "stock pickle dump"), ("stock_load_cpu_s", "stock pickle load"),
           ("stock_planner_s", "stock DefaultLoadPlanner plan")]
@@ -365,12 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-at", type=int, default=16384)
     parser.add_argument("--in-process", action="store_true",
                         help="run every step in this process (a quick check; peak memory is shared)")
-    parser.add_argument("--child", choices=("save", "load", "stock"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("save", "load", "node", "stock"), help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps({"save": child_save, "load": child_load, "stock": child_stock}[args.child](args)))
+        print(json.dumps({"save": child_save, "load": child_load, "node": child_node,
+                          "stock": child_stock}[args.child](args)))
         return 0
     try:
         counts = sorted({int(r) for r in args.ranks.split(",") if r.strip()})
@@ -399,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"dump {point['stock_dump_s']:6.2f} s (cpu {point['stock_dump_cpu_s']:.2f}) load {point['stock_load_s']:6.2f} s "
                   f"(cpu {point['stock_load_cpu_s']:.2f}) "
                   f"plan {point['stock_planner_s']:6.2f} s | x{point['load_speedup']:.1f}", flush=True)
+            if "node_other_read_metadata_s" in point:
+                print(f"{'':>6} a node's other ranks map the first one's index: read_metadata "
+                      f"{point['node_other_read_metadata_s']:.3f} s (cpu {point['node_other_read_metadata_cpu_s']:.3f} s,"
+                      f" mapped {point['node_other_mapped']}), PSS {point['node_other_pss_mib'] or 0:.0f} MiB vs "
+                      f"{point['node_first_pss_mib'] or 0:.0f} MiB for the first", flush=True)
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -291,9 +291,10 @@ OUTSIDE_OPTIONS = ("replicas", "replica_bandwidth", "replica_stride", "peers")
 """The options read through ``option_or_env`` (not IOConfig fields), each as ``DCP_NVME_<NAME>``."""
 
 OTHER_ENV = ("DCP_NVME_TUNE_FILE", "DCP_NVME_KVIKIO_PROBE_TIMEOUT", "DCP_NVME_PEER_ADDR",
-             "DCP_NVME_DEMO_DIR", "DCP_NVME_S3_BENCH")
+             "DCP_NVME_NODE_INDEX", "DCP_NVME_DEMO_DIR", "DCP_NVME_S3_BENCH")
 """The other ``DCP_NVME_*`` variables read: the tune file, the kvikio probe, the peer server's
-address, and the development scripts' (scripts/dev.sh's demo directory, the S3 bench switch)."""
+address, the node's shared index switch (``load.node_index``), and the development scripts'
+(scripts/dev.sh's demo directory, the S3 bench switch)."""
 
 
 def known_env_names() -> tuple[str, ...]:

@@ -33,6 +33,9 @@ class _Screen:
         self.suspect = np.zeros(n, dtype=bool)
         self.elements = np.zeros(n, dtype=np.int64)
         self.elements_f = np.zeros(n, dtype=np.float64)
+        """Element counts as floats, to see an int64 sum wrap; left at zero when ``exact``."""
+        self.exact = True
+        """Whether no count or sum of counts can wrap (then ``elements_f`` is not made)."""
         sizes = {f["name"]: f["size"] for f in doc["files"]}
         key = doc["save_key"]
         # names: each distinct value once
@@ -57,37 +60,48 @@ class _Screen:
                 file_size[i] = sizes[name]
         if bad_files:
             self.suspect |= np.isin(cols.file, bad_files)
-        # kinds and dtypes
-        tensor = np.array([k == "tensor" for k in cols.kinds], dtype=bool)[cols.kind] if n else np.zeros(0, bool)
-        known = np.array([k in ("tensor", "bytes") for k in cols.kinds], dtype=bool)[cols.kind] if n else tensor
-        self.suspect |= ~known
+        # kinds and dtypes, judged once per (kind, dtype) pair: a row looks its pair up
         itemsizes = []
         for name in cols.dtypes:
             try:
                 itemsizes.append(dtype_itemsize(name))  # by name: no torch import
             except ManifestError:
                 itemsizes.append(0)
-        itemsize = np.array(itemsizes, dtype=np.int64)[cols.dtype] if n else np.zeros(0, np.int64)
-        self.itemsize = itemsize
+        pairs = len(cols.dtypes)
+        pair = cols.kind.astype(np.int64) * pairs + cols.dtype
+        pair_tensor = np.repeat([k == "tensor" for k in cols.kinds], pairs)
+        pair_size = np.tile(np.array(itemsizes, dtype=np.int64), len(cols.kinds))
+        pair_bytes_ok = np.repeat([k == "bytes" for k in cols.kinds], pairs) & \
+            np.tile([d == "uint8" for d in cols.dtypes], len(cols.kinds))
+        tensor = pair_tensor[pair]
+        itemsize = self.itemsize = pair_size[pair]
         no, ns, ng = cols.ndim
-        nonbytes = (no != 0) | (ns != 0) | (ng != 0)
-        u8 = np.array([d == "uint8" for d in cols.dtypes], dtype=bool)[cols.dtype] if n else tensor
-        self.suspect |= ~tensor & known & (nonbytes | ~u8)
-        self.suspect |= tensor & ((itemsize == 0) | (no != ns) | (ns != ng) | (no > MAX_NDIM))
+        bad_bytes = ~pair_bytes_ok[pair] | (no != 0) | (ns != 0) | (ng != 0)
+        self.suspect |= np.where(tensor, (itemsize == 0) | (no != ns) | (ns != ng) | (no > MAX_NDIM), bad_bytes)
         # bounds and lengths, on the tensor rows whose three lists agree (padding passes both)
         ok = tensor & ~self.suspect
         rows = np.flatnonzero(ok)
         if len(rows):
             whole = len(rows) == n  # no gather: the grids are the rows
             off, size, shape = (g if whole else g[rows] for g in cols.grid)
+            pick = (lambda a: a) if whole else (lambda a: a[rows])
             bad = ((off < 0) | (size < 0) | (size > shape) | (off > shape - size)).any(axis=1)
             count = np.prod(size, axis=1, dtype=np.int64)
-            count_f = np.prod(size.astype(np.float64), axis=1)
-            nbytes_f = count_f * itemsize[rows]
-            bad |= (nbytes_f > LIMIT) | (count * itemsize[rows] != cols.length[rows])
-            self.suspect[rows] |= bad
-            self.elements[rows] = count
-            self.elements_f[rows] = count_f
+            largest = int(size.max(initial=0))
+            # no product nor sum of them can wrap when the largest possible one is far from it
+            self.exact = largest ** cols.width * max(itemsizes + [1]) * max(n, 1) < LIMIT
+            if self.exact:
+                bad |= count * pick(itemsize) != pick(cols.length)
+            else:
+                count_f = np.prod(size.astype(np.float64), axis=1)
+                bad |= (count_f * pick(itemsize) > LIMIT) | (count * pick(itemsize) != pick(cols.length))
+                self.elements_f[rows] = count_f
+            if whole:
+                self.suspect |= bad
+                self.elements = count
+            else:
+                self.suspect[rows] |= bad
+                self.elements[rows] = count
         # inside its file, past the 8-byte length prefix
         limit = file_size[cols.file] if n else np.zeros(0, np.int64)
         self.suspect |= (cols.byte_offset < 8) | (cols.length < 0) | (cols.byte_offset > limit - cols.length)
@@ -209,7 +223,7 @@ def _check_tilings(cols: ChunkColumns, screen: _Screen, where: str) -> None:
     suspects |= is_bytes & (counts > 1)
     # elements: the chunks' sum against the shape's product (a Python int per tensor)
     elements = np.add.reduceat(screen.elements[order], first)
-    elements_f = np.add.reduceat(screen.elements_f[order], first)
+    elements_f = np.zeros(len(first)) if screen.exact else np.add.reduceat(screen.elements_f[order], first)
     for g in np.flatnonzero(~is_bytes & ~suspects).tolist():
         row = int(order[first[g]])
         expected = math.prod(cols.list_of(2, row))

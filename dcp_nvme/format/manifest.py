@@ -11,7 +11,7 @@ through a JSON codec of its own (``encode_json``/``decode_json``)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import crc32c
@@ -338,12 +338,14 @@ def seal(doc: dict[str, Any]) -> bytes:
     return json.dumps({**doc, SELF_CRC: crc32c.crc32c(_canonical(doc))}, indent=1).encode()
 
 
-def read_manifest(store, location: str) -> Manifest:
+def read_manifest(store, location: str, share: Callable | None = None) -> Manifest:
     """Read and validate a committed checkpoint's manifest and chunk index.
 
     Every name and number is checked here before anything is opened or allocated from it:
     ``check_doc`` for the manifest, the Parquet footer for the index's size, ``check_chunks``
-    for each row (see the "Trust model" section of docs/design.md)."""
+    for each row (see the "Trust model" section of docs/design.md). ``share(doc, rows, build)``
+    may give the checked columns instead of ``build()`` (the ranks of a node share one decode:
+    ``load.node_index``)."""
     if not store.exists():
         raise CheckpointNotFoundError(f"checkpoint directory {location} does not exist")
     try:
@@ -373,16 +375,28 @@ def read_manifest(store, location: str) -> Manifest:
     check_doc(doc, f"{location}/{MANIFEST}")
     manifest = Manifest(doc)
     entry = doc["index"]
+
+    def build() -> ChunkColumns:
+        return _read_index(store, manifest, location)
+
+    declared = entry.get("rows", 0)
+    manifest.columns = build() if share is None else share(doc, declared, build)
+    return manifest
+
+
+def _read_index(store, manifest: Manifest, location: str) -> ChunkColumns:
+    """The index table read, decoded into columns and checked."""
+    entry = manifest.doc["index"]
     what = f"{location}/{entry['name']}"
     data = _load_table(store, entry, location)
     rows = parquet_footer(data, what).metadata.num_rows
     if "rows" in entry and rows != entry["rows"]:
         raise ManifestError(f"{what} has {rows} rows, {MANIFEST} says {entry['rows']}")
     table = read_chunk_table(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
-    manifest.columns = ChunkColumns.from_table(table)
+    columns = ChunkColumns.from_table(table)
     del table, data
-    check_columns(manifest.columns, doc, what)
-    return manifest
+    check_columns(columns, manifest.doc, what)
+    return columns
 
 
 def read_files(store, manifest: Manifest, location: str) -> dict[str, FileRecord]:

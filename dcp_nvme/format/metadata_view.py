@@ -35,10 +35,13 @@ class ChunkIndex:
         self.dims = dims
         if dims:
             ends = offsets + sizes
-            # sweep along the most-cut dimension: there the fewest chunks share a start
-            self.dim = max(range(dims), key=lambda d: len(np.unique(offsets[:, d]))) if count else 0
-            self.order = np.argsort(offsets[:, self.dim], kind="stable")
-            self.starts = offsets[self.order, self.dim]
+            self.dim = _most_cut(offsets) if count else 0
+            along = offsets[:, self.dim]
+            if count < 2 or (along[1:] >= along[:-1]).all():  # saved in rank order: sorted already
+                self.order = np.arange(count)
+            else:
+                self.order = np.argsort(along, kind="stable")
+            self.starts = along[self.order]
             self.reach = np.maximum.accumulate(ends[self.order, self.dim]) if count else ends[:, 0]
         else:
             self.dim, self.order = 0, np.arange(count)
@@ -81,6 +84,15 @@ class ChunkIndex:
         same = (self.offsets[found] == np.asarray(offsets, dtype=np.int64)).all(axis=1)
         hits = found[same]
         return int(hits.max()) if len(hits) else None
+
+
+def _most_cut(offsets: np.ndarray) -> int:
+    """The dimension with the most distinct chunk starts (the sweep's: there the fewest chunks
+    share a start); the only one that is cut at all, when one is (FSDP's case), without a sort."""
+    cut = [d for d in range(offsets.shape[1]) if (offsets[:, d] != offsets[0, d]).any()]
+    if len(cut) <= 1:
+        return cut[0] if cut else 0
+    return max(cut, key=lambda d: len(np.unique(offsets[:, d])))
 
 
 class IndexedTensorMetadata(TensorStorageMetadata):

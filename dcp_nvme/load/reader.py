@@ -37,6 +37,7 @@ from ..observe.stats import IOStats, PhaseTimer
 from ..storage.fsspec_dir import open_store
 from ..storage.local_dir import LocalStore, is_local_path, is_remote_url
 from .dropin import reader_location, reader_stock_options, require_location
+from .node_index import shared_columns
 from .objects import bytes_for_planner, check_destination_kind
 from .planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 
@@ -159,7 +160,7 @@ class NVMeReader(StorageReader):
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
-            self._manifest = read_manifest(self.store, self.path)
+            self._manifest = read_manifest(self.store, self.path, share=shared_columns)  # one decode a node
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
