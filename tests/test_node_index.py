@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hostile_kit import chunks_of, write_index
 
 from dcp_nvme import ManifestError, NVMeReader, NVMeWriter
 from dcp_nvme.format import manifest as manifest_module
 from dcp_nvme.load import node_index
-
-from hostile_kit import chunks_of, write_index
 
 
 def _state() -> dict[str, torch.Tensor]:
