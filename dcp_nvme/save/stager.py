@@ -24,8 +24,9 @@ executor (THREAD and PROCESS) holds that Future until the upload ends and resolv
 upload thread. The arena is free again once the Future is garbage (the upload released it) or
 every other thread that consumed it has exited (DCP's one-shot upload thread, covering a failed
 upload whose traceback still holds the Future). The staging thread holds the Future too until
-its copy is done, so an arena being copied into is busy as well. ``on_busy`` picks wait
-(default) or fail.
+its copy is done, so an arena being copied into is busy as well. A save thread that outlives its
+saves (``NVMeAsyncSaver``'s worker) says so itself: ``save_ended`` frees the arena. ``on_busy``
+picks wait (default) or fail.
 """
 
 from __future__ import annotations
