@@ -6,7 +6,8 @@ interleaved: each round runs one segment of ``k`` steps per method, in a rotatin
 
 - none: no checkpoint (the baseline);
 - nvme: ``dcp.async_save`` with NVMeWriter and one persistent NVMeStager;
-- nvme_saver: ``NVMeAsyncSaver`` (one persistent save thread) with NVMeWriter and its NVMeStager;
+- nvme_saver: ``NVMeAsyncSaver`` (one persistent save thread, its own NVMeStager; the
+  NVMeWriter is made on the save thread);
 - dcp: ``dcp.async_save`` with FileSystemWriter and one persistent DefaultStager with async
   staging (pinned memory and non-blocking copies where CUDA is present: DCP's best set-up);
 - torch_checkpointing: its async saver (staging thread, writer subprocess), when installed.
@@ -123,7 +124,8 @@ class NVMeSaver(Method):
         self.saver = NVMeAsyncSaver()
 
     def save(self, state, path):
-        resp = self.saver.save(state, storage_writer=NVMeWriter(path), no_dist=True)
+        # checkpoint_id: the saver builds the NVMeWriter on its thread, not the training loop's
+        resp = self.saver.save(state, checkpoint_id=path, no_dist=True)
         return resp.staging_completion, resp.upload_completion
 
     def close(self) -> None:

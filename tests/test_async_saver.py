@@ -3,6 +3,7 @@ call, saves in order, staging and upload failures, close, interpreter exit, two 
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from dcp_nvme import (
     NVMeReader,
     NVMeStager,
     SaveError,
+    StagingBusyError,
 )
 from dcp_nvme.save.async_saver import missing_cpu_backend
 
@@ -174,6 +176,63 @@ def test_close_drains_the_queue_and_later_saves_are_refused(tmp_path):
     assert not (tmp_path / "late").exists()
     for i in range(3):
         assert_bits(load(tmp_path / f"c{i}"), expected[i])
+
+
+class GatedStager(NVMeStager):
+    """The staging thread waits for ``gate`` before it copies: a save still staging."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.gate = threading.Event()
+
+    def _prepare(self, *args, **kwargs):
+        assert self.gate.wait(60)
+        return super()._prepare(*args, **kwargs)
+
+
+def _closing(saver: NVMeAsyncSaver) -> threading.Thread:
+    closer = threading.Thread(target=saver.close, daemon=True)
+    closer.start()
+    return closer
+
+
+def test_a_save_still_staging_is_run_by_close_and_by_a_dropped_saver(tmp_path):
+    state = make_state(5)
+    expected = snapshot(state)
+    stager = GatedStager()
+    saver = NVMeAsyncSaver(stager)
+    resp = saver.save(state, checkpoint_id=tmp_path / "a", no_dist=True)
+    closer = _closing(saver)  # the save is not queued yet: its copy has not even started
+    closer.join(0.3)
+    assert closer.is_alive() and not resp.upload_completion.done()
+    stager.gate.set()
+    closer.join(60)
+    assert not closer.is_alive() and isinstance(resp.upload_completion.result(), Metadata)
+    # a saver nobody keeps: garbage before its copy is done, the save still runs
+    stager.gate.clear()
+    resp = NVMeAsyncSaver(stager).save(state, checkpoint_id=tmp_path / "b", no_dist=True)
+    gc.collect()
+    stager.gate.set()
+    assert isinstance(resp.upload_completion.result(timeout=60), Metadata)
+    for name in ("a", "b"):
+        assert_bits(load(tmp_path / name), expected)
+    stager.close()
+
+
+def test_a_stage_that_raises_raises_from_save_and_close_still_returns(tmp_path):
+    state = make_state(6)
+    stager = GatedStager(on_busy="error")
+    saver = NVMeAsyncSaver(stager)
+    first = saver.save(state, checkpoint_id=tmp_path / "first", no_dist=True)
+    with pytest.raises(StagingBusyError, match="still being written"):
+        saver.save(state, checkpoint_id=tmp_path / "second", no_dist=True)  # the one arena is staging
+    stager.gate.set()
+    closer = _closing(saver)
+    closer.join(60)
+    assert not closer.is_alive()  # the refused save is not waited for
+    first.upload_completion.result()
+    assert not (tmp_path / "second").exists()
+    stager.close()
 
 
 def test_bad_input_is_refused_on_the_caller():
