@@ -235,6 +235,24 @@ def test_a_stage_that_raises_raises_from_save_and_close_still_returns(tmp_path):
     stager.close()
 
 
+def test_a_save_cancelled_while_queued_is_not_run_and_the_next_one_is(tmp_path):
+    state = make_state(7)
+    stager = GatedStager(buffers=2)
+    with NVMeAsyncSaver(stager) as saver:
+        first = saver.save(state, checkpoint_id=tmp_path / "first", no_dist=True)
+        second = saver.save(state, checkpoint_id=tmp_path / "second", no_dist=True)
+        assert second.upload_completion.cancel()  # still waiting for its copy: not started
+        stager.gate.set()
+        first.upload_completion.result(timeout=60)
+        expected = snapshot(state)
+        third = saver.save(state, checkpoint_id=tmp_path / "third", no_dist=True)
+        third.upload_completion.result(timeout=60)
+    assert second.staging_completion.result() is None and not (tmp_path / "second").exists()
+    assert_bits(load(tmp_path / "third"), expected)
+    assert stager.stats()["rebuilds"] == 0
+    stager.close()
+
+
 def test_bad_input_is_refused_on_the_caller():
     with NVMeAsyncSaver() as saver:
         with pytest.raises(InvalidInputError, match="checkpoint_id"):

@@ -236,6 +236,8 @@ def _staged(staged: Future, staging: Future, channel: _Channel | None = None, jo
     ``staging_completion`` (None, or the staging failure)."""
     if channel is not None and job is not None:
         channel.put_staged(job)
+    if staging.cancelled():
+        return
     error = staged.exception()
     if error is None:
         staging.set_result(None)
@@ -262,6 +264,14 @@ def _run(job: _Job) -> None:
     """One save; the arena is released before upload_completion resolves, so a save started
     right after it finds the arena free."""
     staged, job.staged = job.staged, None
+    if not job.upload.set_running_or_notify_cancel():  # cancelled while queued: not run, as in a pool
+        try:
+            if isinstance(staged, Future):
+                staged.result()  # the copy into the arena has ended
+        except BaseException:  # noqa: BLE001, S110 - nothing waits for this save any more
+            pass
+        save_ended(staged)
+        return
     try:
         try:
             state = staged.result() if isinstance(staged, Future) else staged
