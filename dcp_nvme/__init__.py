@@ -38,8 +38,8 @@ from .storage.run_dir import CheckpointDir, checkpoints, latest
 
 # The torch-backed classes load on first use, so that `dcp-nvme --help` and tools that only need
 # the light modules start without importing torch.
-_LAZY = {"NVMeLoadPlanner": ".load.load_planner", "NVMeReader": ".load.reader", "NVMeStager": ".save.stager",
-         "NVMeWriter": ".save.writer"}
+_LAZY = {"NVMeAsyncSaver": ".save.async_saver", "NVMeLoadPlanner": ".load.load_planner",
+         "NVMeReader": ".load.reader", "NVMeStager": ".save.stager", "NVMeWriter": ".save.writer"}
 
 
 __getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)
@@ -64,6 +64,7 @@ __all__ = [
     "ManifestError",
     "MissingDependencyError",
     "MissingItemError",
+    "NVMeAsyncSaver",
     "NVMeLoadPlanner",
     "NVMeReader",
     "NVMeStager",

@@ -194,9 +194,11 @@ class Lease:
     def __init__(self, future: Future) -> None:
         self._future = weakref.ref(future)
         self.claimers: list[threading.Thread] = []
+        self.ended = False
+        """Set by a save thread that outlives its saves (NVMeAsyncSaver's worker) once the save ended."""
 
     def busy(self) -> bool:
-        if self._future() is None:
+        if self.ended or self._future() is None:
             return False
         return not (self.claimers and not any(t.is_alive() for t in self.claimers))
 

@@ -24,8 +24,9 @@ executor (THREAD and PROCESS) holds that Future until the upload ends and resolv
 upload thread. The arena is free again once the Future is garbage (the upload released it) or
 every other thread that consumed it has exited (DCP's one-shot upload thread, covering a failed
 upload whose traceback still holds the Future). The staging thread holds the Future too until
-its copy is done, so an arena being copied into is busy as well. ``on_busy`` picks wait
-(default) or fail.
+its copy is done, so an arena being copied into is busy as well. A save thread that outlives its
+saves (``NVMeAsyncSaver``'s worker) says so itself: ``save_ended`` frees the arena. ``on_busy``
+picks wait (default) or fail.
 """
 
 from __future__ import annotations
@@ -103,11 +104,27 @@ class _StagedFuture(Future):
         """Resolve once the save's thread ends, whatever happened (e.g. it failed before it wrote,
         or this rank wrote none of the live tensors): the live tensors are no longer read."""
         wave = self.wave
-        if wave is None or getattr(self, "_watching", False):
-            return
+        if wave is None or getattr(self, "_watching", False) or getattr(save_thread, PERSISTENT, False):
+            return  # a persistent save thread never ends: it calls save_ended() after each save
         self._watching = True
         threading.Thread(target=lambda: (save_thread.join(), wave.release()),
                          name=f"{_HELPER_PREFIX}-wave", daemon=True).start()
+
+
+PERSISTENT = "dcp_nvme_persistent"
+"""Attribute set on a save thread that runs many saves (NVMeAsyncSaver's worker)."""
+
+
+def save_ended(staged: Any) -> None:
+    """The save that consumed ``staged`` (what ``stage`` returned) has ended, on a thread that
+    outlives it: its arena is free again, and a bounded save's training is released. No-op for
+    what another stager returned."""
+    if not isinstance(staged, _StagedFuture):
+        return
+    if staged.lease is not None:
+        staged.lease.ended = True
+    if staged.wave is not None:
+        staged.wave.release()
 
 
 class NVMeStager(AsyncStager):
