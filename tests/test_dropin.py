@@ -151,3 +151,10 @@ def test_overwrite_refusal_is_one_line_in_the_stock_wording(tmp_path, monkeypatc
     assert _same(_load(NVMeReader(tmp_path / "c")), _state(1))  # untouched
     dcp.save(_state(5), storage_writer=NVMeWriter(tmp_path / "c", overwrite=True))
     assert _same(_load(NVMeReader(tmp_path / "c")), _state(5))
+
+
+def test_a_location_that_is_not_a_path_is_refused_by_name():
+    with pytest.raises(InvalidInputError, match="^a checkpoint location must be a path or URL, not int 5$"):
+        NVMeReader(5)
+    with pytest.raises(InvalidInputError, match="^a checkpoint directory must be a path, not int 5$"):
+        NVMeWriter(5)

@@ -56,14 +56,18 @@ def reader_stock_options(cls: type, args: tuple[Any, ...], extra: dict[str, Any]
         raise unknown_option(cls, name, value)
 
 
+def _location_text(location: object, what: str, expected: str) -> str:
+    """``location`` as a string; anything but a str or path is refused: "``what`` must be ``expected``"."""
+    if not isinstance(location, (str, os.PathLike)):
+        raise InvalidInputError(f"{what} must be {expected}, not {type(location).__name__} {location!r}")
+    return os.fspath(location)
+
+
 def reader_location(location: str | os.PathLike | None) -> str | None:
     """A reader's checkpoint: a local directory, or a URL fsspec can serve (read over fsspec)."""
     if location is None:
         return None
-    if not isinstance(location, (str, os.PathLike)):
-        raise InvalidInputError(f"a checkpoint location must be a path or URL, not {type(location).__name__} "
-                                f"{location!r}")
-    text = os.fspath(location)
+    text = _location_text(location, "a checkpoint location", "a path or URL")
     if is_remote_url(text):
         return check_url("checkpoint_id", text)
     return local_path(text)
@@ -74,10 +78,7 @@ def writer_location(location: str | os.PathLike | None) -> str | None:
     created, rather than becoming a local directory named after it (``./s3:/bucket/x``)."""
     if location is None:
         return None
-    if not isinstance(location, (str, os.PathLike)):
-        raise InvalidInputError(f"a checkpoint directory must be a path, not {type(location).__name__} "
-                                f"{location!r}")
-    text = os.fspath(location)
+    text = _location_text(location, "a checkpoint directory", "a path")
     if is_remote_url(text):
         name = text.rstrip("/").rsplit("/", 1)[-1] or "step_N"
         raise InvalidInputError(
