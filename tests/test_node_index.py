@@ -149,3 +149,16 @@ def test_the_column_file_refuses_what_it_did_not_write(tmp_path):
         column_store.decode(memoryview(data), {**source, "crc32c": 3}, "f")
     with pytest.raises(ManifestError, match="not a column file"):
         column_store.decode(memoryview(data[:-1]), source, "f")
+
+
+def test_no_lock_file_means_each_rank_decodes_for_itself(shared, tmp_path, monkeypatch, caplog):
+    directory, builds = shared
+    path, state = _saved(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(node_index, "create_no_follow", refuse)  # e.g. a full /dev/shm
+    loaded = _load(path)
+    assert builds == [1] and "cannot open the node's index lock" in caplog.text
+    assert all(torch.equal(loaded[k], v) for k, v in state.items()) and not list(directory.iterdir())

@@ -31,6 +31,7 @@ from typing import Any
 from ..errors import ManifestError
 from ..format import column_store
 from ..format.columns import ChunkColumns
+from ..storage.local_dir import create_no_follow
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,9 @@ def shared_columns(doc: dict[str, Any], rows: int, build: Callable[[], ChunkColu
     source = {"index": doc["index"]["name"], "size": doc["index"]["size"], "crc32c": doc["index"]["crc32c"],
               "save_key": doc["save_key"]}
     stem = os.path.join(directory, f"index-{source['save_key']}-{source['crc32c']:08x}-{source['size']}")
-    with _locked(stem + ".lock"):
+    with _locked(stem + ".lock") as held:
+        if not held:
+            return build()
         columns = _map(stem + ".cols", source)
         if columns is None:
             columns = build()
@@ -96,11 +99,18 @@ def shared_columns(doc: dict[str, Any], rows: int, build: Callable[[], ChunkColu
 
 
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _locked(path: str) -> Iterator[bool]:
+    """Holds the index's node-wide lock; yields False (nothing held) when the lock file cannot
+    be made, e.g. on a full /dev/shm: the rank then decodes the index itself."""
+    try:
+        fd = create_no_follow(path, os.O_RDWR, 0o600)
+    except OSError as exc:
+        log.warning("dcp_nvme: cannot open the node's index lock %s (%s): decoding the index here", path, exc)
+        yield False
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield True
     finally:
         os.close(fd)  # drops the lock
 
@@ -133,7 +143,7 @@ def _write(path: str, pieces: list) -> None:
     """Written whole under a temporary name, then renamed: a reader never maps half a file."""
     temporary = f"{path}.tmp-{os.getpid()}"
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = create_no_follow(temporary, os.O_WRONLY, 0o600, fresh=True)
         try:
             for piece in pieces:
                 view = memoryview(piece).cast("B")
@@ -164,7 +174,7 @@ def _count(stem: str, local: int, built: bool) -> None:
                 os.unlink(stem + suffix)
         return
     with contextlib.suppress(OSError):
-        fd = os.open(counter, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = create_no_follow(counter, os.O_WRONLY | os.O_TRUNC, 0o600)
         try:
             os.write(fd, str(seen).encode())
         finally:
