@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from hostile_kit import chunks_of, write_index
 
 from dcp_nvme import ManifestError, NVMeReader, NVMeWriter
+from dcp_nvme.errors import InvalidInputError
 from dcp_nvme.format import manifest as manifest_module
 from dcp_nvme.load import node_index
 
@@ -162,3 +163,14 @@ def test_no_lock_file_means_each_rank_decodes_for_itself(shared, tmp_path, monke
     loaded = _load(path)
     assert builds == [1] and "cannot open the node's index lock" in caplog.text
     assert all(torch.equal(loaded[k], v) for k, v in state.items()) and not list(directory.iterdir())
+
+
+def test_the_switch_turns_sharing_off_and_a_bad_value_is_named(shared, tmp_path, monkeypatch):
+    directory, builds = shared
+    path, _ = _saved(tmp_path)
+    monkeypatch.setenv("DCP_NVME_NODE_INDEX", "off")
+    NVMeReader(path).read_metadata()
+    assert builds == [1] and not list(directory.iterdir())  # decoded here, nothing shared
+    monkeypatch.setenv("DCP_NVME_NODE_INDEX", "sometimes")
+    with pytest.raises(InvalidInputError, match="DCP_NVME_NODE_INDEX='sometimes' from the environment"):
+        NVMeReader(path).read_metadata()

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..config import check_bool
 from ..errors import ManifestError
 from ..format import column_store
 from ..format.columns import ChunkColumns
@@ -42,7 +43,7 @@ STALE_SECONDS = 3600.0
 """A shared index file this old is a leftover of a rank that died before mapping it."""
 
 ENV_SWITCH = "DCP_NVME_NODE_INDEX"
-"""``0`` turns the sharing off (each rank decodes the index itself)."""
+"""``0`` (or false/no/off) turns the sharing off: each rank decodes the index itself."""
 
 
 def cache_directory() -> str | None:
@@ -75,7 +76,8 @@ def shared_columns(doc: dict[str, Any], rows: int, build: Callable[[], ChunkColu
     another rank made it, else ``build()`` (decode and check) and shared. A ``build`` that raises
     shares nothing: every rank then raises the same error from its own decode."""
     local = local_world_size()
-    if local <= 1 or rows < MIN_ROWS or os.environ.get(ENV_SWITCH, "1") == "0":
+    switch = os.environ.get(ENV_SWITCH)
+    if local <= 1 or rows < MIN_ROWS or (switch is not None and not check_bool(ENV_SWITCH, switch, "the environment")):
         return build()
     directory = cache_directory()
     if directory is None:
