@@ -305,7 +305,31 @@ def child_stock(args) -> dict:
     return out
 
 
+BACKED_GIB = 0.0
+"""``--backed-memory``: GiB touched by a throw-away process before each measured one."""
+
+
+def back_memory(gib: float) -> None:
+    """Touch ``gib`` GiB in a process of its own, then free it. On a VM whose host backs guest
+    memory lazily (and takes free pages back), a fresh process's first touch of a page is a trip
+    to the host; afterwards the guest's free pages are backed, as a GPU node's (VFIO passthrough
+    pins all guest memory) or a bare-metal machine's are."""
+    if gib > 0:
+        subprocess.run([sys.executable, "-c", "import sys, numpy as np; "
+                        "a = np.ones(int(float(sys.argv[1]) * (1 << 30)), np.uint8); print(int(a[-1]))", str(gib)],
+                       check=True, capture_output=True)
+
+
+def first_touch_s_per_gib(mib: int = 256) -> float:
+    """Seconds a fresh process takes to first touch a GiB (``np.ones`` of ``mib`` MiB, scaled)."""
+    code = ("import sys, time, numpy as np; t = time.perf_counter(); a = np.ones(int(sys.argv[1]) << 20, np.uint8); "
+            "print(time.perf_counter() - t)")
+    done = subprocess.run([sys.executable, "-c", code, str(mib)], check=True, capture_output=True, text=True)
+    return float(done.stdout.strip()) * 1024 / mib
+
+
 def run_child(mode: str, world: int, layers: int, directory: str, rank: int) -> dict:
+    back_memory(BACKED_GIB)
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -398,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-at", type=int, default=16384)
     parser.add_argument("--in-process", action="store_true",
                         help="run every step in this process (a quick check; peak memory is shared)")
+    parser.add_argument("--backed-memory", type=float, default=0.0, metavar="GIB",
+                        help="touch and free GIB GiB in a process of its own before each measured step: on a "
+                             "VM that backs guest memory lazily, the steps then pay for their work and not for "
+                             "the host handing out pages (the config records a GiB's first touch either way)")
     parser.add_argument("--child", choices=("save", "load", "node", "stock"), help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -412,11 +440,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--ranks: comma-separated whole numbers, got {args.ranks!r}") from None
     if not counts or counts[0] < 1 or args.layers < 1:
         raise SystemExit("--ranks and --layers must be positive")
+    if args.backed_memory < 0:
+        raise SystemExit("--backed-memory must be >= 0")
     import torch
 
+    global BACKED_GIB
+    BACKED_GIB = args.backed_memory
+    cold = first_touch_s_per_gib()
+    back_memory(max(args.backed_memory, 1.0))
     config = {"ranks": counts, "layers": args.layers, "model": Model(layers=args.layers).__dict__,
               "python": platform.python_version(), "torch": torch.__version__,
-              "cpus": os.cpu_count(), "machine": platform.machine()}
+              "cpus": os.cpu_count(), "machine": platform.machine(), "backed_memory_gib": args.backed_memory,
+              "first_touch_s_per_gib": {"fresh": round(cold, 4), "after_backing": round(first_touch_s_per_gib(), 4)}}
     print(f"metadata_scale: {config}", flush=True)
     work = args.dir or tempfile.mkdtemp(prefix="dcp_nvme_scale_")
     points = []

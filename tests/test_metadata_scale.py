@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -122,6 +123,53 @@ def test_interval_index_plans_a_2d_reshard_as_the_default():
         assert ours == _items(_plan(DefaultLoadPlanner(**BENCH.FLAT), state, md))
         covered = sum(torch.Size(i[5]).numel() for i in ours)
         assert covered == local.sizes.numel()
+
+
+def test_the_shared_sweep_plans_what_each_tensor_sorting_its_own_plans():
+    """Tensors of every kind in one index: cut along dim 0 in rank order (their sweep comes from
+    the one pass over the columns), along dim 1, on a 2 x 2 grid, with rows out of start order,
+    a 1-d one, with an empty chunk last or inside, a scalar. For boxes across each, NVMeLoadPlanner over our
+    Metadata plans DefaultLoadPlanner's reads, and every planned read finds its row. (An empty
+    chunk inside another's span has sorted starts and falling ends: no shared sweep for it.)"""
+    from dcp_nvme.format.manifest import metadata_over
+    from dcp_nvme.format.metadata_view import ChunkIndex
+
+    file = "rank_00000.ab.safetensors"
+    rows, at = [], [4096]
+
+    def tensor(fqn, shape, boxes):
+        for off, size in boxes:
+            n = 4 * math.prod(size)
+            rows.append(ChunkRecord(fqn, "tensor", off, size, shape, "float32", file, at[0], n,
+                                    default_item_key(fqn, off)))
+            at[0] += n
+
+    tensor("dim0", (10, 3), [((0, 0), (4, 3)), ((4, 0), (4, 3)), ((8, 0), (2, 3))])
+    tensor("dim1", (3, 9), [((0, 0), (3, 5)), ((0, 5), (3, 4))])
+    tensor("grid", (4, 4), [((r, c), (2, 2)) for r in (0, 2) for c in (0, 2)])
+    tensor("unsorted", (6, 2), [((4, 0), (2, 2)), ((0, 0), (4, 2))])
+    tensor("flat", (7,), [((0,), (3,)), ((3,), (4,))])
+    tensor("empty_tail", (5, 2), [((0, 0), (3, 2)), ((3, 0), (2, 2)), ((5, 0), (0, 2))])
+    tensor("empty_inside", (5, 2), [((0, 0), (3, 2)), ((1, 0), (0, 2)), ((3, 0), (2, 2))])  # ends fall
+    tensor("scalar", (), [((), ())])
+    cols = _columns(rows)
+    column_checks.check_columns(cols, _doc(rows), "index")
+    state, storage = metadata_over(cols)
+    swept = {fqn for fqn, md in state.items() if md.size and md._sweeps.of(md._group)}
+    assert swept == {"dim0", "dim1", "flat", "empty_tail"}
+    metadata = Metadata(state, storage_data=storage)
+    for fqn, md in state.items():  # each index as a tensor sorting its own would build it
+        alone = ChunkIndex.from_chunks(md.chunks, len(md.size))
+        index = md.index()
+        assert not md.size or [index.dim, index.starts.tolist(), index.reach.tolist()] == \
+            [alone.dim, alone.starts.tolist(), alone.reach.tolist()]
+        for lo in range(max(md.size, default=1)):
+            box = tuple(min(lo, s - 1) for s in md.size), tuple(min(2, s) for s in md.size)
+            local = {fqn: BENCH.FakeShard(md.size, ChunkStorageMetadata(torch.Size(box[0]), torch.Size(box[1])))}
+            ours = _plan(NVMeLoadPlanner(**BENCH.FLAT), local, metadata)
+            assert _items(ours) == _items(_plan(DefaultLoadPlanner(**BENCH.FLAT), local, metadata))
+            for item in ours.items:
+                assert storage[item.storage_index].offsets == tuple(item.storage_index.offset)
 
 
 def _rows(k: int, file: str = "rank_00000.ab.safetensors", keys: str = "stored") -> list[ChunkRecord]:

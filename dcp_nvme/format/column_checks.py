@@ -68,9 +68,10 @@ class _Screen:
             except ManifestError:
                 itemsizes.append(0)
         pairs = len(cols.dtypes)
-        pair = cols.kind.astype(np.int64) * pairs + cols.dtype
+        wide = np.int64 if pairs * len(cols.kinds) >= 1 << 31 else np.int32  # only a forged table's are
+        pair = cols.kind.astype(wide) * pairs + cols.dtype
         pair_tensor = np.repeat([k == "tensor" for k in cols.kinds], pairs)
-        pair_size = np.tile(np.array(itemsizes, dtype=np.int64), len(cols.kinds))
+        pair_size = np.tile(np.array(itemsizes, dtype=np.int8), len(cols.kinds))  # at most 16 bytes
         pair_bytes_ok = np.repeat([k == "bytes" for k in cols.kinds], pairs) & \
             np.tile([d == "uint8" for d in cols.dtypes], len(cols.kinds))
         tensor = pair_tensor[pair]
@@ -80,9 +81,9 @@ class _Screen:
         self.suspect |= np.where(tensor, (itemsize == 0) | (no != ns) | (ns != ng) | (no > MAX_NDIM), bad_bytes)
         # bounds and lengths, on the tensor rows whose three lists agree (padding passes both)
         ok = tensor & ~self.suspect
-        rows = np.flatnonzero(ok)
-        if len(rows):
-            whole = len(rows) == n  # no gather: the grids are the rows
+        whole = bool(ok.all())  # no gather: the grids are the rows
+        rows = None if whole else np.flatnonzero(ok)
+        if whole or len(rows):
             off, size, shape = (g if whole else g[rows] for g in cols.grid)
             pick = (lambda a: a) if whole else (lambda a: a[rows])
             bad = ((off < 0) | (size < 0) | (size > shape) | (off > shape - size)).any(axis=1)
@@ -205,11 +206,11 @@ def _check_tilings(cols: ChunkColumns, screen: _Screen, where: str) -> None:
     order, first, counts = cols.groups(cols.fqn)
     codes = cols.fqn[order[first]]
     suspects = np.zeros(len(first), dtype=bool)
-    group_of = np.repeat(np.arange(len(first)), counts)  # position in ``order`` -> group
+    group_of = np.repeat(np.arange(len(first), dtype=np.int32), counts)  # position in ``order`` -> group
     # kind, dtype, dimensions and shape: every row as its tensor's first (a gather from a small
     # table per column, no pass in ``order``; padding is equal)
     first_row = order[first]
-    group = np.zeros(len(cols.fqns), dtype=np.int64)
+    group = np.zeros(len(cols.fqns), dtype=np.int32)
     group[codes] = np.arange(len(first))
     of_row = group[cols.fqn]
     differ = np.zeros(len(cols), dtype=bool)
@@ -244,30 +245,31 @@ def _check_tilings(cols: ChunkColumns, screen: _Screen, where: str) -> None:
 def _screen_overlaps(cols, screen, order, first, counts, group_of, suspects, is_bytes) -> None:
     """A tensor with more than one non-empty chunk is clear when, along some dimension, its
     chunks sorted by start each begin at or after the previous one's end (then no two meet);
-    else it is flagged for the exact sweep."""
-    live_pos = np.flatnonzero(screen.elements[order] > 0)
-    groups_live = np.bincount(group_of[live_pos], minlength=len(first))
+    else it is flagged for the exact sweep. One dimension's starts and sizes are gathered at a
+    time (FSDP's tensors all clear along the first)."""
+    live = (screen.elements > 0)[order]
+    groups_live = np.add.reduceat(live, first, dtype=np.int64) if len(first) else np.zeros(0, np.int64)
     multi = (groups_live > 1) & ~suspects & ~is_bytes
     if not multi.any():
         return
-    pos = live_pos[multi[group_of[live_pos]]]
-    rows = order[pos]
-    groups = group_of[pos]
-    off, size = cols.grid[0][rows], cols.grid[1][rows]
+    keep = live & multi[group_of]
+    pos = None if keep.all() else np.flatnonzero(keep)  # positions in ``order`` of the rows swept
+    rows = order if pos is None else order[pos]
+    groups = group_of if pos is None else group_of[pos]
+    del live, keep, pos
     present = np.zeros(len(first), dtype=bool)
     present[groups] = True
     clear = np.zeros(len(first), dtype=bool)
+    step = groups[1:] == groups[:-1]
     for d in range(cols.width):  # a padded dimension (offset 0, size 1) never clears a tensor
-        g, start = groups, off[:, d]
-        step = g[1:] == g[:-1]
-        if not (~step | (start[1:] >= start[:-1])).all():  # rank order is often sorted already
+        g, start, size = groups, cols.grid[0][rows, d], cols.grid[1][rows, d]
+        same = step
+        if not (~same | (start[1:] >= start[:-1])).all():  # rank order is often sorted already
             sort = np.lexsort((start, g))
-            g, start = g[sort], start[sort]
-            step = g[1:] == g[:-1]
-            end = start + size[sort, d]
-        else:
-            end = start + size[:, d]
-        meet = step & (start[1:] < end[:-1])
+            g, start, size = g[sort], start[sort], size[sort]
+            same = g[1:] == g[:-1]
+        end = start + size
+        meet = same & (start[1:] < end[:-1])
         touched = np.zeros(len(first), dtype=bool)
         touched[g[1:][meet]] = True
         clear |= ~touched

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ManifestError
-from .columns import ChunkColumns
+from .columns import ChunkColumns, no_keys
 
 MAGIC = b"DCPNVME-COLUMNS-1"
 ALIGN = 64
@@ -28,7 +28,7 @@ _TAIL = struct.Struct("<Q")
 
 _ARRAYS = ("fqn", "kind", "dtype", "file", "ndim0", "ndim1", "ndim2", "grid0", "grid1", "grid2",
            "byte_offset", "length")
-_DTYPES = {"fqn": "<i4", "kind": "<i4", "dtype": "<i4", "file": "<i4"}
+_DTYPES = {"fqn": "<i4", "kind": "<i4", "dtype": "<i4", "file": "<i4", "ndim0": "|i1", "ndim1": "|i1", "ndim2": "|i1"}
 _NAMES = ("fqns", "kinds", "dtypes", "files")
 MAX_FOOTER = 1 << 30
 
@@ -113,6 +113,6 @@ def decode(buffer: memoryview, source: dict[str, Any], what: str) -> ChunkColumn
     # keys: the default ones only (``storable``)
     return ChunkColumns(
         arrays["fqn"], names[0], arrays["kind"], names[1], arrays["dtype"], names[2], arrays["file"], names[3],
-        np.full(rows, -1, dtype=np.int64), pa.nulls(0, pa.string()),
+        no_keys(rows), pa.nulls(0, pa.string()),
         tuple(arrays[f"ndim{i}"] for i in range(3)),
         tuple(arrays[f"grid{i}"] for i in range(3)), ({}, {}, {}), arrays["byte_offset"], arrays["length"])

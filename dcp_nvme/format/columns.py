@@ -56,6 +56,12 @@ def _encoded(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     return as_numpy(encoded.indices, np.int32), encoded.dictionary.to_pylist()
 
 
+def no_keys(rows: int) -> np.ndarray:
+    """The ``key`` codes of rows that all have their default key: -1 each, in no memory (a
+    read-only view of one number)."""
+    return np.broadcast_to(np.int64(-1), (rows,))
+
+
 PAD = (0, 1, 1)
 """What fills ``ChunkColumns.grid`` past a row's own values: offset 0, size 1, shape 1, so the
 checks' products, bounds and overlap sweeps run on whole rows whatever their dimensions."""
@@ -66,21 +72,24 @@ def _lists(column: pa.ChunkedArray, pad: int, width: int) -> tuple[np.ndarray, n
     ``pad``, the values of rows longer than ``width``: only a damaged table has any). Each row
     group's chunk fills its rows of the grid: no combined copy of the column is made."""
     n = len(column)
-    lengths = np.zeros(n, dtype=np.int64)
+    lengths = np.zeros(n, dtype=np.int8)  # clamped: past MAX_NDIM a row's values are in ``longer``
     grid = np.full((n, width), pad, dtype=np.int64)
     longer: dict[int, tuple] = {}
     row0 = 0
     for array in column.chunks:
         size = len(array)
         bounds = as_numpy(array.offsets, np.int64)
-        lengths[row0:row0 + size] = counts = np.diff(bounds)
+        counts = np.diff(bounds)
+        lengths[row0:row0 + size] = np.minimum(counts, MAX_NDIM + 1)
         values = as_numpy(array.flatten(), np.int64)
         part = grid[row0:row0 + size]
         if len(values):
-            starts = bounds[:-1] - bounds[0]
             if width and (counts == width).all():
                 part[:] = values.reshape(size, width)
-            else:  # a column at a time: the rows that reach it
+            elif width and counts.max() <= width:  # the grid's row-major cells a row fills are its values
+                part[np.arange(width) < counts[:, None]] = values
+            else:  # a column at a time: the rows that reach it (and the longer ones kept aside)
+                starts = bounds[:-1] - bounds[0]
                 for j in range(width):
                     reach = np.flatnonzero(counts > j)
                     part[reach, j] = values[starts[reach] + j]
@@ -114,7 +123,8 @@ class ChunkColumns:
     A code of -1 is a row whose key is the default one (``default_item_key``): a table has
     either every key stored (format 1 and 2) or none (``from_table`` fills a mixed one in)."""
     ndim: tuple[np.ndarray, np.ndarray, np.ndarray]
-    """Lengths of chunk_offsets, chunk_sizes, global_shape per row (equal once checked)."""
+    """Lengths of chunk_offsets, chunk_sizes, global_shape per row (equal once checked), int8:
+    a length past ``MAX_NDIM`` reads as MAX_NDIM + 1 (the row is refused; ``longer`` has it)."""
     grid: tuple[np.ndarray, np.ndarray, np.ndarray]
     """chunk_offsets, chunk_sizes, global_shape as n x width arrays."""
     longer: tuple[dict[int, tuple], dict[int, tuple], dict[int, tuple]]
@@ -134,7 +144,7 @@ class ChunkColumns:
         width = min(max(_longest(a) for a in arrays), MAX_NDIM)
         lists = [_lists(a, pad, width) for a, pad in zip(arrays, PAD)]
         columns = cls(
-            fqn, fqns, kind, kinds, dtype, dtypes, file, files, np.full(len(fqn), -1, dtype=np.int64),
+            fqn, fqns, kind, kinds, dtype, dtypes, file, files, no_keys(len(fqn)),
             pa.nulls(0, pa.string()),  # (pa.array([]) imports pandas)
             tuple(n for n, _, _ in lists), tuple(g for _, g, _ in lists), tuple(x for _, _, x in lists),
             as_numpy(table.column("byte_offset"), np.int64), as_numpy(table.column("length"), np.int64),

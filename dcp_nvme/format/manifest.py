@@ -248,13 +248,14 @@ def metadata_over(cols: ChunkColumns) -> tuple[dict[str, Any], StorageView]:
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties
 
-    from .metadata_view import IndexedTensorMetadata, StorageView
+    from .metadata_view import IndexedTensorMetadata, StorageView, TensorSweeps
 
     state: dict[str, Any] = {}
     bytes_rows: dict[str, int] = {}
     if len(cols):
         order, first, counts = cols.groups(cols.fqn)
         firsts = order[first]
+        sweeps = TensorSweeps(cols, order, first, counts)  # found on the first tensor's index
         with gc_paused():
             for g in np.argsort(firsts, kind="stable").tolist():
                 row = int(firsts[g])
@@ -266,7 +267,7 @@ def metadata_over(cols: ChunkColumns) -> tuple[dict[str, Any], StorageView]:
                     rows = order[first[g]:first[g] + counts[g]]
                     state[fqn] = IndexedTensorMetadata(
                         TensorProperties(dtype=parse_dtype(cols.dtypes[cols.dtype[row]])),
-                        torch.Size(cols.list_of(2, row)), cols, rows)
+                        torch.Size(cols.list_of(2, row)), cols, rows, sweeps, g)
     return state, StorageView(cols, state, bytes_rows)
 
 

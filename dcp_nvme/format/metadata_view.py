@@ -25,26 +25,35 @@ from .tables import ChunkRecord
 
 
 class ChunkIndex:
-    """One tensor's saved chunks as arrays (``offsets``, ``sizes``: k x ndim), sorted by their
-    start along ``dim`` with the running maximum of their ends there, so the chunks meeting a
-    box are found by two binary searches and a filter of the few in between (pure)."""
+    """One tensor's saved chunks, sorted by their start along ``dim`` with the running maximum
+    of their ends there, so the chunks meeting a box are found by two binary searches and a
+    filter of the few in between (pure). The chunks' boxes are rows ``rows`` of two grids
+    (offsets, sizes: n x at least ``dims``), gathered only for the chunks a search finds: a rank
+    that loads one shard of each tensor copies a few numbers per tensor, not every chunk's."""
 
-    def __init__(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
-        self.offsets, self.sizes = offsets, sizes
-        count, dims = offsets.shape
-        self.dims = dims
-        if dims:
-            ends = offsets + sizes
-            self.dim = _most_cut(offsets) if count else 0
-            along = offsets[:, self.dim]
-            if count < 2 or (along[1:] >= along[:-1]).all():  # saved in rank order: sorted already
-                self.order = np.arange(count)
-            else:
-                self.order = np.argsort(along, kind="stable")
-            self.starts = along[self.order]
-            self.reach = np.maximum.accumulate(ends[self.order, self.dim]) if count else ends[:, 0]
+    def __init__(self, offsets: np.ndarray, sizes: np.ndarray, rows: np.ndarray | None = None,
+                 dims: int | None = None, sweep: tuple[int, np.ndarray, np.ndarray] | None = None) -> None:
+        self._grids, self._rows = (offsets, sizes), rows
+        self.count = len(offsets) if rows is None else len(rows)
+        self.dims = offsets.shape[1] if dims is None else dims
+        self._boxes: tuple[np.ndarray, np.ndarray] | None = None
+        self.order: np.ndarray | None = None
+        """Positions in start order; None when the chunk list is in start order already."""
+        if not self.dims:
+            self.dim = 0
+        elif sweep is not None:  # found for every tensor at once (``TensorSweeps``)
+            self.dim, self.starts, self.reach = sweep
         else:
-            self.dim, self.order = 0, np.arange(count)
+            offsets, sizes = self.box(None)
+            self.dim = _most_cut(offsets) if self.count else 0
+            along = offsets[:, self.dim]
+            if not (self.count < 2 or (along[1:] >= along[:-1]).all()):  # rank order often is sorted
+                self.order = np.argsort(along, kind="stable")
+                along = along[self.order]
+            ends = offsets[:, self.dim] + sizes[:, self.dim]
+            self.starts = along
+            self.reach = np.maximum.accumulate(ends if self.order is None else ends[self.order]) \
+                if self.count else ends
 
     @classmethod
     def from_chunks(cls, chunks: list[ChunkStorageMetadata], dims: int) -> ChunkIndex:
@@ -54,19 +63,52 @@ class ChunkIndex:
         return cls(np.array([tuple(c.offsets) for c in chunks], dtype=np.int64).reshape(len(chunks), dims),
                    np.array([tuple(c.sizes) for c in chunks], dtype=np.int64).reshape(len(chunks), dims))
 
+    def box(self, positions: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The offsets and sizes (len x dims) of the chunks at ``positions`` (None: all)."""
+        offsets, sizes = self._grids
+        if self._rows is None:
+            if positions is None:
+                return offsets[:, :self.dims], sizes[:, :self.dims]
+            return offsets[positions, :self.dims], sizes[positions, :self.dims]
+        rows = self._rows if positions is None else self._rows[positions]
+        return offsets[rows, :self.dims], sizes[rows, :self.dims]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Every chunk's offsets (count x dims)."""
+        return self._all()[0]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self._all()[1]
+
+    def _all(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._boxes is None:
+            self._boxes = self.box(None)
+        return self._boxes
+
+    def offsets_of(self, position: int) -> tuple[int, ...]:
+        return tuple(self.box(np.array([position]))[0][0].tolist()) if self.dims else ()
+
+    def sizes_of(self, position: int) -> tuple[int, ...]:
+        return tuple(self.box(np.array([position]))[1][0].tolist()) if self.dims else ()
+
+    def _positions(self, lo: int, hi: int) -> np.ndarray:
+        return np.arange(lo, hi) if self.order is None else self.order[lo:hi]
+
     def meeting(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> np.ndarray:
         """Positions (in the tensor's chunk list) of the saved chunks that overlap the box, in
         DCP's sense: on every dimension each starts before the other ends (so an empty saved
         chunk strictly inside the box counts, as it does for DefaultLoadPlanner)."""
         if not self.dims:
-            return self.order
+            return self._positions(0, self.count)
         lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
         last = int(np.searchsorted(self.starts, hi, side="left"))  # saved start < hi
         first = int(np.searchsorted(self.reach[:last], lo, side="right"))  # some end > lo from here
-        found = self.order[first:last]
+        found = self._positions(first, last)
         if not len(found):
             return found
-        off, size = self.offsets[found], self.sizes[found]
+        off, size = self.box(found)
         box_off = np.asarray(offsets, dtype=np.int64)
         box_end = box_off + np.asarray(sizes, dtype=np.int64)
         meets = ((box_off < off + size) & (off < box_end)).all(axis=1)
@@ -75,15 +117,59 @@ class ChunkIndex:
     def exact(self, offsets: tuple[int, ...]) -> int | None:
         """The position of the last chunk starting at ``offsets``, if any."""
         if not self.dims:
-            return int(self.order[-1]) if len(self.order) else None
+            return self.count - 1 if self.count else None
         lo = int(np.searchsorted(self.starts, offsets[self.dim], side="left"))
         hi = int(np.searchsorted(self.starts, offsets[self.dim], side="right"))
-        found = self.order[lo:hi]
+        found = self._positions(lo, hi)
         if not len(found):
             return None
-        same = (self.offsets[found] == np.asarray(offsets, dtype=np.int64)).all(axis=1)
+        same = (self.box(found)[0] == np.asarray(offsets, dtype=np.int64)).all(axis=1)
         hits = found[same]
         return int(hits.max()) if len(hits) else None
+
+
+class TensorSweeps:
+    """Every tensor's sweep (its cut dimension, starts and running ends there), found in a few
+    passes over the index columns the first time a tensor's index is asked for, instead of a
+    gather of every chunk's box per tensor. Given for a tensor cut along one dimension whose
+    rows are in start order with ends not falling (FSDP's, and row- or column-wise TP's); any
+    other tensor's ``ChunkIndex`` sorts its own."""
+
+    def __init__(self, cols: ChunkColumns, order: np.ndarray, first: np.ndarray, counts: np.ndarray) -> None:
+        self._cols, self._order, self._first, self._counts = cols, order, first, counts
+        self._found: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def of(self, group: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """(dim, starts, reach) of the tensor whose rows are ``order[first[group]:][:counts[group]]``."""
+        if self._found is None:
+            self._found = self._sweep()
+        dims, usable, starts, ends = self._found
+        if not usable[group]:
+            return None
+        at = slice(int(self._first[group]), int(self._first[group] + self._counts[group]))
+        return int(dims[group]), starts[at], ends[at]
+
+    def _sweep(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        cols, order, first = self._cols, self._order, self._first
+        groups = len(first)
+        dims = np.zeros(groups, dtype=np.int64)
+        if not cols.width or not len(order):
+            return dims, np.zeros(groups, dtype=bool), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        offsets, sizes = cols.grid[0], cols.grid[1]
+        cut = np.zeros(groups, dtype=np.int64)  # dimensions along which a tensor's starts differ
+        for d in range(cols.width):  # a padded dimension (offset 0) is never cut
+            along = offsets[order, d]
+            varies = np.maximum.reduceat(along, first) != np.minimum.reduceat(along, first)
+            dims[varies & (cut == 0)] = d
+            cut += varies
+        group_of = np.repeat(np.arange(groups), self._counts)
+        dim_of = dims[group_of]
+        starts = offsets[order, dim_of]
+        ends = starts + sizes[order, dim_of]
+        usable = cut <= 1
+        same = group_of[1:] == group_of[:-1]
+        usable[group_of[1:][same & ((starts[1:] < starts[:-1]) | (ends[1:] < ends[:-1]))]] = False
+        return dims, usable, starts, ends
 
 
 def _most_cut(offsets: np.ndarray) -> int:
@@ -99,11 +185,12 @@ class IndexedTensorMetadata(TensorStorageMetadata):
     """A TensorStorageMetadata whose ``chunks`` are made from the index columns on first use."""
 
     def __init__(self, properties: TensorProperties, size: torch.Size, columns: ChunkColumns,
-                 rows: np.ndarray) -> None:
+                 rows: np.ndarray, sweeps: TensorSweeps | None = None, group: int = 0) -> None:
         self.properties = properties
         self.size = size
         self._columns = columns
         self._rows = rows
+        self._sweeps, self._group = sweeps, group
         self._chunks: list[ChunkStorageMetadata] | None = None
         self._index: ChunkIndex | None = None
 
@@ -126,9 +213,8 @@ class IndexedTensorMetadata(TensorStorageMetadata):
             if self._chunks is not None:
                 self._index = ChunkIndex.from_chunks(self._chunks, len(self.size))
             else:
-                dims = len(self.size)
-                self._index = ChunkIndex(self._columns.matrix(0, self._rows, dims),
-                                         self._columns.matrix(1, self._rows, dims))
+                sweep = self._sweeps.of(self._group) if self._sweeps is not None else None
+                self._index = ChunkIndex(*self._columns.grid[:2], self._rows, len(self.size), sweep)
         return self._index
 
     def row(self, position: int) -> int:
@@ -160,8 +246,7 @@ class StorageView(Mapping):
         offsets = tuple(key.offset)
         hint = key.index
         if isinstance(hint, int) and 0 <= hint < len(entry._rows):
-            index = entry.index()
-            if tuple(index.offsets[hint].tolist()) == offsets:
+            if entry.index().offsets_of(hint) == offsets:
                 return entry.row(hint)
         if len(offsets) != len(entry.size):
             return None

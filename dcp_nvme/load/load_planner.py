@@ -94,14 +94,14 @@ class NVMeLoadPlanner(DefaultLoadPlanner):
             raise ValueError(f"Invalid checkpoint metadata for {fqn}, "
                              f"expected BytesStorageMetadata but found {type(md)}") from ex
         index = self._index(md)
-        if not local_chunks or not len(index.order):
+        if not local_chunks or not index.count:
             return []
         items = []
         for local_idx, local in enumerate(local_chunks):
             l_off, l_size = tuple(local.offsets), tuple(local.sizes)
-            for position in index.meeting(l_off, l_size).tolist():
-                s_off = tuple(index.offsets[position].tolist()) if index.dims else ()
-                s_size = tuple(index.sizes[position].tolist()) if index.dims else ()
+            positions = index.meeting(l_off, l_size)
+            offsets, sizes = (b.tolist() for b in index.box(positions)) if index.dims else ([()] * len(positions),) * 2
+            for position, s_off, s_size in zip(positions.tolist(), offsets, sizes):
                 storage_offsets, dest_offsets, lengths = [], [], []
                 for lo_l, n_l, lo_s, n_s in zip(l_off, l_size, s_off, s_size):
                     lo = max(lo_l, lo_s)
