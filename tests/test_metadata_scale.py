@@ -72,6 +72,23 @@ def test_bench_runs_at_small_n_and_writes_json(tmp_path):
         assert point["nvme_planner_items"] >= tensors
         assert point["stock_bytes"] > point["index_bytes"] > 0 and point["commit_s"] > 0
     assert doc["fitted"]["commit_cpu_s"] > 0
+    assert doc["config"]["backed_memory_gib"] == 0 and doc["config"]["first_touch_s_per_gib"]["fresh"] > 0
+
+
+def test_bench_backs_memory_before_each_step_when_asked(tmp_path, monkeypatch):
+    """--backed-memory: a throw-away process touches that much before every measured step (a
+    real save step here), the calibration is a real first touch; a negative amount is refused."""
+    BENCH.back_memory(0.01)  # a real process touching 10 MiB
+    assert BENCH.first_touch_s_per_gib(4) > 0
+    touched = []
+    monkeypatch.setattr(BENCH, "back_memory", touched.append)
+    monkeypatch.setattr(BENCH, "BACKED_GIB", 0.25)
+    directory = tmp_path / "w2"
+    directory.mkdir()
+    point = BENCH.run_child("save", 2, 1, str(directory), 0)
+    assert touched == [0.25] and point["rows"] == 2 * len(BENCH.Model(layers=1).tensors())
+    with pytest.raises(SystemExit, match="backed-memory"):
+        BENCH.main(["--ranks", "2", "--backed-memory", "-1"])
 
 
 def test_read_metadata_stats_no_data_file_and_plans_as_the_default(tmp_path, monkeypatch):

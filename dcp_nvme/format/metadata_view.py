@@ -90,9 +90,6 @@ class ChunkIndex:
     def offsets_of(self, position: int) -> tuple[int, ...]:
         return tuple(self.box(np.array([position]))[0][0].tolist()) if self.dims else ()
 
-    def sizes_of(self, position: int) -> tuple[int, ...]:
-        return tuple(self.box(np.array([position]))[1][0].tolist()) if self.dims else ()
-
     def _positions(self, lo: int, hi: int) -> np.ndarray:
         return np.arange(lo, hi) if self.order is None else self.order[lo:hi]
 
