@@ -72,7 +72,7 @@ def _lists(column: pa.ChunkedArray, pad: int, width: int) -> tuple[np.ndarray, n
     ``pad``, the values of rows longer than ``width``: only a damaged table has any). Each row
     group's chunk fills its rows of the grid: no combined copy of the column is made."""
     n = len(column)
-    lengths = np.zeros(n, dtype=np.int8)  # clamped: past MAX_NDIM a row's values are in ``longer``
+    lengths = np.zeros(n, dtype=np.int8)  # clamped to MAX_NDIM + 1 (65): past it a row's values are in ``longer``
     grid = np.full((n, width), pad, dtype=np.int64)
     longer: dict[int, tuple] = {}
     row0 = 0
