@@ -28,6 +28,7 @@ config records a GiB's first touch in a fresh process, and after the backing whe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -309,10 +310,6 @@ def child_stock(args) -> dict:
     return out
 
 
-BACKED_GIB = 0.0
-"""``--backed-memory``: GiB touched by a throw-away process before each measured one."""
-
-
 def back_memory(gib: float) -> None:
     """Touch ``gib`` GiB in a process of its own, then free it. On a VM whose host backs guest
     memory lazily (and takes free pages back), a fresh process's first touch of a page is a trip
@@ -332,8 +329,9 @@ def first_touch_s_per_gib(mib: int = 256) -> float:
     return float(done.stdout.strip()) * 1024 / mib
 
 
-def run_child(mode: str, world: int, layers: int, directory: str, rank: int) -> dict:
-    back_memory(BACKED_GIB)
+def run_child(mode: str, world: int, layers: int, directory: str, rank: int, backed_gib: float = 0.0) -> dict:
+    """A step in a fresh process, after ``back_memory(backed_gib)`` (``--backed-memory``)."""
+    back_memory(backed_gib)
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -361,7 +359,7 @@ def measure(world: int, layers: int, work: str, run=None) -> dict:
         point.update(run("save", world, layers, directory, 0))
         rank = world // 2  # a middle rank: its shards are inside every tensor
         point.update(run("load", world, layers, directory, rank))
-        if run is run_child:  # a node's two ranks, one after the other: one decodes, one maps
+        if run is not run_here:  # a node's two ranks, one after the other: one decodes, one maps
             first, second = run("node", world, layers, directory, rank), run("node", world, layers, directory, rank)
             point.update({"node_first_read_metadata_cpu_s": first["cpu_s"], "node_first_pss_mib": first["pss_mib"],
                           "node_other_read_metadata_s": second["s"],
@@ -448,8 +446,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--backed-memory must be >= 0")
     import torch
 
-    global BACKED_GIB
-    BACKED_GIB = args.backed_memory
     touch = {"fresh": round(first_touch_s_per_gib(), 4)}
     if args.backed_memory > 0:
         back_memory(args.backed_memory)
@@ -463,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     try:
         for world in counts:
-            point = measure(world, args.layers, work, run_here if args.in_process else None)
+            point = measure(world, args.layers, work, run_here if args.in_process else
+                            functools.partial(run_child, backed_gib=args.backed_memory))
             points.append(point)
             print(f"{world:>6} ranks {point['rows']:>9} rows | commit {point['commit_s']:7.2f} s "
                   f"(cpu {point['commit_cpu_s']:.2f} s, {point['commit_peak_mib']:6.0f} MiB; each rank encodes its rows "

@@ -82,10 +82,9 @@ def test_bench_backs_memory_before_each_step_when_asked(tmp_path, monkeypatch):
     assert BENCH.first_touch_s_per_gib(4) > 0
     touched = []
     monkeypatch.setattr(BENCH, "back_memory", touched.append)
-    monkeypatch.setattr(BENCH, "BACKED_GIB", 0.25)
     directory = tmp_path / "w2"
     directory.mkdir()
-    point = BENCH.run_child("save", 2, 1, str(directory), 0)
+    point = BENCH.run_child("save", 2, 1, str(directory), 0, backed_gib=0.25)
     assert touched == [0.25] and point["rows"] == 2 * len(BENCH.Model(layers=1).tensors())
     with pytest.raises(SystemExit, match="backed-memory"):
         BENCH.main(["--ranks", "2", "--backed-memory", "-1"])

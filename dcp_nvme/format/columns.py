@@ -197,11 +197,6 @@ class ChunkColumns:
         with gc_paused():
             return [self.record(int(r)) for r in (range(len(self)) if rows is None else rows)]
 
-    def matrix(self, which: int, rows: np.ndarray, dims: int) -> np.ndarray:
-        """The list values of ``rows`` (rows of ``dims`` values, ``dims`` <= width) as a rows x
-        dims array."""
-        return self.grid[which][rows, :dims]
-
     def groups(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows ordered by ``codes`` (stable: row order within a code), and for each code
         present its first position in that order and its rows' count. Made once per column
