@@ -99,6 +99,10 @@ def test_a_node_dying_mid_save_leaves_the_previous_step_newest_everywhere(cluste
     results, records = _records(cluster, "save", {"STEPS": "2"}, env_per_node={1: {"CRASH_AT_STEP": "2"}},
                                 ranks_per_node=1)
     assert not all(r.ok for r in results), describe(results)
+    # the surviving node's save raised (no hang): its rank reported the failure and exited
+    assert [r["rank"] for r in records] == [0] and records[0]["error"], describe(results)
+    assert results[0].killed is None, describe(results)
+    print("survivor's error:", records[0]["error"])
     for node in (0, 1):
         code = f"import dcp_nvme; print(dcp_nvme.latest('{cluster.mount}/run1'))"
         found = cluster.on_node(node, [sys.executable, "-c", code], check=True)

@@ -100,3 +100,6 @@ except BaseException as exc:  # noqa: BLE001
     record["error"] = f"{type(exc).__name__}: {str(exc).strip()[-600:]}"
 report(record)
 dist.destroy_process_group()
+# a failed rank exits non-zero: its torchrun ends the node at once instead of waiting in the
+# exit barrier (minutes) for agents of nodes that died
+sys.exit(1 if "error" in record else 0)
