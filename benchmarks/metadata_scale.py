@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 CRC_BLOCK = 256 << 10
@@ -349,8 +350,9 @@ def run_here(mode: str, world: int, layers: int, directory: str, rank: int) -> d
     return {"save": child_save, "load": child_load, "stock": child_stock}[mode](args)
 
 
-def measure(world: int, layers: int, work: str, run=None) -> dict:
-    run = run or run_child
+def measure(world: int, layers: int, work: str, run: Callable[..., dict]) -> dict:
+    """One N: the save, a middle rank's load, a node's two ranks (out of process only) and stock
+    DCP's load, each a step by ``run`` (``run_here`` or ``run_child``)."""
     directory = os.path.join(work, f"ckpt_{world}")
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)

@@ -56,7 +56,8 @@ def adopt_caller(environ: dict[str, str], cwd: str) -> None:
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple,
            caller: tuple[CallerStdio, dict[str, str], str]) -> None:
-    adopt_caller(*caller[1:])
+    _stdio_adopted_on_unpickling, environ, cwd = caller
+    adopt_caller(environ, cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
