@@ -40,7 +40,7 @@ from dcp_nvme.bench.compression import (
     measure_group,
     train_snapshots,
 )
-from dcp_nvme.format import codec
+from dcp_nvme.tiers import codec
 
 
 def parse_gaps(text: str, steps: int) -> list[int]:

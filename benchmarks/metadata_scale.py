@@ -131,7 +131,7 @@ def synthesize(model: Model, world: int, directory: str):
     from dcp_nvme.format import tables
     from dcp_nvme.format.names import data_file_name
     from dcp_nvme.format.tables import ChunkRecord, FileRecord, StoredItem
-    from dcp_nvme.save.topology import NodeTag
+    from dcp_nvme.save.nodes import NodeTag
 
     rows_blob = getattr(tables, "rows_blob", None)  # a dcp_nvme whose ranks encode their rows
 

@@ -39,13 +39,13 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from dcp_nvme import NVMeReader, NVMeWriter  # noqa: E402
 from dcp_nvme.config import parse_size  # noqa: E402
 from dcp_nvme.format.manifest import read_manifest, seal  # noqa: E402
-from dcp_nvme.load import sources  # noqa: E402
 from dcp_nvme.observe.machine import evict_from_page_cache  # noqa: E402
+from dcp_nvme.peers import sources
+from dcp_nvme.peers.client import PeerSource
+from dcp_nvme.peers.replicate import pull_replica
+from dcp_nvme.peers.server import PeerServer
 from dcp_nvme.storage.local_dir import LocalStore  # noqa: E402
-from dcp_nvme.storage.peer_client import PeerSource  # noqa: E402
-from dcp_nvme.storage.peer_server import PeerServer  # noqa: E402
 from dcp_nvme.tiers import DrainOptions, drain  # noqa: E402
-from dcp_nvme.tiers.replicate import pull_replica  # noqa: E402
 
 GIB = 1 << 30
 

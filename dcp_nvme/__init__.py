@@ -6,8 +6,9 @@
     dcp.load(state_dict, storage_reader=NVMeReader("/nvme/run1/step_1000"))
 """
 
-from .config import IOConfig
-from .errors import (
+from dcp_nvme import seams
+from dcp_nvme.config import IOConfig
+from dcp_nvme.errors import (
     BenchError,
     BucketMissingError,
     CheckpointExistsError,
@@ -33,8 +34,8 @@ from .errors import (
     UnsafeItemError,
     UnsupportedItemError,
 )
-from .lazy_imports import lazy_names
-from .storage.run_dir import CheckpointDir, checkpoints, latest
+from dcp_nvme.lazy_imports import lazy_names
+from dcp_nvme.storage.run_dir import CheckpointDir, checkpoints, latest
 
 # The torch-backed classes load on first use, so that `dcp-nvme --help` and tools that only need
 # the light modules start without importing torch.
@@ -43,6 +44,13 @@ _LAZY = {"NVMeAsyncSaver": ".save.async_saver", "NVMeLoadPlanner": ".load.load_p
 
 
 __getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)
+
+# The optional systems, plugged into the core's seams by name: imported at their first use only.
+seams.drain.plug("dcp_nvme.tiers:submit_mirror")
+seams.replicate.plug("dcp_nvme.peers.replicate:start_replication")
+seams.restore_sources.plug("dcp_nvme.peers.sources:restore_sources")
+seams.coded_engine.plug("dcp_nvme.tiers.coded:coded_engine")
+seams.decoded_store.plug("dcp_nvme.tiers.coded:decoded_store")
 
 
 __all__ = [

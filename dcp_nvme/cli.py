@@ -15,8 +15,8 @@ import logging
 import os
 import sys
 
-from . import __version__
-from .errors import DCPNVMeError
+from dcp_nvme import __version__
+from dcp_nvme.errors import DCPNVMeError
 
 DESCRIPTION = "Save, check and move PyTorch distributed checkpoints written by dcp_nvme."
 

@@ -10,6 +10,7 @@ O_DIRECT on.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import logging
 import os
@@ -20,8 +21,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidInputError, MissingDependencyError, UnknownOptionError
-from .humanize import format_size
+from dcp_nvme.errors import InvalidInputError, MissingDependencyError, UnknownOptionError
+from dcp_nvme.humanize import format_size
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ ENGINES = ("auto", "posix", "kvikio", "uring")
 READ_MODES = ("auto", "direct", "buffered")
 HOST_ENGINES = ("posix", "uring")
 NODE_WRITE_ORDERS = ("together", "staggered")
+COMPRESS_MODES = ("off", "auto", "bytegroup", "delta")
+"""How the drain sends to a mirror (``tiers.compress``); the local checkpoint is always plain."""
 """How a node's ranks share the drive: all at once (each with its share of the node budget) or
 one at a time (each with the whole budget, in turns); ``dcp-nvme tune --ranks`` measures both."""
 """What ``engine="auto"`` runs when there are no device tensors (``dcp-nvme tune`` measures both)."""
@@ -421,16 +424,28 @@ def option_or_env(name: str, value: Any, default: Any) -> Any:
     return check_option(name, raw, f"environment variable {env_name}")
 
 
-def node_identity(environ: dict[str, str] | None = None) -> str:
-    """This node's name: torchrun's ``GROUP_RANK`` when set (checked: a node rank), else the host name."""
-    import socket
+# --------------------------------------------------------------------------- stock options
+# What a FileSystemWriter/FileSystemReader argument means on our classes: shared by save/ and load/.
 
-    env = os.environ if environ is None else environ
-    raw = env.get("GROUP_RANK", "").strip()
-    if not raw:
-        return socket.gethostname()
-    if not raw.isdigit() or len(raw) > 9:
-        raise InvalidInputError(f"environment variable GROUP_RANK={raw!r}: expected a node rank (a "
-                                "non-negative integer, as torchrun sets it); unset it to identify "
-                                "nodes by host name")
-    return str(int(raw))
+def options_of(cls: type) -> list[str]:
+    """The keyword options of ``cls(...)``, as its signature names them."""
+    return [p.name for p in inspect.signature(cls.__init__).parameters.values()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "path")]
+
+
+def refuse_positional(cls: type, stock: str, names: tuple[str, ...], args: tuple[Any, ...]) -> None:
+    """Options after the path are keyword-only: a stock positional call names what it meant."""
+    if args:
+        meant = ", ".join(f"{n}={v!r}" for n, v in zip(names, args)) or repr(args)
+        raise UnknownOptionError(
+            f"{cls.__name__} takes only the path positionally, got {len(args)} more argument(s) "
+            f"({stock}'s positional order reads them as {meant}); pass options by keyword, e.g. "
+            f"{cls.__name__}(path, overwrite=True)")
+
+
+def unknown_option(cls: type, name: str, value: Any) -> UnknownOptionError:
+    guess = closest(name, options_of(cls))
+    hint = f"did you mean {guess}? " if guess else ""
+    return UnknownOptionError(f"{cls.__name__} has no option {name}={value!r}; {hint}its options are "
+                              f"{', '.join(options_of(cls))}")
+

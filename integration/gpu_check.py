@@ -128,8 +128,8 @@ def main() -> int:
     from dcp_nvme.engines import kvikio_unavailable_reason, shared_engine
     from dcp_nvme.engines.kvikio import KvikioEngine
     from dcp_nvme.engines.posix import PosixEngine
-    from dcp_nvme.format.checksums import device_crc32c
-    from dcp_nvme.format.placement import ItemSpec, plan_container
+    from dcp_nvme.format.container import ItemSpec, plan_container
+    from dcp_nvme.format.device_checksums import device_crc32c
     from dcp_nvme.load.planning import FileBlocks, Need, plan_reads
 
     work = Path(args.dir).resolve()

@@ -1,4 +1,4 @@
-"""A drain in its own process that SIGKILLs itself at an exact point (tests/test_drain_*.py).
+"""A drain in its own process that SIGKILLs itself at an exact point (tests/tiers/test_drain_*.py).
 
     python drain_child.py LOCAL TARGET PART_SIZE POINT NTH [STORAGE_OPTIONS_JSON]
 

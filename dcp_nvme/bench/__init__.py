@@ -24,14 +24,14 @@ first, so imports and one-time set-up stay out of the rows.
 # resharded load's planner), records (options and rows), targets (ratios and targets), report (the
 # printed table), plot (the chart). The docstring above is the command's --help description.
 
-from .cli import register
-from .device import fio_sequential, fio_version
-from .group import Group
-from .records import BenchOptions, Row, Skip
-from .report import format_report
-from .reshard import RESHARD_SPLIT, reshard_rows
-from .runner import Bench, run_bench
-from .targets import TARGETS, check_targets, compute_ratios
+from dcp_nvme.bench.cli import register
+from dcp_nvme.bench.device import fio_sequential, fio_version
+from dcp_nvme.bench.group import Group
+from dcp_nvme.bench.records import BenchOptions, Row, Skip
+from dcp_nvme.bench.report import format_report
+from dcp_nvme.bench.reshard import RESHARD_SPLIT, reshard_rows
+from dcp_nvme.bench.runner import Bench, run_bench
+from dcp_nvme.bench.targets import TARGETS, check_targets, compute_ratios
 
 __all__ = [
     "RESHARD_SPLIT", "TARGETS", "Bench", "BenchOptions", "Group", "Row", "Skip", "check_targets",

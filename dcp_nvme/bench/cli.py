@@ -6,12 +6,12 @@ import argparse
 import importlib.util
 import json
 
-from ..config import parse_size
-from ..errors import BenchError
-from .plot import plot
-from .records import BenchOptions
-from .report import format_report
-from .runner import run_bench
+from dcp_nvme.bench.plot import plot
+from dcp_nvme.bench.records import BenchOptions
+from dcp_nvme.bench.report import format_report
+from dcp_nvme.bench.runner import run_bench
+from dcp_nvme.config import parse_size
+from dcp_nvme.errors import BenchError
 
 BENCH_DESCRIPTION = """\
 Measure dcp_nvme beside the device limit and the usual ways to save, in one run.
@@ -129,8 +129,8 @@ def _level(text: str) -> int:
 
 
 def _compress(args: argparse.Namespace) -> int:
-    from ..format.codec import DEFAULT_LEVEL
-    from .compression import CompressOptions, dump, format_compress_report, run_compress_bench
+    from dcp_nvme.bench.compression import CompressOptions, dump, format_compress_report, run_compress_bench
+    from dcp_nvme.tiers.codec import DEFAULT_LEVEL
 
     options = CompressOptions(
         steps=args.train_steps, gap=args.gap, dim=args.model_dim, layers=args.layers,

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import zstandard
 
-from ..errors import InvalidInputError
-from ..format import codec
+from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.tiers import codec
 
 GROUPS = ("weights_bf16", "exp_avg_fp32", "exp_avg_sq_fp32")
 
@@ -204,7 +204,7 @@ def drain_rows(snapshots: dict[str, dict[str, torch.Tensor]], options: CompressO
     delta against the earlier one under the cap; load the coded mirrors back."""
     import shutil
 
-    from ..tiers import DrainOptions, drain
+    from dcp_nvme.tiers import DrainOptions, drain
 
     root = tempfile.mkdtemp(prefix="dcp-nvme-zbench-", dir=options.directory)
     server = None
@@ -246,7 +246,7 @@ def _save_pair(snapshots: dict[str, dict[str, torch.Tensor]], run_dir: str) -> t
     that with fresh tensors at every save)."""
     import torch.distributed.checkpoint as dcp
 
-    from ..save.writer import NVMeWriter
+    from dcp_nvme.save.writer import NVMeWriter
 
     live = {k: v.clone() for k, v in snapshots["early"].items()}
     paths = []
@@ -264,7 +264,7 @@ def load_row(where: str, storage: dict[str, Any] | None, state: dict[str, torch.
     and whether every byte came back."""
     import torch.distributed.checkpoint as dcp
 
-    from ..load.reader import NVMeReader
+    from dcp_nvme.load.reader import NVMeReader
 
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     reader = NVMeReader(where, storage_options=storage)

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from ..config import resolve_config
-from ..engines.buffers import tensor_bytes
-from ..errors import BenchError
-from ..observe.machine import cached_fraction, evict_from_page_cache, files_under
-from ..save.node_budget import budgeted
-from .group import Group
-from .records import BenchOptions, Row, Skip
-from .synthetic import ModelSpec, build_state, llama_spec
+from dcp_nvme.bench.group import Group
+from dcp_nvme.bench.records import BenchOptions, Row, Skip
+from dcp_nvme.bench.synthetic import ModelSpec, build_state, llama_spec
+from dcp_nvme.config import resolve_config
+from dcp_nvme.engines.buffers import tensor_bytes
+from dcp_nvme.errors import BenchError
+from dcp_nvme.observe.machine import cached_fraction, evict_from_page_cache, files_under
+from dcp_nvme.save.nodes import budgeted
 
 
 class BenchCore:

@@ -8,9 +8,9 @@ import resource
 import time
 from typing import Any
 
-from ..engines.uring import uring_unavailable_reason
-from .core import BenchCore
-from .records import Row, Skip
+from dcp_nvme.bench.core import BenchCore
+from dcp_nvme.bench.records import Row, Skip
+from dcp_nvme.engines.uring import uring_unavailable_reason
 
 ENGINES = (("threads", "posix"), ("uring", "uring"))
 
@@ -38,8 +38,8 @@ class DataPathRows(BenchCore):
 
     def engines_cpu(self) -> None:
         """Sync save and cold load with each host engine, CPU seconds per GB beside GB/s."""
-        from ..load.reader import NVMeReader
-        from ..save.writer import NVMeWriter
+        from dcp_nvme.load.reader import NVMeReader
+        from dcp_nvme.save.writer import NVMeWriter
 
         dcp, no_dist = self._dcp(), not self.group.is_dist
         reason = uring_unavailable_reason()
@@ -72,8 +72,8 @@ class DataPathRows(BenchCore):
         buffers, its ring) is created once per process and configuration, not in a timed row."""
         import torch
 
-        from ..load.reader import NVMeReader
-        from ..save.writer import NVMeWriter
+        from dcp_nvme.load.reader import NVMeReader
+        from dcp_nvme.save.writer import NVMeWriter
 
         dcp, path = self._dcp(), self._fresh("engine_warm")
         mine = f"{path}/rank{self.group.rank}"  # every rank warms its own process's engine
@@ -84,7 +84,7 @@ class DataPathRows(BenchCore):
 
     def read_modes(self) -> None:
         """Cold loads of the kept dcp_nvme checkpoint with O_DIRECT and with buffered readahead."""
-        from ..load.reader import NVMeReader
+        from dcp_nvme.load.reader import NVMeReader
 
         path = self.kept.get("dcp_nvme")
         if path is None:
@@ -120,8 +120,8 @@ class DataPathRows(BenchCore):
         memory costs in blocking time (the head of the state is written while training waits)."""
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-        from ..save.stager import NVMeStager
-        from ..save.writer import NVMeWriter
+        from dcp_nvme.save.stager import NVMeStager
+        from dcp_nvme.save.writer import NVMeWriter
 
         blocking = self.add(Row("dcp_nvme.async.half.blocking",
                                 "dcp_nvme async save, max_bytes=half: blocking", "write", "ours"))

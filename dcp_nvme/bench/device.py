@@ -9,9 +9,9 @@ import subprocess
 import uuid
 from typing import Any
 
-from ..config import IOConfig
-from ..errors import BenchError
-from ..observe.machine import evict_from_page_cache, files_under
+from dcp_nvme.config import IOConfig
+from dcp_nvme.errors import BenchError
+from dcp_nvme.observe.machine import evict_from_page_cache, files_under
 
 
 def fio_version() -> str | None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..observe.blockdev import check_queues, format_device
-from ..observe.drive_health import DriveWatch, format_drive
-from ..observe.telemetry import format_summary, layer_summary
-from .core import BenchCore
-from .records import Row, Skip
+from dcp_nvme.bench.core import BenchCore
+from dcp_nvme.bench.records import Row, Skip
+from dcp_nvme.observe.blockdev import check_queues, format_device
+from dcp_nvme.observe.drive_health import DriveWatch, format_drive
+from dcp_nvme.save.results import format_summary, layer_summary
 
 LAYER_TARGETS = (
     # (name, ratio key, threshold), checked when a node budget is set over 2+ ranks; the report
@@ -47,7 +47,7 @@ class LayerRows(BenchCore):
 
     def _writer_saves(self, row: Row, kind: str, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
         """The row's repeated sync saves through NVMeWriter(**kwargs); this rank's stats of each."""
-        from ..save.writer import NVMeWriter
+        from dcp_nvme.save.writer import NVMeWriter
 
         dcp = self._dcp()
 
@@ -113,7 +113,7 @@ def format_layers(layers: dict[str, Any] | None) -> list[str]:
     if layers.get("staggered_vs_together") is not None:
         lines.append(f"  write order: {layers.get('node_write_order')}; staggered / together = "
                      f"{layers['staggered_vs_together']:.2f} (same run; `dcp-nvme tune --ranks N` stores the faster)")
-    from ..observe.blockdev import BlockDevice, DiskQueue
+    from dcp_nvme.observe.blockdev import BlockDevice, DiskQueue
 
     device = layers["block_layer"]["device"]
     if device is not None:

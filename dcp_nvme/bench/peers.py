@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from .core import BenchCore
-from .records import Row, Skip
+from dcp_nvme.bench.core import BenchCore
+from dcp_nvme.bench.records import Row, Skip
 
 FS_THREAD_COUNTS = (1, 2, 4, 8)
 

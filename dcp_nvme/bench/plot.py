@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..humanize import format_size
+from dcp_nvme.humanize import format_size
 
 
 def plot(doc: dict[str, Any], path: str) -> None:

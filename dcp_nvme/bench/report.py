@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..humanize import format_size
+from dcp_nvme.humanize import format_size
 
 
 def _x(value: float | None) -> str:
@@ -61,13 +61,13 @@ def format_report(doc: dict[str, Any]) -> str:
         row = by_key.get(key)
         if row and not row["skipped"] and row["extra"].get("requests"):
             lines.append(f"dcp_nvme {name} internals: " + _internals(row["extra"], io))
-    from .layers import format_layers
+    from dcp_nvme.bench.layers import format_layers
 
     layer_lines = format_layers(doc.get("layers"))
     if layer_lines:
         lines += layer_lines
     lines.append("")
-    from .targets import RATIO_LABELS
+    from dcp_nvme.bench.targets import RATIO_LABELS
 
     lines.append("RATIOS (this run)")
     for key, label in RATIO_LABELS.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .synthetic import shard_rows
+from dcp_nvme.bench.synthetic import shard_rows
 
 RESHARD_SPLIT = 4
 """The resharded load needs 1/RESHARD_SPLIT of every saved chunk (see ``reshard_rows``)."""

@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 
-from ..engines.buffers import aligned_buffer, tensor_bytes
-from ..errors import BenchError
-from ..humanize import format_size
-from ..observe.machine import evict_from_page_cache, files_under
-from ..tune.probe import engine_probe
-from .core import BenchCore, same_state
-from .device import fio_sequential, fio_version
-from .peers import safetensors_load_eager, save_torch
-from .records import Row, Skip
-from .reshard import RESHARD_SPLIT, rchar, reshard_rows, row_block_planner
-from .synthetic import build_state, llama_spec
+from dcp_nvme.bench.core import BenchCore, same_state
+from dcp_nvme.bench.device import fio_sequential, fio_version
+from dcp_nvme.bench.peers import safetensors_load_eager, save_torch
+from dcp_nvme.bench.records import Row, Skip
+from dcp_nvme.bench.reshard import RESHARD_SPLIT, rchar, reshard_rows, row_block_planner
+from dcp_nvme.bench.synthetic import build_state, llama_spec
+from dcp_nvme.engines.buffers import aligned_buffer, tensor_bytes
+from dcp_nvme.errors import BenchError
+from dcp_nvme.humanize import format_size
+from dcp_nvme.observe.machine import evict_from_page_cache, files_under
+from dcp_nvme.tune.probe import engine_probe
 
 
 class OursRows(BenchCore):
@@ -33,8 +33,8 @@ class OursRows(BenchCore):
         so the rows compare data paths. Their seconds are kept in the results as ``warmup``."""
         from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-        from ..load.reader import NVMeReader
-        from ..save.writer import NVMeWriter
+        from dcp_nvme.load.reader import NVMeReader
+        from dcp_nvme.save.writer import NVMeWriter
 
         dcp, no_dist = self._dcp(), not self.group.is_dist
         spec = llama_spec(1 << 20)
@@ -138,7 +138,7 @@ class OursRows(BenchCore):
             self._drop(path)
 
     def ours_save(self) -> None:
-        from ..save.writer import NVMeWriter
+        from dcp_nvme.save.writer import NVMeWriter
 
         row = self.add(Row("dcp_nvme.save", "dcp_nvme save (sync)", "write", "ours"))
         dcp = self._dcp()
@@ -157,8 +157,8 @@ class OursRows(BenchCore):
         total = self.add(Row("dcp_nvme.async.total", "dcp_nvme async save: total", "write", "ours"))
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-        from ..save.stager import NVMeStager
-        from ..save.writer import NVMeWriter
+        from dcp_nvme.save.stager import NVMeStager
+        from dcp_nvme.save.writer import NVMeWriter
 
         dcp = self._dcp()
         stager = NVMeStager()
@@ -196,7 +196,7 @@ class OursRows(BenchCore):
         total.note = "until the checkpoint is committed"
 
     def ours_load(self) -> None:
-        from ..load.reader import NVMeReader
+        from dcp_nvme.load.reader import NVMeReader
 
         row = self.add(Row("dcp_nvme.load", "dcp_nvme load (cold)", "read", "ours"))
         dcp = self._dcp()
@@ -217,7 +217,7 @@ class OursRows(BenchCore):
         dcp_nvme and the FileSystemWriter checkpoints; bytes read come from /proc/self/io."""
         from torch.distributed.checkpoint import FileSystemReader
 
-        from ..load.reader import NVMeReader
+        from dcp_nvme.load.reader import NVMeReader
 
         split = self.group.world * RESHARD_SPLIT
         ours = self.add(Row("reshard.dcp_nvme", f"dcp_nvme resharded load (1/{split} of each tensor)",

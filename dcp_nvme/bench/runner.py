@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-from ..config import default_tune_file
-from ..errors import InvalidInputError, StorageError
-from ..humanize import format_size, progress_bar
-from ..observe.machine import machine_info
-from .datapath import DataPathRows
-from .device import fio_version
-from .group import Group, free_port
-from .layers import LayerRows
-from .peers import PeerRows
-from .records import BenchOptions, Row, Skip
-from .rows import OursRows
-from .synthetic import ModelSpec, llama_spec
-from .targets import check_targets, compute_ratios
+from dcp_nvme.bench.datapath import DataPathRows
+from dcp_nvme.bench.device import fio_version
+from dcp_nvme.bench.group import Group, free_port
+from dcp_nvme.bench.layers import LayerRows
+from dcp_nvme.bench.peers import PeerRows
+from dcp_nvme.bench.records import BenchOptions, Row, Skip
+from dcp_nvme.bench.rows import OursRows
+from dcp_nvme.bench.synthetic import ModelSpec, llama_spec
+from dcp_nvme.bench.targets import check_targets, compute_ratios
+from dcp_nvme.config import default_tune_file
+from dcp_nvme.errors import InvalidInputError, StorageError
+from dcp_nvme.humanize import format_size, progress_bar
+from dcp_nvme.observe.machine import machine_info
 
 
 class Bench(OursRows, DataPathRows, PeerRows, LayerRows):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidInputError
-from ..humanize import format_size
+from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.humanize import format_size
 
 _MULTIPLE = 64
 _MAX_VOCAB = 32000

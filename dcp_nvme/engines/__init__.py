@@ -19,10 +19,10 @@ import os
 import tempfile
 import threading
 
-from ..config import IOConfig
-from ..errors import EngineUnavailableError
-from ..lazy_imports import lazy_names
-from .base import Engine, FileWriteResult
+from dcp_nvme.config import IOConfig
+from dcp_nvme.engines.base import Engine, FileWriteResult
+from dcp_nvme.errors import EngineUnavailableError
+from dcp_nvme.lazy_imports import lazy_names
 
 __all__ = [
     "Engine",
@@ -35,12 +35,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The engines import torch; ``dcp_nvme.engines.bounded`` (the tools' thread runner) must not.
+# The engines import torch; ``dcp_nvme.engines.requests`` (the tools' thread runner) must not.
 __getattr__, __dir__ = lazy_names(__name__, globals(), {"PosixEngine": ".posix"})
 
 
 def _posix(config: IOConfig) -> Engine:
-    from .posix import PosixEngine
+    from dcp_nvme.engines.posix import PosixEngine
 
     return PosixEngine(config)
 
@@ -62,7 +62,7 @@ def kvikio_unavailable_reason(directory: str | None = None) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA: torch sees no GPU (no device, no driver, or a CPU-only torch build)"
     try:
-        from .kvikio import import_kvikio
+        from dcp_nvme.engines.kvikio import import_kvikio
 
         import_kvikio()
     except ImportError as exc:
@@ -72,14 +72,14 @@ def kvikio_unavailable_reason(directory: str | None = None) -> str | None:
     where = _probe_directory(directory)
     with _probe_lock:
         if where not in _probes:
-            from .kvikio import probe
+            from dcp_nvme.engines.kvikio import probe
 
             _probes[where] = probe(where)
         return _probes[where]
 
 
 def _kvikio_engine(config: IOConfig):
-    from .kvikio import KvikioEngine, import_kvikio, kvikio_mode
+    from dcp_nvme.engines.kvikio import KvikioEngine, import_kvikio, kvikio_mode
 
     kvikio = import_kvikio()
     return KvikioEngine(config), f"kvikio {getattr(kvikio, '__version__', '?')}, {kvikio_mode(kvikio)} mode"
@@ -95,7 +95,7 @@ def _chosen(engine: Engine, reason: str) -> tuple[Engine, str]:
 
 def _uring_engine(config: IOConfig) -> tuple[Engine, str]:
     """io_uring when the kernel lets this process use it, else the threads engine, said loudly."""
-    from .uring import UringEngine, uring_unavailable_reason
+    from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
 
     reason = uring_unavailable_reason()
     if reason is None:

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from ..config import IOConfig
-from ..observe.stats import IOStats
-from .requests import ReadRequest
+from dcp_nvme.config import IOConfig
+from dcp_nvme.engines.requests import ReadRequest
+from dcp_nvme.engines.stats import IOStats
 
 if TYPE_CHECKING:
     import torch

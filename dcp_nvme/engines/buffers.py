@@ -11,12 +11,16 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import queue
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import crc32c
 import torch
 
-from ..config import ALIGN
+from dcp_nvme.config import ALIGN
+from dcp_nvme.engines.files import thread_stream
 
 _STATX_DIOALIGN = 0x2000
 _AT_EMPTY_PATH = 0x1000
@@ -117,3 +121,62 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=tensor.device)
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy between flat uint8 tensors; host to host by memmove (12 GB/s here, GIL released),
+    where torch's copy_ split over 2 threads ran 3.6 GB/s and fought the I/O threads.
+
+    A copy to or from CUDA runs on this thread's own stream: on the shared default stream each
+    thread's implicit synchronize would also wait for the copies other threads queued."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+        return
+    device = src.device if src.device.type == "cuda" else dst.device
+    if device.type != "cuda":
+        dst.copy_(src)
+        return
+    stream = thread_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # what produced src comes first
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    stream.synchronize()  # the bounce buffer is written or reused once this returns
+
+
+def memory_at(address: int, length: int) -> memoryview:
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+
+class BouncePool:
+    """``count`` page-aligned buffers of ``size`` bytes, handed out one per request in flight."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self.buffers = [aligned_buffer(size) for _ in range(count)]
+        self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in range(count):
+            self.free.put(index)
+
+
+def host_address(tensor: torch.Tensor) -> int | None:
+    """Where a source's bytes are in host memory (None: device memory)."""
+    return tensor.data_ptr() if tensor.device.type == "cpu" else None
+
+
+def block_crcs(views: Sequence[memoryview], length: int, block: int) -> list[int]:
+    """The crc32c of each ``block`` bytes of the first ``length`` bytes of ``views`` joined."""
+    crcs, value, filled = [], 0, 0
+    for view in views:
+        view = view[: max(length, 0)]
+        length -= len(view)
+        while len(view):
+            take = min(block - filled, len(view))
+            value = crc32c.crc32c(view[:take], value)
+            filled, view = filled + take, view[take:]
+            if filled == block:
+                crcs.append(value)
+                value, filled = 0, 0
+    if filled:
+        crcs.append(value)
+    return crcs
+

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import IOConfig
-from ..errors import DCPNVMeError
-from ..observe.stats import IOStats
-from ..storage.local_dir import open_regular, pwrite_all
-from .requests import ReadRequest
+from dcp_nvme.config import IOConfig
+from dcp_nvme.engines.requests import ReadRequest
+from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.errors import DCPNVMeError
+from dcp_nvme.host.files import open_regular, pwrite_all
 
 log = logging.getLogger(__name__)
 

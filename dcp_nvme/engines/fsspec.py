@@ -13,12 +13,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..config import IOConfig
-from ..format.checksums import check_host
-from ..observe.stats import IOStats
-from .bounded import run_bounded
-from .files import check_length
-from .requests import SCRATCH, ReadRequest
+from dcp_nvme.config import IOConfig
+from dcp_nvme.engines.files import check_length
+from dcp_nvme.engines.requests import SCRATCH, ReadRequest, run_bounded
+from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.format.checksums import check_host
 
 
 class FsspecEngine:

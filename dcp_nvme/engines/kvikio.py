@@ -9,7 +9,7 @@ dict is one file written by both: the header and host windows through POSIX, dev
 through cuFile, then one ``ftruncate`` + ``fsync`` as in the POSIX engine.
 
 Integrity without a host copy: the crc32c of every checksum block is computed on the device
-with torch ops (``checksums.device_crc32c``, two table lookups and XOR trees), bit-identical to
+with torch ops (``device_checksums.device_crc32c``, two table lookups and XOR trees), bit-identical to
 the ``crc32c`` library. The on-disk format therefore does not depend on the engine: a checkpoint
 written by one engine loads and verifies through the other.
 
@@ -33,15 +33,13 @@ from typing import Any
 
 import torch
 
-from ..config import ALIGN, IOConfig
-from ..format.checksums import check_device
-from ..format.device_checksums import device_crc32c_async, finish_crc32c
-from ..observe.stats import IOStats
-from .base import FileWriteResult, PicklesAsConfig
-from .bounded import run_bounded
-from .files import check_length
-from .posix import PosixEngine
-from .requests import SCRATCH, ReadRequest, Window
+from dcp_nvme.config import ALIGN, IOConfig
+from dcp_nvme.engines.base import FileWriteResult, PicklesAsConfig
+from dcp_nvme.engines.files import check_length
+from dcp_nvme.engines.posix import PosixEngine
+from dcp_nvme.engines.requests import SCRATCH, ReadRequest, Window, run_bounded
+from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.format.device_checksums import check_device, device_crc32c_async, finish_crc32c
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import IOConfig
-from ..format.checksums import check_host
-from ..format.placement import align_down, align_up
-from .buffers import dio_alignment
-from .files import IOV_MAX, check_length, clip_views, open_for_reading
-from .requests import SCRATCH, ReadRequest, Segment, plan_read_segments
-from .windows import BouncePool, copy_bytes, memory_at
+from dcp_nvme.config import IOConfig
+from dcp_nvme.engines.buffers import BouncePool, copy_bytes, dio_alignment, memory_at
+from dcp_nvme.engines.files import IOV_MAX, check_length, clip_views, open_for_reading
+from dcp_nvme.engines.requests import SCRATCH, ReadRequest, Segment, plan_read_segments
+from dcp_nvme.format.checksums import check_host
+from dcp_nvme.format.container import align_down, align_up
 
 log = logging.getLogger(__name__)
 

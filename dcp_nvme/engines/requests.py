@@ -8,11 +8,14 @@ image for reads."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from ..config import ALIGN
-from ..format.placement import align_down, align_up
+from dcp_nvme.config import ALIGN
+from dcp_nvme.format.container import align_down, align_up
 
 
 @dataclass(frozen=True)
@@ -195,3 +198,32 @@ class ReadRequest:
     length: int
     pieces: list[tuple[int, int, int]] = field(default_factory=list)
     checks: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+T = TypeVar("T")
+
+
+def run_bounded(depth: int, tasks: Iterable[T], work: Callable[[T], object], name: str = "dcp-nvme-io") -> None:
+    """Run ``work(task)`` for each task with at most ``depth`` in flight, on ``depth`` threads.
+
+    Tasks are drawn lazily (a generator of millions of requests costs no memory); after the first
+    failure no new task starts, the running ones finish, and that failure is re-raised.
+    """
+    slots = threading.BoundedSemaphore(depth)
+    failure: list[BaseException] = []
+
+    def done(future: Future) -> None:
+        error = future.exception()
+        if error is not None and not failure:
+            failure.append(error)
+        slots.release()
+
+    with ThreadPoolExecutor(depth, thread_name_prefix=name) as pool:
+        for task in tasks:
+            slots.acquire()
+            if failure:
+                slots.release()
+                break
+            pool.submit(work, task).add_done_callback(done)
+    if failure:
+        raise failure[0]

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import IOConfig
-from ..observe.stats import IOStats
-from . import ring as uring
-from .base import FileWriteResult
-from .files import with_path
-from .posix import PosixEngine
-from .reads import PreparedRead, ReadSource, finish_read, prepare_read
-from .requests import ReadRequest, Window
-from .windows import PrefixTracker, PreparedWindow, host_address
+from dcp_nvme.config import IOConfig
+from dcp_nvme.engines import ring as uring
+from dcp_nvme.engines.base import FileWriteResult
+from dcp_nvme.engines.buffers import host_address
+from dcp_nvme.engines.files import with_path
+from dcp_nvme.engines.posix import PosixEngine, PrefixTracker, PreparedWindow
+from dcp_nvme.engines.reads import PreparedRead, ReadSource, finish_read, prepare_read
+from dcp_nvme.engines.requests import ReadRequest, Window
+from dcp_nvme.engines.stats import IOStats
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import crc32c
 
-from ..errors import ChecksumMismatchError, TableError
+from dcp_nvme.errors import ChecksumMismatchError, TableError
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 Check = tuple[int, int, int]
 """``(offset, length, expected_crc32c)``, offset relative to the bytes being checked."""
@@ -89,14 +89,6 @@ def check_host(path: str, base: int, checks: Sequence[Check], views: Sequence[me
         raise_on_mismatch(path, base, checks, host_crcs(views, checks))
 
 
-def check_device(path: str, base: int, checks: Sequence[Check], data: torch.Tensor) -> None:
-    """Check bytes in a flat uint8 tensor, computing the crcs where ``data`` lives."""
-    from .device_checksums import device_crcs  # torch, only where there is a tensor to check
-
-    if checks:
-        raise_on_mismatch(path, base, checks, device_crcs(data, checks))
-
-
 def items_in(spans: Iterable[tuple[int, int, str]], start: int, end: int) -> tuple[str, ...]:
     """The names of the ``(start, end, name)`` spans that overlap ``[start, end)``, each once,
     in file order."""
@@ -114,16 +106,3 @@ def check_table(location: str, entry: dict[str, Any], data: bytes) -> None:
             f"{entry['size']}, crc32c {actual:#010x} vs {entry['crc32c']:#010x}): the table is "
             "corrupt or was modified after the save",
         )
-
-
-_DEVICE_NAMES = ("device_crc32c", "device_crc32c_async", "device_crcs", "finish_crc32c")
-
-
-def __getattr__(name: str) -> Any:
-    """The device crc32c (``format.device_checksums``, torch code) under its old address, imported
-    on first use so that the tools check host bytes without importing torch."""
-    if name in _DEVICE_NAMES:
-        from . import device_checksums
-
-        return getattr(device_checksums, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

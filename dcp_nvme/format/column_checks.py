@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from ..errors import ManifestError
-from .columns import ChunkColumns, as_numpy
-from .container import MAX_NDIM, dtype_itemsize
-from .names import check_name
-from .validation import check_file_rows, check_row, tiling_problem
+from dcp_nvme.errors import ManifestError
+from dcp_nvme.format.columns import ChunkColumns
+from dcp_nvme.format.container import MAX_NDIM, dtype_itemsize
+from dcp_nvme.format.names import check_name
+from dcp_nvme.format.tables import as_numpy
+from dcp_nvme.format.validation import check_file_rows, check_row, tiling_problem
 
 LIMIT = float(1 << 62)
 """Above this a product or sum in int64 may have wrapped: such rows take the exact check."""

@@ -19,8 +19,8 @@ import crc32c
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ManifestError
-from .columns import ChunkColumns, no_keys
+from dcp_nvme.errors import ManifestError
+from dcp_nvme.format.columns import ChunkColumns, no_keys
 
 MAGIC = b"DCPNVME-COLUMNS-1"
 ALIGN = 64

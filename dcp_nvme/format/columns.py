@@ -7,43 +7,14 @@ and ``ChunkRecord``s are made only for the rows a caller touches."""
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .container import MAX_NDIM, default_item_key
-from .tables import ChunkRecord
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic GC off around a loop that makes many objects and frees none (it would
-    walk them all again and again); back on, as it was, afterwards."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def as_numpy(array: pa.Array | pa.ChunkedArray, dtype) -> np.ndarray:
-    """A null-free numeric Arrow array as numpy, without the copy path (it imports pandas:
-    300 modules, half a second of every first load)."""
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks()
-    if not pa.types.is_signed_integer(array.type) or array.null_count:
-        raise ValueError(f"not a null-free signed integer array: {array.type}")  # checked before: a bug
-    if not len(array):
-        return np.zeros(0, dtype=dtype)
-    data = np.frombuffer(array.buffers()[1], dtype=np.dtype(f"int{array.type.bit_width}"))
-    return data[array.offset:array.offset + len(array)].astype(dtype, copy=False)
+from dcp_nvme.format.container import MAX_NDIM, default_item_key
+from dcp_nvme.format.tables import ChunkRecord, as_numpy, gc_paused
 
 
 def _encoded(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:

@@ -7,14 +7,12 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import crc32c
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from .checksums import Check
+from dcp_nvme.format.checksums import Check, raise_on_mismatch
 
 # --------------------------------------------------------------------------- device crc32c
 #
@@ -184,3 +182,9 @@ def device_crcs(data: torch.Tensor, checks: Sequence[Check]) -> list[int]:
         start, end = checks[0][0], checks[-1][0] + checks[-1][1]
         return device_crc32c(data[start:end], block)
     return [device_crc32c(data[rel : rel + n], _CHUNK * (-(-n // _CHUNK)))[0] for rel, n, _ in checks]
+
+
+def check_device(path: str, base: int, checks: Sequence[Check], data: torch.Tensor) -> None:
+    """Check bytes in a flat uint8 tensor, computing the crcs where ``data`` lives."""
+    if checks:
+        raise_on_mismatch(path, base, checks, device_crcs(data, checks))

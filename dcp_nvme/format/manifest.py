@@ -19,19 +19,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import (
+from dcp_nvme.errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     ManifestError,
     TableError,
 )
-from .checksums import check_table
-from .column_checks import check_columns
-from .columns import ChunkColumns, gc_paused
-from .container import (
+from dcp_nvme.format.checksums import check_table
+from dcp_nvme.format.column_checks import check_columns
+from dcp_nvme.format.columns import ChunkColumns
+from dcp_nvme.format.container import (
     parse_dtype,
 )
-from .names import (
+from dcp_nvme.format.names import (
     DCP_METADATA,
     FORMAT,
     FORMAT_VERSION,
@@ -39,23 +39,24 @@ from .names import (
     OLDEST_FORMAT_VERSION,
     save_key_of,
 )
-from .tables import (
+from dcp_nvme.format.tables import (
     FREE_ROWS,
     MIN_CHECKSUM_BLOCK,
     MIN_ITEM_HEADER,
     ChunkRecord,
     FileRecord,
     column_values,
+    gc_paused,
     parquet_footer,
     parse_files,
     read_chunk_table,
 )
-from .validation import check_doc, check_files
+from dcp_nvme.format.validation import check_doc, check_files
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-    from .metadata_view import StorageView
+    from dcp_nvme.format.metadata_view import StorageView
 
 MAX_MANIFEST = 256 << 20
 """Largest manifest.json accepted (planner data included)."""
@@ -248,7 +249,7 @@ def metadata_over(cols: ChunkColumns) -> tuple[dict[str, Any], StorageView]:
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties
 
-    from .metadata_view import IndexedTensorMetadata, StorageView, TensorSweeps
+    from dcp_nvme.format.metadata_view import IndexedTensorMetadata, StorageView, TensorSweeps
 
     state: dict[str, Any] = {}
     bytes_rows: dict[str, int] = {}

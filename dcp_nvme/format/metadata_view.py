@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .columns import ChunkColumns, gc_paused
-from .tables import ChunkRecord
+from dcp_nvme.format.columns import ChunkColumns
+from dcp_nvme.format.tables import ChunkRecord, gc_paused
 
 
 class ChunkIndex:

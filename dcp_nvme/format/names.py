@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import secrets
 
-from ..errors import (
+from dcp_nvme.errors import (
     ManifestError,
 )
 

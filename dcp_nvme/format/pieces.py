@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .checksums import check_host, checks_within
-from .tables import FileRecord
+from dcp_nvme.format.checksums import check_host, checks_within
+from dcp_nvme.format.tables import FileRecord
 
 
 @dataclass(frozen=True)

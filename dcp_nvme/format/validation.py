@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import crc32c
 
-from ..errors import (
+from dcp_nvme.errors import (
     ChecksumMismatchError,
     ManifestError,
 )
-from .container import (
+from dcp_nvme.format.container import (
     MAX_HEADER,
     MAX_NDIM,
     RAW_DTYPE,
@@ -24,18 +24,22 @@ from .container import (
     parse_header,
     stored_as,
 )
-from .names import (
+from dcp_nvme.format.names import (
     MANIFEST,
     check_name,
     check_save_key,
     rank_of,
 )
-from .tables import MAX_CHECKSUM_BLOCK, MAX_TABLE, MIN_CHECKSUM_BLOCK, ChunkRecord, FileRecord
+from dcp_nvme.format.tables import MAX_CHECKSUM_BLOCK, MAX_TABLE, MIN_CHECKSUM_BLOCK, ChunkRecord, FileRecord
 
 MAX_WORLD = 1 << 20
 
-if TYPE_CHECKING:
-    from .manifest import Manifest
+class Manifest(Protocol):
+    """What the checks read of ``format.manifest.Manifest`` (which calls them: no import back)."""
+
+    doc: dict[str, Any]
+
+    def rows_of_file(self, name: str) -> Sequence[ChunkRecord]: ...
 
 
 def _is_count(value: object, limit: int = 1 << 62) -> bool:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..storage.run_dir import DCP, committed_kind
+from dcp_nvme.storage.run_dir import DCP, committed_kind
 
 PathLike = str | os.PathLike
 WriterFactory = Callable[[PathLike], Any]
@@ -20,20 +20,20 @@ StagerFactory = Callable[[], Any]
 
 
 def nvme_writer(path: PathLike, **kwargs: Any):
-    from .. import NVMeWriter
+    from dcp_nvme import NVMeWriter
 
     kwargs.setdefault("overwrite", True)
     return NVMeWriter(path, **kwargs)
 
 
 def nvme_reader(path: PathLike, **kwargs: Any):
-    from .. import NVMeReader
+    from dcp_nvme import NVMeReader
 
     return NVMeReader(path, **kwargs)
 
 
 def nvme_stager():
-    from .. import NVMeStager
+    from dcp_nvme import NVMeStager
 
     return NVMeStager()
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from ..errors import InvalidInputError
+from dcp_nvme.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def remove_items(path: str | os.PathLike, key_prefix: str, *, reader_factory=Non
                  writer_factory=None) -> list[str]:
     """Remove every item whose key starts with ``key_prefix`` from the dcp_nvme checkpoint at
     ``path``; returns the removed keys (none: the checkpoint is left untouched)."""
-    from .. import NVMeReader, NVMeWriter
+    from dcp_nvme import NVMeReader, NVMeWriter
 
     reader_factory = reader_factory or NVMeReader
     writer_factory = writer_factory or (lambda p: NVMeWriter(p, overwrite=True))

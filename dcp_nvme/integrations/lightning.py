@@ -51,10 +51,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import UnknownOptionError, UnsafeItemError
-from ..lazy_imports import require
-from ..load.load_planner import NVMeLoadPlanner
-from ._common import make_reader, make_stager, make_writer, wait_future
+from dcp_nvme.errors import UnknownOptionError, UnsafeItemError
+from dcp_nvme.integrations._common import make_reader, make_stager, make_writer, wait_future
+from dcp_nvme.lazy_imports import require
+from dcp_nvme.load.load_planner import NVMeLoadPlanner
 
 ModelParallelStrategy = require("lightning.pytorch.strategies", needed_by=__name__,
                                 install="lightning").ModelParallelStrategy

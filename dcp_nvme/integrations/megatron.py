@@ -50,8 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..lazy_imports import require
-from ._common import (
+from dcp_nvme.integrations._common import (
     ReaderFactory,
     StagerFactory,
     WriterFactory,
@@ -60,7 +59,8 @@ from ._common import (
     make_writer,
     wait_future,
 )
-from ._prune import remove_items
+from dcp_nvme.integrations._prune import remove_items
+from dcp_nvme.lazy_imports import require
 
 _NEEDS = {"needed_by": __name__, "install": "megatron-core"}
 _dict_utils = require("megatron.core.dist_checkpointing.dict_utils", **_NEEDS)

@@ -34,11 +34,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from ..lazy_imports import require
-from ..load.load_planner import NVMeLoadPlanner
-from ..storage.local_dir import is_remote_url
-from ..storage.run_dir import checkpoints
-from ._common import make_reader, make_stager, make_writer, nvme_reader, nvme_writer
+from dcp_nvme.integrations._common import make_reader, make_stager, make_writer, nvme_reader, nvme_writer
+from dcp_nvme.lazy_imports import require
+from dcp_nvme.load.load_planner import NVMeLoadPlanner
+from dcp_nvme.storage.local_dir import is_remote_url
+from dcp_nvme.storage.run_dir import checkpoints
 
 _checkpoint = require("torchtitan.components.checkpoint", needed_by=__name__, install="torchtitan")
 _filesystem = require("torchtitan.tools.filesystem", needed_by=__name__, install="torchtitan")

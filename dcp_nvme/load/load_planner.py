@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.tensor import DTensor
 
-from ..compat import resolve
-from ..format.columns import gc_paused
-from ..format.metadata_view import ChunkIndex, IndexedTensorMetadata
+from dcp_nvme.compat import resolve
+from dcp_nvme.format.metadata_view import ChunkIndex, IndexedTensorMetadata
+from dcp_nvme.format.tables import gc_paused
 
 # DefaultLoadPlanner's own helpers (private to torch: listed in compat.PRIVATE_NAMES)
 _HELPERS = "torch.distributed.checkpoint.planner_helpers"

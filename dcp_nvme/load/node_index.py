@@ -28,11 +28,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..config import check_bool
-from ..errors import ManifestError
-from ..format import column_store
-from ..format.columns import ChunkColumns
-from ..storage.local_dir import create_no_follow
+from dcp_nvme.config import check_bool
+from dcp_nvme.errors import ManifestError
+from dcp_nvme.format import column_store
+from dcp_nvme.format.columns import ChunkColumns
+from dcp_nvme.host.files import create_no_follow
+from dcp_nvme.host.job import local_world_size
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,6 @@ def cache_directory() -> str | None:
         log.warning("dcp_nvme: %s is not a private directory of this user: the index is not shared", path)
         return None
     return path
-
-
-def local_world_size() -> int:
-    try:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
 
 
 def shared_columns(doc: dict[str, Any], rows: int, build: Callable[[], ChunkColumns]) -> ChunkColumns:

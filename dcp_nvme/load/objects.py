@@ -24,7 +24,7 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import DCPNVMeError, ItemKindError, UnsafeItemError
+from dcp_nvme.errors import DCPNVMeError, ItemKindError, UnsafeItemError
 
 OPT_IN = "NVMeReader(path, allow_pickle=True)"
 

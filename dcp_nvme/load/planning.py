@@ -10,8 +10,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engines.requests import SCRATCH, ReadRequest
-from ..format.placement import align_down, align_up
+from dcp_nvme.engines.requests import SCRATCH, ReadRequest
+from dcp_nvme.format.container import align_down, align_up
 
 
 def _run_split(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> int:

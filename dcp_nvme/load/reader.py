@@ -23,23 +23,37 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..config import IOConfig, check_option, node_identity, option_or_env, resolve_config
-from ..engines import shared_engine
-from ..engines.buffers import tensor_bytes
-from ..engines.fsspec import FsspecEngine
-from ..errors import ChecksumMismatchError, MissingItemError, ShapeMismatchError
-from ..format.checksums import items_in
-from ..format.container import parse_dtype
-from ..format.manifest import Manifest, read_files, read_manifest
-from ..format.tables import ChunkRecord, FileRecord
-from ..format.validation import check_container
-from ..observe.stats import IOStats, PhaseTimer
-from ..storage.fsspec_dir import open_store
-from ..storage.local_dir import LocalStore, is_local_path, is_remote_url
-from .dropin import reader_location, reader_stock_options, require_location
-from .node_index import shared_columns
-from .objects import bytes_for_planner, check_destination_kind
-from .planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
+from dcp_nvme import seams
+from dcp_nvme.config import (
+    IOConfig,
+    check_option,
+    option_or_env,
+    refuse_positional,
+    resolve_config,
+    unknown_option,
+)
+from dcp_nvme.engines import shared_engine
+from dcp_nvme.engines.buffers import tensor_bytes
+from dcp_nvme.engines.fsspec import FsspecEngine
+from dcp_nvme.engines.stats import IOStats, PhaseTimer
+from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError, MissingItemError, ShapeMismatchError
+from dcp_nvme.format.checksums import items_in
+from dcp_nvme.format.container import parse_dtype
+from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
+from dcp_nvme.format.tables import ChunkRecord, FileRecord
+from dcp_nvme.format.validation import check_container
+from dcp_nvme.host.job import node_identity
+from dcp_nvme.load.node_index import shared_columns
+from dcp_nvme.load.objects import bytes_for_planner, check_destination_kind
+from dcp_nvme.load.planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
+from dcp_nvme.storage.fsspec_dir import open_store
+from dcp_nvme.storage.local_dir import (
+    LocalStore,
+    is_local_path,
+    is_remote_url,
+    reader_location,
+    require_location,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +107,7 @@ class NVMeReader(StorageReader):
         mirror, mirror_options: the checkpoint's mirror (its URL, or the run's ``mirror_root``)
             and its storage options. With it (or ``peers=True``), passed on every rank, a file
             this node lacks or holds damaged comes from the nearest copy that verifies: a
-            replica, a peer node, the mirror (``dcp_nvme.load.sources``), and is kept here.
+            replica, a peer node, the mirror (``dcp_nvme.peers.sources``), and is kept here.
         peers: find the other nodes' copies and replicas without a mirror (env ``DCP_NVME_PEERS``).
     """
 
@@ -121,7 +135,7 @@ class NVMeReader(StorageReader):
         self.mirror_options = mirror_options
         self.peers = option_or_env("peers", peers, self.mirror is not None)
         self._sources = None
-        """``load.sources.RestoreSources`` of the current load, with a mirror or peers."""
+        """``peers.sources.RestoreSources`` of the current load, with a mirror or peers."""
         self.path: str | None = reader_location(path)
         self.config: IOConfig = resolve_config(
             queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
@@ -166,11 +180,8 @@ class NVMeReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = require_location(type(self), self.path, "dcp.load")
         if self.peers and not is_remote_url(path):
-            from .sources import RestoreSources, join_peers
-
-            node = node_identity()
-            self._sources = RestoreSources(path, node, join_peers(path, node), self.mirror,
-                                           self.mirror_options, self.config)
+            self._sources = seams.restore_sources(path, node_identity(), self.mirror, self.mirror_options,
+                                                  self.config)
             self._sources.ensure_metadata()  # a replacement node's empty disk gets it from a peer
             self._manifest, self._store = None, None
         metadata = self.manifest().to_metadata()
@@ -295,9 +306,9 @@ class NVMeReader(StorageReader):
         config = self.config if request_size <= self.config.block_size else \
             replace(self.config, block_size=request_size)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
-        from .coded import coded_engine
-
-        engine = coded_engine(self.store, self.manifest(), self.path, config)  # compressed mirror
+        engine = None
+        if "compression" in self.manifest().doc:  # a compressed mirror
+            engine = seams.coded_engine(self.store, self.manifest(), self.path, config)
         if engine is not None:
             pass
         elif is_remote_url(self.path):
@@ -349,13 +360,38 @@ class NVMeReader(StorageReader):
     def _plain_view(self) -> Any:
         """The store as the plain checkpoint it holds: a compressed mirror's rank files are
         read through their decoder, so their headers are checked like any other."""
-        from .coded import DecodedStore, coded_files
-
-        files = coded_files(self.manifest().doc, self.path)
-        return self.store if files is None else DecodedStore(self.store, files, self.manifest().doc)
+        if "compression" not in self.manifest().doc:
+            return self.store
+        return seams.decoded_store(self.store, self.manifest(), self.path)
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:
     name = os.path.basename(exc.path)
     hits = items_in(batch.owners.get(name, []), exc.start, exc.end)
     return ", ".join(hits) if hits else "none of the requested items (a neighbouring block)"
+
+
+STOCK_READER_POSITIONAL = ("_extension_registry",)
+
+
+def reader_stock_options(cls: type, args: tuple[Any, ...], extra: dict[str, Any]) -> None:
+    """FileSystemReader's arguments on NVMeReader: the stock defaults are accepted (they are
+    what the reader does), anything else is refused saying why."""
+    refuse_positional(cls, "FileSystemReader", STOCK_READER_POSITIONAL, args)
+    for name, value in extra.items():
+        if name == "_extension_registry":
+            if value is not None:
+                raise InvalidInputError(
+                    f"{cls.__name__} reads no stream extensions (_extension_registry={value!r}): a "
+                    "dcp_nvme checkpoint is plain safetensors, and a compressed mirror is decoded by "
+                    "the reader itself")
+            continue
+        raise unknown_option(cls, name, value)
+
+
+
+
+
+
+
+

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..humanize import format_size
+from dcp_nvme.host.job import leads_its_node
+from dcp_nvme.humanize import format_size
 
 SYSFS = "/sys"
 REORDERING_SCHEDULERS = ("mq-deadline", "bfq", "kyber")
@@ -300,7 +301,7 @@ def warn_once(device: BlockDevice | None, per_rank_depth: int, local_ranks: int,
     if device is None:
         return []
     advice = check_queues(device, per_rank_depth, local_ranks, request_bytes)
-    if advice and device.name not in _WARNED and os.environ.get("LOCAL_RANK", "0") == "0":
+    if advice and device.name not in _WARNED and leads_its_node():
         _WARNED.add(device.name)
         for item in advice:
             logger.warning("dcp_nvme: block layer: %s (as root; lasts until reboot, a udev rule keeps it)",

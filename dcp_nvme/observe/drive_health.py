@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .blockdev import SYSFS, BlockDevice, device_of
+from dcp_nvme.observe.blockdev import SYSFS, BlockDevice, device_of
 
 log = logging.getLogger(__name__)
 
@@ -253,3 +253,23 @@ def format_drive(summary: dict[str, Any]) -> list[str]:
             text += f"; THROTTLED: {', '.join(entry['throttle'])}"
         lines.append(text)
     return lines or ["drive health: no local block device under this directory"]
+
+
+class SaveWatch:
+    """The diagnostics of one save's write, when asked (``dcp_nvme.observe.enable_save_diagnostics``):
+    the drive's health before and after, and advice on the block layer's queues for the save's
+    settings (logged once per disk)."""
+
+    def __init__(self, directory: str, queue_depth: int, local_ranks: int, block_size: int) -> None:
+        from dcp_nvme.observe.blockdev import warn_once
+
+        self.drive = DriveWatch(directory)
+        self.advice = warn_once(self.drive.device, queue_depth, local_ranks, block_size, log)
+
+    def finish(self) -> dict[str, Any]:
+        """The fields the save's statistics record: ``drive`` and ``block_layer``."""
+        drive = self.drive.finish()
+        if drive["throttled"]:
+            log.warning("dcp_nvme: the drive throttled during the save (%s); see docs/tuning.md, drive health",
+                        {d: v["throttle"] for d, v in drive["disks"].items() if v["throttle"]})
+        return {"drive": drive, "block_layer": [str(a) for a in self.advice]}

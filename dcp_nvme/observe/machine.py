@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import ALIGN
+from dcp_nvme.config import ALIGN
 
 # --------------------------------------------------------------------------- page cache
 

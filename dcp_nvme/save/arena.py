@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..config import ALIGN
-from ..engines.buffers import aligned_buffer
-from ..errors import UnsupportedItemError
-from ..format.placement import place_back_to_back
+from dcp_nvme.config import ALIGN
+from dcp_nvme.engines.buffers import aligned_buffer
+from dcp_nvme.errors import UnsupportedItemError
+from dcp_nvme.format.container import place_back_to_back
 
 log = logging.getLogger(__name__)
 

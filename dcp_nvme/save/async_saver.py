@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from ..errors import InvalidInputError, SaveError
-from .stager import PERSISTENT, NVMeStager, save_ended
-from .writer import NVMeWriter
+from dcp_nvme.errors import InvalidInputError, SaveError
+from dcp_nvme.save.stager import PERSISTENT, NVMeStager, save_ended
+from dcp_nvme.save.writer import NVMeWriter
 
 log = logging.getLogger(__name__)
 

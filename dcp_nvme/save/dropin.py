@@ -2,21 +2,23 @@
 
 Each stock argument is accepted where its value is what NVMeWriter does anyway, and otherwise
 refused with a message naming the option of ours that does that job. The rules for the reader,
-and the location checks, are in ``load.dropin``.
+the shared ones in ``config``, the location checks in ``storage.local_dir``.
 """
 
 from __future__ import annotations
 
-import os
 import traceback
+from dataclasses import replace
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan
 
-from ..errors import CheckpointExistsError, InvalidInputError
-from ..format.names import MANIFEST
-from ..load.dropin import refuse_positional, unknown_option
-from ..storage.local_dir import LocalStore
+from dcp_nvme.config import refuse_positional, unknown_option
+from dcp_nvme.errors import CheckpointExistsError, InvalidInputError
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.host.job import launched_world_size
+from dcp_nvme.storage.local_dir import LocalStore
 
 STOCK_WRITER_POSITIONAL = ("single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead",
                            "cache_staged_state_dict", "overwrite", "_extensions", "serialization_format")
@@ -95,7 +97,7 @@ def alone() -> bool:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return False
-    return os.environ.get("WORLD_SIZE", "1").strip() in ("", "1")
+    return launched_world_size() == 1
 
 
 def refuse_existing_early(path: str | None, overwrite: bool) -> None:
@@ -104,3 +106,19 @@ def refuse_existing_early(path: str | None, overwrite: bool) -> None:
     it inside a CheckpointException on every rank, its last line this same sentence)."""
     if path is not None and not overwrite and alone() and LocalStore(path).has(MANIFEST):
         raise CheckpointExistsRefusal(exists_message(path))
+
+
+def with_cached_plans(plans: list[SavePlan], last: list[SavePlan] | None,
+                      where: str) -> tuple[list[SavePlan], bool]:
+    """``plans`` with each unusable (cached, unchanged) one replaced by the rank's plan of the
+    last save, and whether any was. The planner's stand-ins carry no ``storage_data``, so the
+    rank's tag of the last save comes with its plan: the caller keeps that save's topology (its
+    probes are gone). Refused when this writer did not plan that save (nothing to resend)."""
+    if all(plan.usable for plan in plans):
+        return plans, False
+    if last is None or len(last) != len(plans):
+        raise InvalidInputError(
+            f"{where}: the save planner reused cached plans (enable_plan_caching=True), but this "
+            "NVMeWriter did not plan the save they come from: reuse one NVMeWriter for every save "
+            "with plan caching (pass checkpoint_id= to dcp.save for each step)")
+    return [plan if plan.usable else replace(last[rank], usable=True) for rank, plan in enumerate(plans)], True

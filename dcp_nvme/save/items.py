@@ -5,7 +5,8 @@ and the pad sources that fill the gaps ``format.placement`` left between items."
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,11 +15,18 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ..engines.buffers import aligned_buffer, tensor_bytes
-from ..errors import UnsupportedItemError
-from ..format.container import PAD_PREFIX, default_item_key, dtype_name, stored_as
-from ..format.placement import ITEMSIZE_GAP, ContainerLayout, ItemSpec
-from ..format.tables import ChunkRecord
+from dcp_nvme.engines.buffers import aligned_buffer, tensor_bytes
+from dcp_nvme.errors import UnsupportedItemError
+from dcp_nvme.format.container import (
+    ITEMSIZE_GAP,
+    PAD_PREFIX,
+    ContainerLayout,
+    ItemSpec,
+    default_item_key,
+    dtype_name,
+    stored_as,
+)
+from dcp_nvme.format.tables import ChunkRecord
 
 RESERVED_NAMES = ("__metadata__",)
 """Container keys safetensors keeps for itself; pad entries (``PAD_PREFIX``) are ours."""
@@ -115,3 +123,53 @@ def _contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
         return out.view(tensor.shape).copy_(tensor)
     except (RuntimeError, TypeError):  # a dtype a uint8 buffer cannot be viewed as
         return tensor.contiguous()
+
+
+_lock = threading.Lock()
+_pending: list[WaveRelease] = []
+
+
+class WaveRelease:
+    """Resolves one save's staging Future once its live tensors have been written (or the save
+    ended, whatever way)."""
+
+    def __init__(self, live_addresses: set[int], resolve: Callable[[BaseException | None], None]) -> None:
+        self.live = live_addresses
+        self._resolve = resolve
+        self._done = False
+        self._guard = threading.Lock()
+        self.boundary = 0  # bytes of the data region to be written before the live tensors are free
+
+    def release(self, error: BaseException | None = None) -> None:
+        with self._guard:
+            if self._done:
+                return
+            self._done = True
+        with _lock:
+            if self in _pending:
+                _pending.remove(self)
+        self._resolve(error)
+
+    def progress(self, written_prefix: int) -> None:
+        """The writer's contiguous written prefix of the data region grew to ``written_prefix``."""
+        if written_prefix >= self.boundary:
+            self.release()
+
+
+def register(release: WaveRelease) -> None:
+    with _lock:
+        _pending.append(release)
+
+
+def release_for(sources: Sequence) -> WaveRelease | None:
+    """The pending release whose live tensors are among ``sources`` (flat uint8 tensors in write
+    order), with its boundary set to where the last of them ends; None when there is none."""
+    addresses = [s.untyped_storage().data_ptr() if s.device.type == "cpu" else None for s in sources]
+    with _lock:
+        candidates = list(reversed(_pending))  # the newest save first
+    for release in candidates:
+        ends = [i for i, a in enumerate(addresses) if a is not None and a in release.live]
+        if ends:
+            release.boundary = sum(int(s.numel()) for s in sources[: ends[-1] + 1])
+            return release
+    return None

@@ -35,16 +35,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ManifestError, SaveError
-from ..format.names import MANIFEST, check_name, save_key_of, temp_of
-from ..storage.local_dir import (
+from dcp_nvme.errors import ManifestError, SaveError
+from dcp_nvme.format.names import MANIFEST, check_name, save_key_of, temp_of
+from dcp_nvme.host.job import job_store
+from dcp_nvme.storage.local_dir import (
     LocalStore,
     commit_prepared,
     discard_prepared,
     write_commit_file,
     write_prepared,
 )
-from ..storage.peer_client import job_store
 
 log = logging.getLogger(__name__)
 

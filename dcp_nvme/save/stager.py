@@ -42,11 +42,11 @@ import torch
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from ..config import ALIGN, check_option
-from ..engines.buffers import cuda_available
-from ..errors import InvalidInputError, StagingBusyError
-from . import waves
-from .arena import (
+from dcp_nvme.config import ALIGN, check_option
+from dcp_nvme.engines.buffers import cuda_available
+from dcp_nvme.errors import InvalidInputError, StagingBusyError
+from dcp_nvme.save import items as waves
+from dcp_nvme.save.arena import (
     Arena,
     Lease,
     TensorSpec,

@@ -27,13 +27,16 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..compat import dcp_version
-from ..config import IOConfig, check_option, option_or_env, resolve_config
-from ..engines import shared_engine
-from ..engines.windows import host_address
-from ..errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, StorageError
-from ..format.manifest import build_manifest_doc, seal, table_entry
-from ..format.names import (
+from dcp_nvme import seams
+from dcp_nvme.compat import dcp_version
+from dcp_nvme.config import COMPRESS_MODES, IOConfig, check_option, option_or_env, resolve_config
+from dcp_nvme.engines import shared_engine
+from dcp_nvme.engines.buffers import host_address
+from dcp_nvme.engines.stats import PhaseTimer
+from dcp_nvme.errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, StorageError
+from dcp_nvme.format.container import ContainerLayout, plan_container
+from dcp_nvme.format.manifest import build_manifest_doc, seal, table_entry
+from dcp_nvme.format.names import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -43,20 +46,17 @@ from ..format.names import (
     table_name,
     temp_of,
 )
-from ..format.placement import ContainerLayout, plan_container
-from ..format.tables import files_table, index_table_bytes
-from ..load.dropin import require_location, writer_location
-from ..observe.blockdev import warn_once
-from ..observe.drive_health import DriveWatch
-from ..observe.stats import PhaseTimer
-from ..observe.telemetry import format_summary, layer_summary
-from ..storage import save_lock
-from ..storage.local_dir import LocalStore, is_local_path, write_commit_file
-from . import waves
-from .dropin import exists_message, refuse_existing_early, writer_stock_options
-from .items import resolve_item, with_pads
-from .node_budget import budgeted, local_ranks, node_turn, ranks_per_host, this_host
-from .node_commit import (
+from dcp_nvme.format.tables import files_table, index_table_bytes
+from dcp_nvme.host.job import host_name, leads_its_node, local_world_size, node_identity
+from dcp_nvme.save import items as waves
+from dcp_nvme.save.dropin import (
+    exists_message,
+    refuse_existing_early,
+    with_cached_plans,
+    writer_stock_options,
+)
+from dcp_nvme.save.items import resolve_item, with_pads
+from dcp_nvme.save.node_commit import (
     NodeCommitter,
     abort_everywhere,
     commit_on_every_node,
@@ -65,25 +65,35 @@ from .node_commit import (
     shared_store,
     start_committer,
 )
-from .plan_cache import with_cached_plans
-from .results import (
+from dcp_nvme.save.nodes import (
+    NODE_LOCAL,
+    NodeTag,
+    Topology,
+    budgeted,
+    decide,
+    node_turn,
+    probe_visible,
+    ranks_per_host,
+    remove_probe,
+    write_probe,
+)
+from dcp_nvme.save.results import (
     check_planner_data,
     collect_rows,
+    format_summary,
     key_from_results,
+    layer_summary,
     rank_stats_doc,
     storage_meta_doc,
     write_results,
 )
-from .topology import (
-    NODE_LOCAL,
-    NodeTag,
-    Topology,
-    decide,
-    leads_its_node,
-    node_identity,
-    probe_visible,
-    remove_probe,
-    write_probe,
+from dcp_nvme.storage import save_lock
+from dcp_nvme.storage.local_dir import (
+    LocalStore,
+    is_local_path,
+    require_location,
+    write_commit_file,
+    writer_location,
 )
 
 log = logging.getLogger(__name__)
@@ -129,7 +139,7 @@ class NVMeWriter(StorageWriter):
             (None: the drainer's option). The local checkpoint is always plain safetensors.
         replicas: with node-local disks, after each commit every node's files are pulled by this
             many other nodes into their ``<checkpoint>/.replicas/<node>/`` in the background
-            (node i's go to i+1.. mod N; ``dcp_nvme.tiers.replicate``); env ``DCP_NVME_REPLICAS``,
+            (node i's go to i+1.. mod N; ``dcp_nvme.peers.replicate``); env ``DCP_NVME_REPLICAS``,
             default 0. ``writer.replication_future`` resolves when this node's part is done.
         replica_bandwidth: bytes/s each pull may use (e.g. ``"200MB"``; env
             ``DCP_NVME_REPLICA_BANDWIDTH``; unlimited by default).
@@ -180,11 +190,8 @@ class NVMeWriter(StorageWriter):
         self._mirrored: dict[str, str] = {}
         """Mirror URL -> the checkpoint this writer drained there: one URL holds one checkpoint."""
         self.mirror_options = mirror_options
-        if compress is not None:
-            from ..tiers.compress import MODES
-
-            if compress not in MODES:
-                raise InvalidInputError(f"compress must be one of {MODES}, got {compress!r}")
+        if compress is not None and compress not in COMPRESS_MODES:
+            raise InvalidInputError(f"compress must be one of {COMPRESS_MODES}, got {compress!r}")
         self.compress = compress
         self.drain_future = None
         """With a mirror, on the coordinator (and on each node writer of a node-local save): a
@@ -244,7 +251,7 @@ class NVMeWriter(StorageWriter):
         remove_probe(self.path, self._probe)
         self._probe = write_probe(self.path) if _world_size() > 1 and leads_its_node() else None
         # the coordinator counts ranks per host, and finds which nodes share its directory
-        return replace(plan, storage_data=NodeTag(this_host(), node_identity(), self._probe))
+        return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe))
 
     def _refuse_existing(self, where: str) -> None:
         if LocalStore(self.path).has(MANIFEST) and not self.overwrite:
@@ -373,12 +380,12 @@ class NVMeWriter(StorageWriter):
         """The container written and fsynced under the node's budget (and turn); a failure
         leaves no partial file. Returns the engine's result and this rank's figures."""
         has_device = any(s.device.type != "cpu" for s in data)
-        on_node = local_ranks(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
+        on_node = local_world_size(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
         config = budgeted(self.config, on_node)
         engine, reason = shared_engine(config, has_device, self.path)
         path = os.path.join(self.path, name)
-        drive = DriveWatch(self.path)
-        advice = warn_once(drive.device, config.queue_depth, on_node, config.block_size, log)
+        watch = seams.save_diagnostics(self.path, config.queue_depth, on_node, config.block_size) \
+            if seams.save_diagnostics.plugged else None  # when asked: dcp-nvme bench and tune
         wave = waves.release_for(data)  # a bounded stager's live tensors are in this save
         progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
         try:
@@ -403,10 +410,9 @@ class NVMeWriter(StorageWriter):
             "rank": target.rank, "file": name, "items": items, "bytes": written.size,
             "engine": engine.name, "engine_reason": reason, "config": config.to_dict(),
             "phases": {k: round(v, 6) for k, v in timer.phases.items()}, "io": io_stats,
-            "host": this_host(), "local_ranks": on_node, "write_order": config.node_write_order,
+            "host": host_name(), "local_ranks": on_node, "write_order": config.node_write_order,
             "write_unix": [round(t, 6) for t in write_unix],
-            "drive": drive.finish(),
-            "block_layer": [str(a) for a in advice],
+            **(watch.finish() if watch is not None else {}),
         }
         _log_write(stats)
         return written, stats
@@ -447,19 +453,15 @@ class NVMeWriter(StorageWriter):
     def _submit_drain(self) -> None:
         """Committed on this node: its replication and its drain to the mirror run on in the background."""
         if getattr(self, "replicas", 0):
-            from ..tiers.replicate import start_replication
-
-            self.replication_future = start_replication(
+            self.replication_future = seams.replicate(
                 self.path, node_identity(), self.replicas, queue_depth=self.config.queue_depth,
                 block_size=self.config.block_size, bandwidth=self.replica_bandwidth,
                 stride=getattr(self, "replica_stride", 1))
         url = self.mirror_url()
         if url:
-            from ..tiers import submit_mirror
-
             self._mirrored[url] = self.path
-            self.drain_future = submit_mirror(self.path, url, self.mirror_options,
-                                              compress=getattr(self, "compress", None))
+            self.drain_future = seams.drain(self.path, url, self.mirror_options,
+                                            compress=getattr(self, "compress", None))
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
         """The tables, then manifest.json renamed into place: the commit. Returns the manifest."""
@@ -576,10 +578,6 @@ def _write_pointer(store: LocalStore) -> None:
 
 def _log_write(stats: dict[str, Any]) -> None:
     rank, io = stats["rank"], stats["io"]
-    if stats["drive"]["throttled"]:
-        log.warning("dcp_nvme: rank %d: the drive throttled during the save (%s); see "
-                    "docs/tuning.md, drive health", rank,
-                    {d: v["throttle"] for d, v in stats["drive"]["disks"].items() if v["throttle"]})
     log.info("dcp_nvme: rank %d wrote %s: %.3f GB in %.3f s (%.2f GB/s), %d requests, depth %d, "
              "p50 %.2f ms, p99 %.2f ms", rank, stats["file"], stats["bytes"] / 1e9,
              io["seconds"], io["gbps"], io["requests"], io["max_inflight"],

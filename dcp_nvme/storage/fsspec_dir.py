@@ -12,9 +12,10 @@ from typing import Any
 
 import fsspec
 
-from ..config import missing_backend
-from ..errors import ManifestError
-from .local_dir import LocalStore, bare_name, fsync_dir, is_remote_url, local_path
+from dcp_nvme.config import missing_backend
+from dcp_nvme.errors import ManifestError
+from dcp_nvme.host.files import bare_name, fsync_dir
+from dcp_nvme.storage.local_dir import LocalStore, is_remote_url, local_path
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None):

@@ -5,18 +5,28 @@ Bulk data goes through an engine; this is for the manifest, the index and cleanu
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import (
-    ManifestError,
+from dcp_nvme.config import check_url
+from dcp_nvme.errors import (
+    InvalidInputError,
     StorageError,
 )
-from ..format.names import (
+from dcp_nvme.format.names import (
     temp_name,
+)
+from dcp_nvme.host.files import (
+    bare_name,
+    create_no_follow,
+    fsync_dir,
+    not_regular,
+    open_regular,
+    read_regular,
+    unlink_quietly,
+    write_file_fresh,
 )
 
 
@@ -57,175 +67,28 @@ class Store(Protocol):
         ...
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
-def bare_name(name: str) -> str:
-    """``name`` if it names an entry of the directory itself: no separator, not ``.``/``..``.
-
-    Names read from a checkpoint are checked against their exact form in ``format.check_name``;
-    this is the last guard before a name is joined onto the directory."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise ManifestError(f"{name!r} is not a file name inside the checkpoint directory")
-    return name
 
 
-def file_kind(mode: int) -> str:
-    """What a file of ``mode`` (``st_mode``, of ``lstat`` for links) is, for messages."""
-    return ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a regular file" if stat.S_ISREG(mode)
-            else "not a regular file")
 
 
-def not_regular(path: str, mode: int) -> ManifestError:
-    return ManifestError(f"{path} is {file_kind(mode)}; a checkpoint holds only regular files, so it is refused")
 
 
-def open_regular(path: str | os.PathLike, extra_flags: int = 0) -> int:
-    """An fd of ``path`` for reading, only if it is a regular file (never a link, FIFO or device).
-
-    O_NONBLOCK so that opening a FIFO cannot hang; O_NOFOLLOW so that a link cannot lead out."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    flags |= extra_flags
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        if os.path.islink(path):
-            raise not_regular(os.fspath(path), stat.S_IFLNK) from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise not_regular(os.fspath(path), mode)
-    os.set_blocking(fd, True)
-    return fd
 
 
-def read_regular(path: str | os.PathLike, max_size: int | None = None) -> bytes:
-    """All of a regular file, refusing it when over ``max_size`` before reading a byte."""
-    fd = open_regular(path)
-    try:
-        size = os.fstat(fd).st_size
-        if max_size is not None and size > max_size:
-            raise ManifestError(f"{os.fspath(path)} is {size} bytes, more than the {max_size} a file of "
-                                "its kind may have; the checkpoint is damaged or not a dcp_nvme checkpoint")
-        data = bytearray(size)
-        view, total = memoryview(data), 0
-        while total < size:
-            got = os.preadv(fd, [view[total:]], total)
-            if got == 0:
-                break
-            total += got
-        return bytes(data[:total])
-    finally:
-        os.close(fd)
 
 
-NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _link_refused(path: str, what: str) -> StorageError:
-    return StorageError(errno.ELOOP, f"{path} is a symbolic link; dcp_nvme never writes {what} through a "
-                                     "link (it could lead outside the directory), so it was refused: remove "
-                                     "the link and run again")
 
 
-def create_no_follow(path: str | os.PathLike, flags: int = os.O_WRONLY, mode: int = 0o644, *,
-                     fresh: bool = False) -> int:
-    """The one way dcp_nvme creates or rewrites a file in a directory others may write to.
-
-    Opens ``path`` with O_CREAT | O_NOFOLLOW (plus ``flags``): a symbolic link there is refused
-    with a StorageError naming it, never followed, and anything but a regular file (a FIFO, a
-    device) is refused too. ``fresh`` is for a scratch or temp file the caller owns: whatever is
-    under the name (a leftover, a planted link: unlinking a link never touches its target) is
-    removed first and the file is created with O_EXCL, so only a file made here is written."""
-    path = os.fspath(path)
-    flags |= os.O_CREAT | NO_FOLLOW | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
-    if fresh:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except IsADirectoryError:
-            raise StorageError(errno.EISDIR, f"{path} is a directory where dcp_nvme writes a file; "
-                                             "remove it and run again") from None
-        except OSError as exc:
-            if not os.path.isdir(path) or os.path.islink(path):
-                raise StorageError(exc.errno, f"cannot remove the leftover {path}: {exc.strerror or exc}") from exc
-            raise StorageError(errno.EISDIR, f"{path} is a directory where dcp_nvme writes a file; "
-                                             "remove it and run again") from None
-        flags |= os.O_EXCL
-    try:
-        fd = os.open(path, flags, mode)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise _link_refused(path, "a file") from None
-        if exc.errno == errno.EEXIST:  # a fresh file raced by another writer of this name
-            raise StorageError(exc.errno, f"{path} appeared while dcp_nvme was creating it; another "
-                                          "process writes there: stop it and run again") from exc
-        if exc.errno == errno.ENXIO:  # a FIFO with no reader
-            raise StorageError(exc.errno, f"{path} is a FIFO; dcp_nvme writes only regular files, "
-                                          "so it was refused: remove it and run again") from exc
-        raise StorageError(exc.errno, f"cannot create {path}: {exc.strerror or exc}") from exc
-    mode_now = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode_now):
-        os.close(fd)
-        raise StorageError(errno.EINVAL, f"{path} is {file_kind(mode_now)}; dcp_nvme writes only regular "
-                                         "files, so it was refused: remove it and run again")
-    os.set_blocking(fd, True)
-    return fd
 
 
-def make_private_dir(path: str | os.PathLike) -> str:
-    """``path`` as a directory (made here if missing), never a symbolic link to one.
-
-    An existing link is refused with a StorageError naming it: files are later created inside
-    by name, and a link would put them wherever it points."""
-    path = os.fspath(path)
-    try:
-        os.mkdir(path, 0o755)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise StorageError(exc.errno, f"cannot create the directory {path}: {exc.strerror or exc}") from exc
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode):
-        raise _link_refused(path, "into a directory")
-    if not stat.S_ISDIR(info.st_mode):
-        raise StorageError(errno.ENOTDIR, f"{path} is {file_kind(info.st_mode)} where dcp_nvme keeps a "
-                                          "directory; remove it and run again")
-    return path
 
 
-def pwrite_all(fd: int, buffer: memoryview | bytes, offset: int) -> None:
-    """pwrite until every byte is written (a regular file may take fewer at a time)."""
-    buffer = memoryview(buffer)
-    while len(buffer):
-        written = os.pwrite(fd, buffer, offset)
-        buffer, offset = buffer[written:], offset + written
 
 
-def write_file_fresh(path: str | os.PathLike, data: bytes) -> None:
-    """``data`` as the new temp or scratch file ``path`` (``create_no_follow(fresh=True)``), fsynced."""
-    fd = create_no_follow(path, os.O_WRONLY, fresh=True)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except OSError as exc:
-        os.close(fd)
-        _unlink_quietly(os.fspath(path))
-        if isinstance(exc, StorageError):
-            raise
-        raise StorageError(exc.errno, f"cannot write {os.fspath(path)}: {exc.strerror or exc}") from exc
-    os.close(fd)
 
 
 class LocalStore:
@@ -294,11 +157,6 @@ class LocalStore:
         fsync_dir(self.root)
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def write_commit_file(directory: str | os.PathLike, name: str, data: bytes, save_key: str) -> None:
@@ -328,7 +186,7 @@ def write_prepared(directory: str | os.PathLike, name: str, data: bytes, save_ke
         finally:
             os.close(fd)
     except OSError as exc:
-        _unlink_quietly(temp)
+        unlink_quietly(temp)
         raise StorageError(exc.errno, f"cannot {step} {temp} while saving: {exc.strerror or exc}") from exc
     return temp
 
@@ -341,7 +199,7 @@ def commit_prepared(directory: str | os.PathLike, name: str, save_key: str) -> N
     try:
         os.replace(temp, final)
     except OSError as exc:
-        _unlink_quietly(temp)
+        unlink_quietly(temp)
         raise StorageError(exc.errno, f"cannot rename into place {final} while saving: "
                                       f"{exc.strerror or exc}") from exc
     try:
@@ -352,4 +210,46 @@ def commit_prepared(directory: str | os.PathLike, name: str, save_key: str) -> N
 
 
 def discard_prepared(directory: str | os.PathLike, name: str, save_key: str) -> None:
-    _unlink_quietly(os.path.join(os.fspath(directory), temp_name(name, save_key)))
+    unlink_quietly(os.path.join(os.fspath(directory), temp_name(name, save_key)))
+
+
+def _location_text(location: object, what: str, expected: str) -> str:
+    """``location`` as a string; anything but a str or path is refused: "``what`` must be ``expected``"."""
+    if not isinstance(location, (str, os.PathLike)):
+        raise InvalidInputError(f"{what} must be {expected}, not {type(location).__name__} {location!r}")
+    return os.fspath(location)
+
+
+def reader_location(location: str | os.PathLike | None) -> str | None:
+    """A reader's checkpoint: a local directory, or a URL fsspec can serve (read over fsspec)."""
+    if location is None:
+        return None
+    text = _location_text(location, "a checkpoint location", "a path or URL")
+    if is_remote_url(text):
+        return check_url("checkpoint_id", text)
+    return local_path(text)
+
+
+def writer_location(location: str | os.PathLike | None) -> str | None:
+    """A writer's checkpoint directory: local only. A URL is refused here, before anything is
+    created, rather than becoming a local directory named after it (``./s3:/bucket/x``)."""
+    if location is None:
+        return None
+    text = _location_text(location, "a checkpoint directory", "a path")
+    if is_remote_url(text):
+        name = text.rstrip("/").rsplit("/", 1)[-1] or "step_N"
+        raise InvalidInputError(
+            f"NVMeWriter saves to a local directory (node-local NVMe), not to {text}: save locally and "
+            f"mirror there, NVMeWriter('/nvme/run/{name}', mirror={text!r}); the mirror drains in the "
+            "background after each commit (NVMeReader loads from the URL directly)")
+    return local_path(text)
+
+
+def require_location(cls: type, location: str | None, call: str) -> str:
+    """The checkpoint location, once DCP starts using the object; a clear error when none was given."""
+    if location is None:
+        raise InvalidInputError(
+            f"{cls.__name__} has no checkpoint directory: give one, {cls.__name__}('/nvme/run/step_10'), or "
+            f"pass checkpoint_id='/nvme/run/step_10' to {call}")
+    return location
+

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidInputError
+from dcp_nvme.errors import InvalidInputError
 
 NVME_MARKER = "manifest.json"
 """dcp_nvme's commit marker: renamed into place last, so its presence means committed."""

@@ -45,14 +45,14 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 
-from ..errors import (
+from dcp_nvme.errors import (
     CheckpointLockedError,
     CheckpointNotFoundError,
     LockFileError,
     ManifestError,
     StorageError,
 )
-from .local_dir import file_kind, open_regular
+from dcp_nvme.host.files import file_kind, open_regular
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,13 @@
 See docs/tiers.md. ``register`` adds ``dcp-nvme drain`` and ``dcp-nvme status``.
 """
 
-from ..errors import DrainError
-from .background import Drainer, default_drainer, set_default_drainer
-from .drainer import DrainOptions, DrainResult, drain
-from .journal import DRAINING, FAILED, LOCAL, MIRRORED, UNCOMMITTED, DrainState, drain_state
-from .retention import apply_retention, plan_retention
-from .verify import verify_mirror
+from dcp_nvme.errors import DrainError
+from dcp_nvme.tiers.background import Drainer, default_drainer, set_default_drainer
+from dcp_nvme.tiers.drainer import DrainResult, drain
+from dcp_nvme.tiers.journal import DRAINING, FAILED, LOCAL, MIRRORED, UNCOMMITTED, DrainState, drain_state
+from dcp_nvme.tiers.options import DrainOptions
+from dcp_nvme.tiers.retention import apply_retention, plan_retention
+from dcp_nvme.tiers.verify import verify_mirror
 
 __all__ = [
     "DRAINING", "FAILED", "LOCAL", "MIRRORED", "UNCOMMITTED",
@@ -29,6 +30,6 @@ def submit_mirror(local: str, target: str, storage_options: dict | None = None, 
 
 
 def register(subparsers) -> None:
-    from .commands import register as _register
+    from dcp_nvme.tiers.commands import register as _register
 
     _register(subparsers)

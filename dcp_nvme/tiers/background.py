@@ -11,8 +11,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from .drainer import DrainOptions, DrainResult, drain
-from .journal import drain_state
+from dcp_nvme.tiers.drainer import DrainResult, drain
+from dcp_nvme.tiers.journal import drain_state
+from dcp_nvme.tiers.options import DrainOptions
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Drainer:
             result = drain(local, target, storage_options=storage_options, filesystem=filesystem,
                            options=options)
             if self.keep_last is not None:
-                from .retention import apply_retention
+                from dcp_nvme.tiers.retention import apply_retention
 
                 run_dir = os.path.dirname(os.path.abspath(os.fspath(local)))
                 try:  # the drain succeeded: a broken sibling must not turn it into a failure

@@ -6,18 +6,19 @@ import argparse
 import json
 import os
 
-from ..config import check_option, parse_size
-from ..errors import InvalidInputError
-from ..format.manifest import describe_topology, read_manifest
-from ..humanize import format_size, print_json, progress_bar
-from ..storage.local_dir import LocalStore
-from ..storage.run_dir import checkpoints
-from .compress import MODES as COMPRESS_MODES
-from .delta import delta_line, status_line
-from .drainer import DrainOptions, drain
-from .journal import drain_state, load_journal
-from .retention import apply_retention
-from .verify import verify_mirror
+from dcp_nvme.config import check_option, parse_size
+from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.format.manifest import describe_topology, read_manifest
+from dcp_nvme.humanize import format_size, print_json, progress_bar
+from dcp_nvme.storage.local_dir import LocalStore
+from dcp_nvme.storage.run_dir import checkpoints
+from dcp_nvme.tiers.compress import MODES as COMPRESS_MODES
+from dcp_nvme.tiers.delta import delta_line, status_line
+from dcp_nvme.tiers.drainer import drain
+from dcp_nvme.tiers.journal import drain_state, load_journal
+from dcp_nvme.tiers.options import DrainOptions
+from dcp_nvme.tiers.retention import apply_retention
+from dcp_nvme.tiers.verify import verify_mirror
 
 
 def register(subparsers) -> None:
@@ -126,7 +127,7 @@ def _local_bytes(path: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .replicate import replication_state
+    from dcp_nvme.peers.replicate import replication_state
 
     path = args.path
     if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):

@@ -28,22 +28,23 @@ from typing import Any
 
 import crc32c
 
-from ..format import codec
-from ..format.manifest import SELF_CRC, Manifest, seal
-from ..format.pieces import Piece, plan_pieces, verify_piece
-from ..format.tables import FileRecord
-from ..storage.local_dir import create_no_follow, make_private_dir
-from .compress_sample import measure, pays
-from .delta import Base, base_bytes, note
-from .delta_match import FileMatch, assign_bases
-from .encoder import DEPTH, CodecStats, Encoder, Window, chunks_in, regions
-from .source import DrainSource
-from .transfer import DrainFault, step
+from dcp_nvme.config import COMPRESS_MODES
+from dcp_nvme.format.manifest import SELF_CRC, Manifest, seal
+from dcp_nvme.format.pieces import Piece, plan_pieces, verify_piece
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.host.files import create_no_follow, make_private_dir
+from dcp_nvme.tiers import codec
+from dcp_nvme.tiers.compress_sample import measure, pays
+from dcp_nvme.tiers.delta import Base, base_bytes, note
+from dcp_nvme.tiers.delta_match import FileMatch, assign_bases
+from dcp_nvme.tiers.encoder import DEPTH, CodecStats, Encoder, Window, chunks_in, regions
+from dcp_nvme.tiers.source import DrainSource
+from dcp_nvme.tiers.transfer import DrainFault, step
 
 log = logging.getLogger(__name__)
 
 
-MODES = ("off", "auto", "bytegroup", "delta")
+MODES = COMPRESS_MODES
 
 
 SUFFIX = ".dcz"

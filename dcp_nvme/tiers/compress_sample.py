@@ -7,10 +7,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..format.pieces import Piece
-from ..format.tables import FileRecord
-from .encoder import DEPTH, Encoder, Window, chunks_in, regions
-from .source import DrainSource
+from dcp_nvme.format.pieces import Piece
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.tiers.encoder import DEPTH, Encoder, Window, chunks_in, regions
+from dcp_nvme.tiers.source import DrainSource
 
 SAMPLE = 8 << 20
 """Bytes ``auto`` codes to measure the codec on this machine."""

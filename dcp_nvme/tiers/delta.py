@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format import codec
-from ..format.manifest import Manifest
-from ..format.pieces import Piece
-from ..format.tables import FileRecord
-from .delta_match import BaseIndex, FileMatch, describe, index_base, match_file, summarize
-from .source import DrainSource
-from .transfer import DrainFault
+from dcp_nvme.format.manifest import Manifest
+from dcp_nvme.format.pieces import Piece
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.tiers import codec
+from dcp_nvme.tiers.delta_match import BaseIndex, FileMatch, describe, index_base, match_file, summarize
+from dcp_nvme.tiers.source import DrainSource
+from dcp_nvme.tiers.transfer import DrainFault
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ def pick_base(location: str, target: str, every: int, mirror_manifest: Any) -> t
     """The newest older checkpoint of the run directory that is mirrored (and still local), or
     None (code full) with the reason. A chain reaching ``every`` - 1 deltas starts over full.
     ``mirror_manifest(url)`` returns the parsed manifest committed at a mirror URL, or None."""
-    from ..storage.run_dir import checkpoints
-    from .journal import MIRRORED, drain_state
+    from dcp_nvme.storage.run_dir import checkpoints
+    from dcp_nvme.tiers.journal import MIRRORED, drain_state
 
     here = os.path.realpath(location)
     older = []

@@ -15,8 +15,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..format.codec import Chunk
-from ..format.tables import ChunkRecord, FileRecord
+from dcp_nvme.format.tables import ChunkRecord, FileRecord
+from dcp_nvme.tiers.codec import Chunk
 
 REPORTED = 20
 """Items coded full named per file (the rest are counted)."""

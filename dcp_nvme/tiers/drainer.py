@@ -26,31 +26,28 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from ..engines.bounded import run_bounded
-from ..errors import (
+from dcp_nvme.engines.requests import run_bounded
+from dcp_nvme.errors import (
     CheckpointNotFoundError,
     DrainError,
-    InvalidInputError,
     ManifestError,
     MissingDependencyError,
 )
-from ..format.codec import DEFAULT_LEVEL
-from ..format.names import MANIFEST, save_key_of
-from ..format.pieces import Piece, plan_pieces, verify_piece
-from ..format.tables import FileRecord
-from ..storage.local_dir import is_local_path
-from .compress import MODES as COMPRESS_MODES
-from .compress import SUFFIX as CODED_SUFFIX
-from .compress import CompressedSource, default_threads, remove_scratch, through_codec
-from .delta import journal_summary, pick_base
-from .journal import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock
-from .sinks import S3Sink, Sink, open_sink
-from .source import DrainSource, overwritten
-from .target import put_confirmed, refuse_other_checkpoint, wait_for_every_node
-from .transfer import (
+from dcp_nvme.format.names import MANIFEST, save_key_of
+from dcp_nvme.format.pieces import Piece, plan_pieces, verify_piece
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.storage.local_dir import is_local_path
+from dcp_nvme.tiers.compress import SUFFIX as CODED_SUFFIX
+from dcp_nvme.tiers.compress import CompressedSource, default_threads, remove_scratch, through_codec
+from dcp_nvme.tiers.delta import journal_summary, pick_base
+from dcp_nvme.tiers.journal import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock
+from dcp_nvme.tiers.options import DrainOptions
+from dcp_nvme.tiers.sinks import S3Sink, Sink, open_sink
+from dcp_nvme.tiers.source import DrainSource, overwritten
+from dcp_nvme.tiers.target import put_confirmed, refuse_other_checkpoint, wait_for_every_node
+from dcp_nvme.tiers.transfer import (
     S3_MIN_PART,
     IncompleteOnTarget,
-    MiB,
     SourceChanged,
     TokenBucket,
     backoff_delay,
@@ -66,7 +63,6 @@ from .transfer import (
 log = logging.getLogger(__name__)
 
 
-VERIFY_MODES = ("sent", "readback")
 
 
 Hook = Callable[[str, dict[str, Any]], None]
@@ -89,59 +85,6 @@ def _at(point: str, **info: Any) -> None:
         _hook(point, info)
 
 
-@dataclass(frozen=True)
-class DrainOptions:
-    """How a drain behaves. Defaults suit a shared network: 4 transfers, 64 MiB pieces, no cap.
-
-    max_transfers: pieces in flight at once (across files).
-    part_size: bytes per piece (multipart part on S3; at least 5 MiB there). A file whose
-        transfer an interrupted drain began keeps the part size it was planned with.
-    bandwidth: bytes/s cap for the whole drain (token bucket), None for no cap.
-    verify: "sent" checks every piece's bytes against the blocks table before sending it;
-        "readback" also reads every byte back from the target and checks it.
-    retries: attempts after the first before the drain is marked failed.
-    backoff, backoff_max: seconds of the first wait between attempts, and the cap (doubling).
-    """
-
-    max_transfers: int = 4
-    part_size: int = 64 * MiB
-    bandwidth: float | None = None
-    verify: str = "sent"
-    retries: int = 5
-    backoff: float = 2.0
-    backoff_max: float = 60.0
-    compress: str = "off"
-    """"off", "bytegroup" (send byte-grouped .dcz files), or "auto" (bytegroup when the codec,
-    measured on a sample, makes the drain finish sooner over a link of ``bandwidth`` or
-    ``link_rate`` bytes/s). See docs/tiers.md."""
-    level: int = DEFAULT_LEVEL
-    codec_threads: int | None = None
-    """Threads coding for the drain (None: half the cores, at most 2)."""
-    link_rate: float | None = None
-    """The link's bytes/s for ``auto`` when no ``bandwidth`` cap says it."""
-    delta_every: int = 8
-    """``compress="delta"``: a full checkpoint at least every this many (the chain a load reads)."""
-    node_wait: float = 3600.0
-    """A node-local checkpoint: seconds a node's drain waits, its own files sent, for the other
-    nodes' drains before the mirror commits (each node drains the files on its own disk)."""
-
-    def __post_init__(self) -> None:
-        if self.compress not in COMPRESS_MODES:
-            raise InvalidInputError(f"compress must be one of {COMPRESS_MODES}, got {self.compress!r}")
-        if self.delta_every < 1:
-            raise InvalidInputError(f"delta_every must be >= 1, got {self.delta_every}")
-        if self.codec_threads is not None and self.codec_threads < 1:
-            raise InvalidInputError(f"codec_threads must be >= 1, got {self.codec_threads}")
-        if self.verify not in VERIFY_MODES:
-            raise InvalidInputError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
-        if self.max_transfers < 1:
-            raise InvalidInputError(f"max_transfers must be >= 1, got {self.max_transfers}")
-        if self.part_size < 1:
-            raise InvalidInputError(f"part_size must be >= 1, got {self.part_size}")
-        if self.retries < 0:
-            raise InvalidInputError(f"retries must be >= 0, got {self.retries}")
-        if not self.node_wait > 0:
-            raise InvalidInputError(f"node_wait must be > 0 seconds, got {self.node_wait}")
 
 
 @dataclass

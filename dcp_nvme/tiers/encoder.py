@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import crc32c
 
-from ..format import codec
-from ..format.manifest import Manifest
-from ..format.pieces import Piece
+from dcp_nvme.format.manifest import Manifest
+from dcp_nvme.format.pieces import Piece
+from dcp_nvme.tiers import codec
 
 DEPTH = 2
 """Windows coding at once: one being finished and written while the next keeps the pool busy."""

@@ -22,13 +22,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import CheckpointNotFoundError
-from ..format.manifest import MAX_MANIFEST, missing_manifest_error
-from ..format.names import MANIFEST
-from ..format.pieces import Piece
-from ..storage.local_dir import LocalStore, create_no_follow, read_regular
-from ..storage.run_dir import DCP, DCP_MARKER, committed_kind
-from .transfer import piece_entry
+from dcp_nvme.errors import CheckpointNotFoundError
+from dcp_nvme.format.manifest import MAX_MANIFEST, missing_manifest_error
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.pieces import Piece
+from dcp_nvme.host.files import create_no_follow, read_regular
+from dcp_nvme.storage.local_dir import LocalStore
+from dcp_nvme.storage.run_dir import DCP, DCP_MARKER, committed_kind
+from dcp_nvme.tiers.transfer import piece_entry
 
 log = logging.getLogger(__name__)
 

@@ -32,15 +32,15 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidInputError
-from ..format.manifest import MAX_MANIFEST, read_manifest
-from ..format.names import MANIFEST
-from ..load.coded import same_save
-from ..storage.fsspec_dir import open_store
-from ..storage.local_dir import LocalStore, is_local_path, local_path
-from ..storage.run_dir import NVME, checkpoints
-from ..storage.save_lock import read_holder, stale_reason
-from .journal import MIRRORED, drain_state
+from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.format.manifest import MAX_MANIFEST, read_manifest
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.storage.fsspec_dir import open_store
+from dcp_nvme.storage.local_dir import LocalStore, is_local_path, local_path
+from dcp_nvme.storage.run_dir import NVME, checkpoints
+from dcp_nvme.storage.save_lock import read_holder, stale_reason
+from dcp_nvme.tiers.coded import same_save
+from dcp_nvme.tiers.journal import MIRRORED, drain_state
 
 log = logging.getLogger(__name__)
 

@@ -25,19 +25,12 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from ..errors import BucketMissingError, ChecksumMismatchError
-from ..format.pieces import Piece, verify_piece
-from ..format.tables import FileRecord
-from ..storage.fsspec_dir import FsspecStore, filesystem, is_local_fs
-from ..storage.local_dir import (
-    LocalStore,
-    create_no_follow,
-    fsync_dir,
-    is_remote_url,
-    local_path,
-    pwrite_all,
-    write_file_fresh,
-)
+from dcp_nvme.errors import BucketMissingError, ChecksumMismatchError
+from dcp_nvme.format.pieces import Piece, verify_piece
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.host.files import create_no_follow, fsync_dir, pwrite_all, write_file_fresh
+from dcp_nvme.storage.fsspec_dir import FsspecStore, filesystem, is_local_fs
+from dcp_nvme.storage.local_dir import LocalStore, is_remote_url, local_path
 
 LocalPiece = Callable[[FileRecord, Piece], bytes]
 """Reads one piece of a local data file, checked against the blocks table."""

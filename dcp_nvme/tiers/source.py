@@ -12,14 +12,15 @@ import json
 import os
 from typing import Any
 
-from ..errors import ManifestError
-from ..format.checksums import check_table
-from ..format.manifest import Manifest, read_files, read_manifest
-from ..format.names import MANIFEST
-from ..format.pieces import Piece, verify_piece
-from ..format.tables import FileRecord
-from ..storage.local_dir import LocalStore, open_regular
-from .transfer import DrainFault, LocalDamage, SourceChanged, step
+from dcp_nvme.errors import ManifestError
+from dcp_nvme.format.checksums import check_table
+from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.pieces import Piece, verify_piece
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.host.files import open_regular
+from dcp_nvme.storage.local_dir import LocalStore
+from dcp_nvme.tiers.transfer import DrainFault, LocalDamage, SourceChanged, step
 
 
 class DrainSource:

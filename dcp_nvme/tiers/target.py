@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..format.names import MANIFEST
-from ..load.coded import same_save
-from .journal import Journal
-from .sinks import Sink
-from .source import DrainSource
-from .transfer import (
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.tiers.coded import same_save
+from dcp_nvme.tiers.journal import Journal
+from dcp_nvme.tiers.options import DrainOptions
+from dcp_nvme.tiers.sinks import Sink
+from dcp_nvme.tiers.source import DrainSource
+from dcp_nvme.tiers.transfer import (
     IncompleteOnTarget,
     TargetTaken,
     step,
 )
-
-if TYPE_CHECKING:
-    from .drainer import DrainOptions
 
 
 def _checkpoint_of(manifest: dict[str, Any]) -> str | None:

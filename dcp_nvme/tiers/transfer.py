@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import BucketMissingError, ChecksumMismatchError
-from ..format.pieces import Piece
+from dcp_nvme.errors import BucketMissingError, ChecksumMismatchError
+from dcp_nvme.format.pieces import Piece
 
 MiB = 1 << 20
 
@@ -147,7 +147,7 @@ def classify(exc: BaseException) -> str:
 def is_permanent(exc: BaseException) -> bool:
     """Errors a retry cannot fix: bad or missing local data, a corrupt mirror, a local checkpoint
     gone or overwritten under the drain, a backend package that is not installed."""
-    from ..errors import CheckpointNotFoundError, ManifestError, MissingDependencyError
+    from dcp_nvme.errors import CheckpointNotFoundError, ManifestError, MissingDependencyError
 
     if isinstance(exc, DrainFault):
         return exc.permanent

@@ -7,14 +7,15 @@ import os
 import time
 from typing import Any
 
-from ..errors import DrainError
-from ..format.names import MANIFEST
-from ..load.coded import readback_coded, same_save
-from .drainer import DrainOptions, DrainResult, readback
-from .journal import FAILED, DrainBusy, Journal, drain_lock
-from .sinks import open_sink
-from .source import DrainSource
-from .transfer import (
+from dcp_nvme.errors import DrainError
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.tiers.coded import readback_coded, same_save
+from dcp_nvme.tiers.drainer import DrainResult, readback
+from dcp_nvme.tiers.journal import FAILED, DrainBusy, Journal, drain_lock
+from dcp_nvme.tiers.options import DrainOptions
+from dcp_nvme.tiers.sinks import open_sink
+from dcp_nvme.tiers.source import DrainSource
+from dcp_nvme.tiers.transfer import (
     IncompleteOnTarget,
     classify,
 )

@@ -9,7 +9,7 @@ The same as ``dcp-nvme list | inspect | verify | export``; ``dcp-nvme convert`` 
 ``dcp_nvme.tools.convert.convert``.
 """
 
-from ..lazy_imports import lazy_names
+from dcp_nvme.lazy_imports import lazy_names
 
 # Names load on first use, so that ``dcp-nvme list --help`` (which imports this package for its
 # commands module) starts without torch.

@@ -12,8 +12,8 @@ import sys
 import time
 from typing import Any
 
-from ..humanize import format_size as human_bytes
-from ..humanize import print_json
+from dcp_nvme.humanize import format_size as human_bytes
+from dcp_nvme.humanize import print_json
 
 
 def _table(rows: list[list[str]], out=None) -> None:
@@ -35,7 +35,7 @@ def _when(unix: float | None) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from .listing import list_checkpoints
+    from dcp_nvme.tools.listing import list_checkpoints
 
     entries = list_checkpoints(args.dir)
     if args.json:
@@ -62,8 +62,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..format.manifest import describe_topology
-    from .inspection import inspect_checkpoint
+    from dcp_nvme.format.manifest import describe_topology
+    from dcp_nvme.tools.inspection import inspect_checkpoint
 
     info = inspect_checkpoint(args.checkpoint, filter=args.filter)
     if args.json:
@@ -101,7 +101,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("by top key:  " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.by_top_key.items())))
         print(f"total:       {len(info.tensors)} tensor(s), {len(info.objects)} other item(s), "
               f"{human_bytes(info.total_bytes)}")
-        from ..load.coded import describe_compression
+        from dcp_nvme.tiers.coded import describe_compression
 
         coded = describe_compression(info.location)
         if coded:
@@ -119,7 +119,7 @@ def _rank_of(name: str) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify_checkpoint
+    from dcp_nvme.tools.verify import verify_checkpoint
 
     progress = not args.no_progress and not args.json
     report = verify_checkpoint(args.checkpoint, jobs=args.jobs, progress=progress,
@@ -145,7 +145,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_hf
+    from dcp_nvme.tools.export import export_hf
 
     progress = not args.no_progress and not args.json
     result = export_hf(args.checkpoint, args.out, keys=args.keys, strip_prefix=args.strip_prefix,
@@ -169,7 +169,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from dcp_nvme.tools.convert import convert
 
     result = convert(args.src, args.dst, args.to, memory_budget=args.memory_budget, overwrite=args.overwrite,
                      progress=not args.no_progress and not args.json)
@@ -196,7 +196,7 @@ def register_convert(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:
-    from ..storage.save_lock import unlock
+    from dcp_nvme.storage.save_lock import unlock
 
     holder, why = unlock(args.path, force=args.force)
     if args.json:
@@ -214,7 +214,7 @@ def cmd_unlock(args: argparse.Namespace) -> int:
 
 
 def register_unlock(subparsers: argparse._SubParsersAction) -> None:
-    from ..storage.save_lock import STALE_AFTER_S
+    from dcp_nvme.storage.save_lock import STALE_AFTER_S
 
     p = subparsers.add_parser(
         "unlock", help="remove a checkpoint directory's save lock left by a dead save",

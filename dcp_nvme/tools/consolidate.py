@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidInputError
-from ..format.container import ST_DTYPES, parse_dtype
-from ..format.tables import ChunkRecord
-from ..load.planning import Need, count_runs, slice_runs
+from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.format.container import ST_DTYPES, parse_dtype
+from dcp_nvme.format.tables import ChunkRecord
+from dcp_nvme.load.planning import Need, count_runs, slice_runs
 
 MAX_RUNS_PER_READ = 16384
 """Runs planned at once for one chunk; bounds the planner's lists for finely split chunks."""

@@ -50,13 +50,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from ..config import parse_size
-from ..errors import InvalidInputError
-from ..format.names import DCP_METADATA, MANIFEST
-from ..humanize import progress_bar
-from ..load.reader import NVMeReader
-from ..save.writer import NVMeWriter
-from ..storage.local_dir import is_remote_url
+from dcp_nvme.config import parse_size
+from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.format.names import DCP_METADATA, MANIFEST
+from dcp_nvme.humanize import progress_bar
+from dcp_nvme.load.reader import NVMeReader
+from dcp_nvme.save.writer import NVMeWriter
+from dcp_nvme.storage.local_dir import is_remote_url
 
 FORMATS = ("nvme", "dcp", "torch")
 DEFAULT_MEMORY_BUDGET = 1 << 30

@@ -22,19 +22,19 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..config import IOConfig, parse_size
-from ..engines.buffers import tensor_bytes
-from ..engines.posix import PosixEngine
-from ..errors import InvalidInputError
-from ..format.container import build_header
-from ..format.manifest import read_files, read_manifest
-from ..format.tables import FileRecord
-from ..format.validation import check_container
-from ..humanize import progress_bar
-from ..load.coded import coded_engine, decoded_view
-from ..load.planning import FileBlocks, plan_reads
-from ..storage.local_dir import LocalStore, is_remote_url
-from .consolidate import (
+from dcp_nvme.config import IOConfig, parse_size
+from dcp_nvme.engines.buffers import tensor_bytes
+from dcp_nvme.engines.posix import PosixEngine
+from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.format.container import build_header
+from dcp_nvme.format.manifest import read_files, read_manifest
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.format.validation import check_container
+from dcp_nvme.humanize import progress_bar
+from dcp_nvme.load.planning import FileBlocks, plan_reads
+from dcp_nvme.storage.local_dir import LocalStore, is_remote_url
+from dcp_nvme.tiers.coded import coded_engine, decoded_view
+from dcp_nvme.tools.consolidate import (
     TensorPlan,
     chunk_needs,
     model_selection,
@@ -153,7 +153,7 @@ def _match(name: str, pattern: str) -> bool:
 
 def _refuse_overlap(checkpoint: str, out: Path) -> None:
     """An export onto the checkpoint it reads (or into it, or around it) would replace it."""
-    from ..tiers.transfer import overlap
+    from dcp_nvme.tiers.transfer import overlap
 
     why = overlap(os.path.realpath(checkpoint), os.path.realpath(out))
     if why is not None:

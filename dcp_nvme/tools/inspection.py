@@ -8,12 +8,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, InvalidInputError
-from ..format.validation import read_header
-from ..load.coded import decoded_view
-from ..storage.fsspec_dir import open_store
-from ..storage.local_dir import Store
-from .status import FOREIGN, MISSING, NOT_A_CHECKPOINT, CheckpointState, checkpoint_state
+from dcp_nvme.errors import CheckpointNotFoundError, InvalidInputError
+from dcp_nvme.format.validation import read_header
+from dcp_nvme.storage.fsspec_dir import open_store
+from dcp_nvme.storage.local_dir import Store
+from dcp_nvme.tiers.coded import decoded_view
+from dcp_nvme.tools.status import FOREIGN, MISSING, NOT_A_CHECKPOINT, CheckpointState, checkpoint_state
 
 
 @dataclass

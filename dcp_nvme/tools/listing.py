@@ -7,12 +7,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..format.names import DCP_METADATA, MANIFEST, save_key_of
-from ..load.coded import decoded_view
-from ..storage.local_dir import LocalStore
-from ..storage.run_dir import parse_step
-from ..tiers import drain_state
-from .status import checkpoint_state
+from dcp_nvme.format.names import DCP_METADATA, MANIFEST, save_key_of
+from dcp_nvme.storage.local_dir import LocalStore
+from dcp_nvme.storage.run_dir import parse_step
+from dcp_nvme.tiers import drain_state
+from dcp_nvme.tiers.coded import decoded_view
+from dcp_nvme.tools.status import checkpoint_state
 
 
 @dataclass

@@ -6,10 +6,11 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointNotCommittedError, CheckpointNotFoundError, DCPNVMeError
-from ..format.manifest import Manifest, read_manifest
-from ..format.names import DCP_METADATA, MANIFEST, save_key_of
-from ..storage.local_dir import LocalStore, Store, file_kind, open_regular
+from dcp_nvme.errors import CheckpointNotCommittedError, CheckpointNotFoundError, DCPNVMeError
+from dcp_nvme.format.manifest import Manifest, read_manifest
+from dcp_nvme.format.names import DCP_METADATA, MANIFEST, save_key_of
+from dcp_nvme.host.files import file_kind, open_regular
+from dcp_nvme.storage.local_dir import LocalStore, Store
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"

@@ -21,8 +21,8 @@ from typing import Any
 
 import crc32c
 
-from ..engines.bounded import run_bounded
-from ..errors import (
+from dcp_nvme.engines.requests import run_bounded
+from dcp_nvme.errors import (
     CheckpointNotCommittedError,
     CheckpointNotFoundError,
     DCPNVMeError,
@@ -30,17 +30,17 @@ from ..errors import (
     ManifestError,
     TableError,
 )
-from ..format.checksums import checks_within, host_crcs, items_in, mismatches
-from ..format.container import parse_header
-from ..format.manifest import Manifest, read_files, read_manifest
-from ..format.names import MANIFEST
-from ..format.tables import ChunkRecord, FileRecord
-from ..format.validation import header_mismatches
-from ..humanize import progress_bar
-from ..load.coded import decoded_view
-from ..load.objects import items_needing_pickle
-from ..storage.fsspec_dir import open_store
-from ..storage.local_dir import Store
+from dcp_nvme.format.checksums import checks_within, host_crcs, items_in, mismatches
+from dcp_nvme.format.container import parse_header
+from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
+from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.tables import ChunkRecord, FileRecord
+from dcp_nvme.format.validation import header_mismatches
+from dcp_nvme.humanize import progress_bar
+from dcp_nvme.load.objects import items_needing_pickle
+from dcp_nvme.storage.fsspec_dir import open_store
+from dcp_nvme.storage.local_dir import Store
+from dcp_nvme.tiers.coded import decoded_view
 
 DEFAULT_SPAN = 8 << 20
 """Bytes one worker reads and checks per task (rounded to whole checksum blocks)."""

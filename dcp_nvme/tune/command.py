@@ -13,11 +13,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..config import ALIGN, default_tune_file, parse_size
-from ..errors import InvalidInputError
-from ..humanize import format_size
-from ..observe.machine import files_under
-from .probe import CHOSEN_BY, sweep
+from dcp_nvme.config import ALIGN, default_tune_file, parse_size
+from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.humanize import format_size
+from dcp_nvme.observe.machine import files_under
+from dcp_nvme.tune.probe import CHOSEN_BY, sweep
 
 
 def format_curve(doc: dict[str, Any]) -> str:
@@ -38,8 +38,8 @@ def format_curve(doc: dict[str, Any]) -> str:
 
 def _layer_report(doc: dict[str, Any], device, ranks: int) -> list[str]:
     """Block layer and drive health under the tuned directory; also stored in ``doc``."""
-    from ..observe.blockdev import check_queues, format_device
-    from ..observe.drive_health import format_drive
+    from dcp_nvme.observe.blockdev import check_queues, format_device
+    from dcp_nvme.observe.drive_health import format_drive
 
     best = doc["best"]
     advice = check_queues(device, best["queue_depth"], ranks, best["block_size"]) if device else []
@@ -116,8 +116,8 @@ def run_tune(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--size must be at least {ALIGN} bytes")
     if args.ranks < 1:
         raise InvalidInputError("--ranks must be at least 1")
-    from ..observe.drive_health import DriveWatch
-    from .ranks import sweep_ranks
+    from dcp_nvme.observe.drive_health import DriveWatch
+    from dcp_nvme.tune.ranks import sweep_ranks
 
     work = os.path.join(args.dir, f".dcp-nvme-tune-{uuid.uuid4().hex[:8]}")
     os.makedirs(work)

@@ -19,12 +19,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..config import ALIGN, IOConfig
-from ..engines.buffers import aligned_buffer
-from ..engines.posix import PosixEngine
-from ..humanize import format_size, progress_bar
-from ..load.planning import Need, plan_reads
-from ..observe.machine import evict_from_page_cache, machine_info
+from dcp_nvme.config import ALIGN, IOConfig
+from dcp_nvme.engines.buffers import aligned_buffer
+from dcp_nvme.engines.posix import PosixEngine
+from dcp_nvme.humanize import format_size, progress_bar
+from dcp_nvme.load.planning import Need, plan_reads
+from dcp_nvme.observe.machine import evict_from_page_cache, machine_info
 
 TIE_TOLERANCE = 0.03
 
@@ -173,7 +173,7 @@ def measure_host_engines(directory: str, nbytes: int, config: IOConfig, buffer=N
     engines at one point, alternating, median of ``repeat`` rounds each."""
     import resource
 
-    from ..engines.uring import UringEngine, uring_unavailable_reason
+    from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
 
     classes = {"posix": PosixEngine, "uring": UringEngine}
     reason = uring_unavailable_reason()

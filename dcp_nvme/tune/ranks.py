@@ -20,19 +20,19 @@ from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
-from ..config import ALIGN, IOConfig
-from ..errors import BenchError
-from ..humanize import format_size, progress_bar
-from ..observe.machine import machine_info
-from ..save.node_budget import effective_queue_depth, node_turn
-from .probe import CHOSEN_BY, engine_probe, pick_best
+from dcp_nvme.config import ALIGN, IOConfig
+from dcp_nvme.errors import BenchError
+from dcp_nvme.humanize import format_size, progress_bar
+from dcp_nvme.observe.machine import machine_info
+from dcp_nvme.save.nodes import effective_queue_depth, node_turn
+from dcp_nvme.tune.probe import CHOSEN_BY, engine_probe, pick_best
 
 BARRIER_SECONDS = 3600.0
 
 
 def _worker(index: int, directory: str, nbytes: int, tasks, results, barrier) -> None:
     """One process: probe each task's config in step with the others; ``None`` ends it."""
-    from ..engines.buffers import aligned_buffer
+    from dcp_nvme.engines.buffers import aligned_buffer
 
     buffer = aligned_buffer(nbytes, pin=False)
     own = os.path.join(directory, f"rank{index}")

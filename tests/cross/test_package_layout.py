@@ -1,0 +1,143 @@
+"""The package's folders are its architecture: each layer imports only the layers below it, the
+core never imports the optional systems (they plug into ``dcp_nvme.seams``), no module imports
+itself back through another -- imports made only for type checking count as imports here, so no
+cycle hides behind ``TYPE_CHECKING`` -- and no module grows past one screenful of concerns (600
+lines). Static: read from the source, nothing imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent.parent / "dcp_nvme"
+
+# lowest first, in the order the data flows; a layer may import any layer before it, never one after it
+LAYERS = [
+    {"errors", "humanize", "lazy_imports", "compat", "config", "seams"},  # words, options, hook points
+    {"host"},  # file primitives, the launcher's identity
+    {"format"},  # what is on disk
+    {"engines", "storage"},  # how bytes move; the checkpoint directory
+    {"save", "load"},  # DCP's StorageWriter / StorageReader
+    {"observe", "peers"},  # optional: diagnostics; other nodes' copies
+    {"tiers"},  # optional: the drain to a mirror, its compression
+    {"tools", "tune", "bench", "integrations", "cli", "__main__", "__init__"},
+]
+CORE = {"errors", "humanize", "lazy_imports", "compat", "config", "seams", "host", "format", "engines",
+        "storage", "save", "load"}
+"""What a plain dcp.save / dcp.load / dcp.async_save runs."""
+MAX_LINES = 600
+MAX_TOP_LEVEL_MODULES = 7
+MAX_TYPE_CHECKING_IMPORTS = 8
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Modules of the package that ``name`` imports, anywhere in it, ``TYPE_CHECKING`` blocks included."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in modules else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def _type_checking_imports(path: Path) -> int:
+    """Import statements inside ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(path.read_text())
+    return sum(isinstance(node, (ast.Import, ast.ImportFrom))
+               for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+               for node in ast.walk(block))
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    for index, names in enumerate(LAYERS):
+        if top in names:
+            return index
+    raise AssertionError(f"{module}: its folder {top!r} is in no layer of this test; add it")
+
+
+def _top(module: str) -> str:
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def test_every_layer_imports_only_layers_below_it():
+    modules = _modules()
+    upward = []
+    for name, path in modules.items():
+        for imported in _imports(name, path, modules):
+            if imported != "dcp_nvme" and _layer(imported) > _layer(name):
+                upward.append(f"{name} imports {imported}")
+    assert not upward, "imports that point up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_the_core_never_imports_the_optional_systems():
+    """save/load/format/engines/storage/host reach tiers, peers and observe only through seams."""
+    modules = _modules()
+    reached = sorted(f"{name} imports {imported}" for name, path in modules.items() if _top(name) in CORE
+                     for imported in _imports(name, path, modules) if _top(imported) not in CORE)
+    assert not reached, "the core imports optional systems:\n" + "\n".join(reached)
+
+
+def test_save_and_load_are_siblings_and_engines_know_nothing_of_dcp():
+    modules = _modules()
+    for name, path in modules.items():
+        imported = {_top(m) for m in _imports(name, path, modules)}
+        if _top(name) == "load":
+            assert "save" not in imported, name
+        if _top(name) == "save":
+            assert "load" not in imported, name
+        if _top(name) == "engines":
+            assert "torch.distributed.checkpoint" not in path.read_text(), f"{name} knows DCP"
+
+
+def test_type_checking_imports_are_counted_and_few():
+    """Imports for type checking only are imports all the same (the cycle and layer tests see them);
+    they are kept for what would otherwise load torch or a heavy module at import time."""
+    counts = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := _type_checking_imports(p))}
+    assert sum(counts.values()) <= MAX_TYPE_CHECKING_IMPORTS, counts
+
+
+def test_no_import_cycle_between_modules():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) - {"dcp_nvme"} for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def visit(node: str, trail: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return trail + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, trail + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (cycle := visit(name, [])):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_no_module_over_600_lines_and_few_at_the_top():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"modules directly in dcp_nvme/: {top}"

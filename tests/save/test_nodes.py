@@ -1,0 +1,146 @@
+"""The pure and single-process parts of many-node checkpoints: how the coordinator decides
+which nodes share its directory, the node-commit payload and topology record as hostile input,
+the mirror of each step, and what tools and the reader say about a node-local copy.
+(tests/cross/test_node_local.py runs the real thing on simulated nodes.)"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_nvme import InvalidInputError, NVMeReader, NVMeWriter
+from dcp_nvme.errors import ManifestError
+from dcp_nvme.format.manifest import describe_topology, read_manifest, seal
+from dcp_nvme.format.validation import check_topology
+from dcp_nvme.save.node_commit import decode_payload, encode_payload
+from dcp_nvme.save.nodes import NODE_LOCAL, SHARED, NodeTag, decide
+from dcp_nvme.storage.local_dir import LocalStore
+from dcp_nvme.tiers import DrainError, drain
+from dcp_nvme.tools.status import checkpoint_state
+
+
+def _tags(nodes: list[str], leaders: set[int]) -> list[NodeTag]:
+    return [NodeTag(f"h{n}", n, f"p{r}" if r in leaders else None) for r, n in enumerate(nodes)]
+
+
+def test_nodes_whose_probe_the_coordinator_cannot_see_get_a_writer_each():
+    tags = _tags(["0", "0", "1", "1", "2", "2"], {0, 2, 4})
+    local = decide(0, tags, visible=lambda name: name == "p0")
+    assert (local.mode, local.node_writers) == (NODE_LOCAL, (2, 4))
+    assert local.to_doc() == {"mode": "node-local", "nodes": ["0", "1", "2"], "rank_nodes": [0, 0, 1, 1, 2, 2]}
+    shared = decide(0, tags, visible=lambda name: True)
+    assert (shared.mode, shared.node_writers) == (SHARED, ())
+    mixed = decide(0, tags, visible=lambda name: name in ("p0", "p2"))  # node 1 shares, node 2 does not
+    assert (mixed.mode, mixed.node_writers) == (NODE_LOCAL, (4,))
+    # a node whose every rank probed (no LOCAL_RANK): its lowest rank writes
+    assert decide(0, _tags(["a", "b", "b"], {0, 1, 2}), visible=lambda n: n == "p0").node_writers == (1,)
+    assert decide(0, [NodeTag("h", "0")], visible=lambda n: False).mode == SHARED  # one process
+
+
+def test_a_node_without_a_probe_is_refused_with_what_to_set():
+    with pytest.raises(InvalidInputError, match="LOCAL_RANK"):
+        decide(0, _tags(["0", "1"], {0}), visible=lambda name: True)
+
+
+def test_the_node_commit_payload_round_trips_and_refuses_what_another_process_could_send():
+    key = "ab12"
+    tables = [(f"index.{key}.parquet", b"\x01" * 10), (f"blocks.{key}.parquet", b"\x02" * 3)]
+    data = encode_payload(b'{"m": 1}', tables)
+    assert decode_payload(data, key) == (b'{"m": 1}', tables)
+    for broken in (data[:-1], data + b"x", b"\x00\x00", data[:4] + b"[" + data[5:]):
+        with pytest.raises(ManifestError, match="malformed"):
+            decode_payload(broken, key)
+    evil = encode_payload(b"{}", [("../../etc/passwd", b"x")])
+    with pytest.raises(ManifestError):
+        decode_payload(evil, key)
+    with pytest.raises(ManifestError):  # a table of another save
+        decode_payload(encode_payload(b"{}", [("index.ffff.parquet", b"x")]), key)
+
+
+@pytest.mark.parametrize("topology", [
+    "node-local", {"mode": "elsewhere", "nodes": ["0"], "rank_nodes": [0, 0]},
+    {"mode": "node-local", "nodes": ["0", "0"], "rank_nodes": [0, 1]},
+    {"mode": "node-local", "nodes": ["0", "1"], "rank_nodes": [0]},
+    {"mode": "node-local", "nodes": ["0", "1"], "rank_nodes": [0, 2]},
+    {"mode": "node-local", "nodes": ["0", "x" * 300], "rank_nodes": [0, 1]},
+    {"mode": "node-local", "nodes": ["0", 1], "rank_nodes": [0, 1]},
+    {"mode": "node-local", "nodes": ["0"], "rank_nodes": [0, True]},
+])
+def test_a_forged_topology_record_is_refused(topology):
+    with pytest.raises(ManifestError, match="topology"):
+        check_topology(topology, 2, "manifest.json")
+    check_topology({"mode": "node-local", "nodes": ["0", "1"], "rank_nodes": [0, 1]}, 2, "manifest.json")
+
+
+def _save_two_ranks(rank, world, path):
+    dcp.save({f"r{rank}": torch.full((4,), float(rank))}, storage_writer=NVMeWriter(path))
+
+
+def _node_local_copy(path):
+    """A real 2-rank save (one directory), rewritten as node 1's node-local copy: rank 0 on node
+    0's disk, so not here."""
+    run_ranks(2, _save_two_ranks, str(path))
+    doc = json.loads((path / "manifest.json").read_bytes())
+    doc["topology"] = {"mode": "node-local", "nodes": ["0", "1"], "rank_nodes": [0, 1]}
+    doc.pop("manifest_crc32c")
+    (path / "manifest.json").write_bytes(seal(doc))
+    os.remove(path / doc["files"][0]["name"])
+    return doc
+
+
+def test_tools_and_reader_tell_a_node_local_copy_from_a_damaged_one(tmp_path):
+    path = tmp_path / "ck"
+    _node_local_copy(path)
+    found = checkpoint_state(LocalStore(path))
+    assert (found.state, found.elsewhere) == ("committed", ["0"]), found.reason
+    text = describe_topology(found.manifest.doc["topology"], found.elsewhere)
+    assert text == ("node-local on 2 node(s) (node 0: ranks 0; node 1: ranks 1); the files of node(s) 0 "
+                    "are on their own disks, not here")
+    mine = {"r1": torch.empty(4)}  # rank 1's item: in the file this node holds
+    dcp.load(mine, storage_reader=NVMeReader(path), no_dist=True)
+    assert mine["r1"].tolist() == [1.0] * 4
+    # r0 is in rank 0's file, which this node does not hold: named, with where it is
+    with pytest.raises(CheckpointException, match=r"rank_00000\.\w+\.safetensors \(rank 0's data\), which node 0 wrote"):
+        dcp.load({"r0": torch.empty(4)}, storage_reader=NVMeReader(path), no_dist=True)
+    os.remove(path / found.manifest.doc["files"][1]["name"])  # now no node's files are here: damaged
+    assert checkpoint_state(LocalStore(path)).state == "damaged"
+
+
+def test_mirror_root_gives_each_step_its_own_mirror_and_a_reused_mirror_is_refused(tmp_path):
+    run, mirror = tmp_path / "run", tmp_path / "pfs"
+    writer = NVMeWriter(run / "step_0", mirror_root=mirror)
+    for step in (1, 2):
+        dcp.save({"w": torch.full((4,), float(step))}, storage_writer=writer,
+                 checkpoint_id=run / f"step_{step}", no_dist=True)
+        writer.drain_future.result(timeout=60)
+        assert writer.drain_future.result().target == str(mirror / f"step_{step}")
+    for step in (1, 2):
+        assert read_manifest(LocalStore(mirror / f"step_{step}"), "m").doc["storage_meta"]["checkpoint_id"] \
+            == str(run / f"step_{step}")
+    reused = NVMeWriter(run / "step_0", mirror=mirror / "one")
+    dcp.save({"w": torch.ones(4)}, storage_writer=reused, checkpoint_id=run / "step_3", no_dist=True)
+    reused.drain_future.result(timeout=60)
+    with pytest.raises(CheckpointException, match="already holds the mirror of .*step_3.*mirror_root="):
+        dcp.save({"w": torch.ones(4)}, storage_writer=reused, checkpoint_id=run / "step_4", no_dist=True)
+    assert not (run / "step_4" / "manifest.json").exists()  # refused before anything was written
+    with pytest.raises(InvalidInputError, match="both given"):
+        NVMeWriter(run / "x", mirror=mirror, mirror_root=mirror)
+
+
+def test_a_drain_never_replaces_the_mirror_of_another_checkpoint(tmp_path):
+    run, target = tmp_path / "run", tmp_path / "pfs" / "shared_url"
+    for step in (1, 2):
+        dcp.save({"w": torch.full((4,), float(step))}, storage_writer=NVMeWriter(run / f"step_{step}"), no_dist=True)
+    drain(run / "step_1", str(target))
+    with pytest.raises(DrainError, match=r"holds the mirror of .*step_1, not of .*step_2"):
+        drain(run / "step_2", str(target))
+    got = {"w": torch.empty(4)}
+    dcp.load(got, storage_reader=NVMeReader(target), no_dist=True)
+    assert got["w"].tolist() == [1.0] * 4  # step 1's mirror is intact
+    drain(run / "step_1", str(target))  # the same checkpoint drains there again (a resume) fine
