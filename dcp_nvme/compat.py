@@ -2,7 +2,7 @@
 to keep (not in its module's ``__all__``, or named with a leading underscore), in one place.
 
 When a torch release moves one of these, this table is where to look, and
-``tests/test_compat.py`` is the test that says so. The public DCP API (``StorageWriter``,
+``tests/cross/test_compat.py`` is the test that says so. The public DCP API (``StorageWriter``,
 ``StorageReader``, ``Metadata``, the planners) is used directly elsewhere and is not listed.
 Nothing here imports torch until a name is asked for.
 """

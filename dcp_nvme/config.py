@@ -1,10 +1,11 @@
 """Every I/O knob in one place: its default, its environment override, its tuned value.
 
-Precedence, highest first: an explicit argument, an environment variable, the file written by
-``dcp-nvme tune``, the built-in default. Built-in defaults were measured on the development
-machine (ext4 on a virtual NVMe drive, fio O_DIRECT sequential write 2.0-2.6 GB/s at 1-16 MiB
-requests and 2-16 in flight, buffered write + fsync 0.63 GB/s): 8 MiB requests, 8 in flight,
-O_DIRECT on.
+Precedence, highest first: an explicit argument, an environment variable (only the few an
+operator sets per cluster: ``known_env_names()``), the file written by ``dcp-nvme tune`` (read
+only where ``DCP_NVME_TUNE_FILE`` points or where ``dcp-nvme tune`` wrote it by default), the
+built-in default. The defaults (8 MiB requests, 8 in flight, O_DIRECT on) were chosen by fio
+sweeps on the development machine: O_DIRECT sequential writes were flat across 1-16 MiB and 2-16
+in flight, and well above buffered writes + fsync (figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 import re
 import stat
+import time
 from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
@@ -31,7 +33,7 @@ ALIGN = 4096
 
 MAX_CHECKSUM_BLOCK = 256 << 10
 """Checksums cover blocks of at most 256 KiB: a verified partial read costs at most 512 KiB
-extra (1 MiB blocks made a resharded quarter-load read 1.9x the bytes it needed)."""
+extra (1 MiB blocks made a resharded quarter-load read nearly twice the bytes it needed)."""
 
 ENGINES = ("auto", "posix", "kvikio", "uring")
 READ_MODES = ("auto", "direct", "buffered")
@@ -250,7 +252,7 @@ class IOConfig:
 
     ``queue_depth`` requests of ``block_size`` bytes are in flight per rank: that product is the
     write window. With N ranks on one node the device sees N x queue_depth requests, unless
-    ``node_queue_depth`` is set: then the node's ranks share that many (``dcp_nvme.node``), all
+    ``node_queue_depth`` is set: then the node's ranks share that many (``save.nodes``), all
     at once or, with ``node_write_order="staggered"``, one rank at a time.
     """
 
@@ -290,18 +292,40 @@ _TUNED = ("queue_depth", "block_size", "direct_io", "node_queue_depth", "read_mo
           "node_write_order")
 
 
-OUTSIDE_OPTIONS = ("replicas", "replica_bandwidth", "replica_stride", "peers")
-"""The options read through ``option_or_env`` (not IOConfig fields), each as ``DCP_NVME_<NAME>``."""
+ENV_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "node_queue_depth")
+"""The IOConfig fields an operator sets per cluster, each also read as ``DCP_NVME_<FIELD>``; the
+others (verify, read_mode, host_engine, node_write_order) come from an argument or the tune file."""
 
-OTHER_ENV = ("DCP_NVME_TUNE_FILE", "DCP_NVME_KVIKIO_PROBE_TIMEOUT", "DCP_NVME_PEER_ADDR",
-             "DCP_NVME_NODE_INDEX", "DCP_NVME_DEMO_DIR", "DCP_NVME_S3_BENCH")
-"""The other ``DCP_NVME_*`` variables read: the tune file, the kvikio probe, the peer server's
-address, the node's shared index switch (``load.node_index``), and the development scripts'
-(scripts/dev.sh's demo directory, the S3 bench switch)."""
+OUTSIDE_OPTIONS = ("replica_stride",)
+"""The options outside IOConfig read through ``option_or_env``, each as ``DCP_NVME_<NAME>``
+(how the nodes are racked: replicas go to nodes i+k*stride)."""
+
+OTHER_ENV = ("DCP_NVME_TUNE_FILE", "DCP_NVME_PEER_ADDR")
+"""The other ``DCP_NVME_*`` variables read: where the tune file is, and the address the node's
+peer server listens on (``peers.client``)."""
+
+REMOVED_ENV = {
+    "DCP_NVME_VERIFY": "pass verify=... to NVMeReader",
+    "DCP_NVME_READ_MODE": "pass read_mode=... to NVMeReader, or run `dcp-nvme tune` (it stores the faster)",
+    "DCP_NVME_HOST_ENGINE": "run `dcp-nvme tune` (it stores the faster host engine), or pass engine=... "
+                            "to NVMeWriter/NVMeReader",
+    "DCP_NVME_NODE_WRITE_ORDER": "pass node_write_order=... to NVMeWriter, or run `dcp-nvme tune --ranks N` "
+                                 "(it stores the faster)",
+    "DCP_NVME_REPLICAS": "pass replicas=... to NVMeWriter",
+    "DCP_NVME_REPLICA_BANDWIDTH": "pass replica_bandwidth=... to NVMeWriter",
+    "DCP_NVME_PEERS": "pass peers=... to NVMeReader",
+    "DCP_NVME_KVIKIO_PROBE_TIMEOUT": "nothing: the kvikio probe waits a fixed 60 s",
+    "DCP_NVME_NODE_INDEX": "nothing: a node's ranks share the decoded index where they can, and each "
+                           "decodes it itself where they cannot",
+    "DCP_NVME_DEMO_DIR": "pass --dir DIR to `scripts/dev.sh demo`",
+    "DCP_NVME_S3_BENCH": "set S3_BENCH=1 to run the S3 bench test",
+}
+"""Variables earlier versions read, each with what to use instead: set, they are warned about."""
 
 
 def known_env_names() -> tuple[str, ...]:
-    return tuple(ENV_PREFIX + name.upper() for name in (*_FIELDS, *OUTSIDE_OPTIONS)) + OTHER_ENV
+    """Every ``DCP_NVME_*`` variable dcp_nvme reads."""
+    return tuple(ENV_PREFIX + name.upper() for name in (*ENV_FIELDS, *OUTSIDE_OPTIONS)) + OTHER_ENV
 
 
 def closest(name: str, choices: Any, cutoff: float = 0.6) -> str | None:
@@ -323,9 +347,13 @@ def warn_unknown_env(environ: Any = None) -> list[str]:
         if not name.startswith(ENV_PREFIX) or name in known or name in _WARNED_ENV:
             continue
         _WARNED_ENV.add(name)
-        guess = closest(name, known)
-        hint = f"did you mean {guess}?" if guess else f"the variables read are {', '.join(known)}"
-        said.append(f"dcp_nvme: environment variable {name} is not a dcp_nvme setting and is ignored; {hint}")
+        if name in REMOVED_ENV:
+            said.append(f"dcp_nvme: environment variable {name} is no longer read and is ignored; "
+                        f"instead, {REMOVED_ENV[name]}")
+        else:
+            guess = closest(name, known)
+            hint = f"did you mean {guess}?" if guess else f"the variables read are {', '.join(known)}"
+            said.append(f"dcp_nvme: environment variable {name} is not a dcp_nvme setting and is ignored; {hint}")
         log.warning("%s", said[-1])
     return said
 
@@ -333,7 +361,7 @@ def warn_unknown_env(environ: Any = None) -> list[str]:
 def _from_env() -> dict[str, Any]:
     warn_unknown_env()
     found: dict[str, Any] = {}
-    for name in _FIELDS:
+    for name in ENV_FIELDS:
         env_name = ENV_PREFIX + name.upper()
         raw = os.environ.get(env_name)
         if raw is None or raw == "":
@@ -367,8 +395,45 @@ def _read_tune_file(path: Path) -> bytes | None:
         os.close(fd)
 
 
+_TUNE_CACHE: dict[str, Any] = {}
+"""The tune file last read: ``{"last": ((path, mtime, size, device, inode, ctime), values, read at)}``."""
+TUNE_RACY_NS = 2 * 10**9
+"""A tune file modified this close (ns) to when it was read is read again next time: a rewrite
+of the same size within the filesystem's timestamp granularity would leave its key unchanged."""
+_TUNE_LOGGED: set[tuple[str, tuple[tuple[str, Any], ...]]] = set()
+"""(path, values) already named in the log: once per process, again only if the values change."""
+
+
 def _from_tune_file() -> dict[str, Any]:
+    """The checked values of the tune file, read once per process and version of the file (a
+    writer or reader built per step does not re-read it); re-read when it changes."""
     path = default_tune_file()
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return {}
+    except OSError:
+        key = None  # unreadable: let the read below name why
+    else:
+        key = (str(path), info.st_mtime_ns, info.st_size, info.st_dev, info.st_ino, info.st_ctime_ns)
+    last = _TUNE_CACHE.get("last")
+    if key is not None and last is not None and last[0] == key \
+            and max(info.st_mtime_ns, info.st_ctime_ns) < last[2] - TUNE_RACY_NS:
+        return dict(last[1])
+    read_at = time.time_ns()
+    values = _read_tune_values(path)
+    _TUNE_CACHE["last"] = (key, values, read_at)
+    logged = (str(path), tuple(sorted(values.items())))
+    if values and logged not in _TUNE_LOGGED:
+        _TUNE_LOGGED.add(logged)
+        shown = ", ".join(f"{k}={format_size(v).replace(' ', '') if k == 'block_size' else v}"
+                          for k, v in values.items())
+        log.info("dcp_nvme: using the settings `dcp-nvme tune` measured, from %s: %s (an argument or "
+                 "DCP_NVME_* variable overrides each)", path, shown)
+    return dict(values)
+
+
+def _read_tune_values(path: Path) -> dict[str, Any]:
     try:
         data = _read_tune_file(path)
         if data is None:
@@ -410,9 +475,15 @@ def resolve_config(**explicit: Any) -> IOConfig:
     return replace(IOConfig(), **values)
 
 
+def option_or_default(name: str, value: Any, default: Any) -> Any:
+    """An option outside IOConfig set by argument only (``replicas``, ``replica_bandwidth``,
+    ``peers``): the argument, checked, else ``default``."""
+    return default if value is None else check_option(name, value)
+
+
 def option_or_env(name: str, value: Any, default: Any) -> Any:
-    """An option outside IOConfig (``replicas``, ``replica_bandwidth``...): the argument, else
-    ``DCP_NVME_<NAME>``, else ``default``; checked, and an error names its source."""
+    """An option outside IOConfig an operator sets per cluster (``replica_stride``): the argument,
+    else ``DCP_NVME_<NAME>``, else ``default``; checked, and an error names its source."""
     if name not in OUTSIDE_OPTIONS:  # its variable must be known, or it is warned about as misspelt
         raise AssertionError(f"option_or_env({name!r}): add it to config.OUTSIDE_OPTIONS")
     if value is not None:
@@ -427,7 +498,7 @@ def option_or_env(name: str, value: Any, default: Any) -> Any:
 # --------------------------------------------------------------------------- stock options
 # What a FileSystemWriter/FileSystemReader argument means on our classes: shared by save/ and load/.
 
-def options_of(cls: type) -> list[str]:
+def options_of(cls: type[Any]) -> list[str]:
     """The keyword options of ``cls(...)``, as its signature names them."""
     return [p.name for p in inspect.signature(cls.__init__).parameters.values()
             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "path")]

@@ -1,4 +1,8 @@
-"""Errors a user can meet, each saying which file or item and what to do."""
+"""Errors a user can meet, each saying which file or item and what to do.
+
+Every one is importable from here; ``dcp_nvme`` itself exports only those users catch (the base
+DCPNVMeError, CheckpointExists/Locked/NotFound/NotCommittedError, ChecksumMismatchError,
+InvalidInputError, UnsafeItemError)."""
 
 from __future__ import annotations
 
@@ -78,7 +82,7 @@ class BucketMissingError(DCPNVMeError, FileNotFoundError):
 
 
 class CheckpointLockedError(DCPNVMeError, RuntimeError):
-    """Another save holds the checkpoint directory's save lock (see dcp_nvme.savelock)."""
+    """Another save holds the checkpoint directory's save lock (see dcp_nvme.storage.save_lock)."""
 
 
 class LockFileError(DCPNVMeError, ValueError):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up ./.venv (once; again when pyproject.toml or constraints.txt change) and run a job:
 #   bash scripts/dev.sh demo [bench options]   the main job: save/load/async figures on a synthetic model
+#                                              (in ./bench_out/demo unless --dir DIR is given)
 #   bash scripts/dev.sh test [pytest options]  the test suite
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 case "$job" in
-  demo) exec "$venv/bin/dcp-nvme" bench --size 512MiB --dir "${DCP_NVME_DEMO_DIR:-./bench_out/demo}" "$@" ;;
+  # a --dir DIR (or --size) given after `demo` overrides these: argparse keeps the last one
+  demo) exec "$venv/bin/dcp-nvme" bench --size 512MiB --dir ./bench_out/demo "$@" ;;
   # two workers, one test file each at a time: most tests wait on subprocesses and disks, and a
   # file's module fixtures (servers, saved checkpoints) stay in one worker; -n 0 runs in one process
   test) exec "$venv/bin/python" -m pytest -q -n 2 --dist loadfile "$@" ;;

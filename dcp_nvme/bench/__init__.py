@@ -1,6 +1,6 @@
 """``dcp-nvme bench``: dcp_nvme beside the device limit and the usual ways to save, in one run.
 
-One synthetic Llama-shaped state (``dcp_nvme.synthetic``), one directory, one process per rank:
+One synthetic Llama-shaped state (``dcp_nvme.bench.synthetic``), one directory, one process per rank:
 
 - the device limit: fio sequential O_DIRECT write and read at the plugin's queue depth and block
   size (the plugin's own engine on an aligned buffer when fio is not installed), and a

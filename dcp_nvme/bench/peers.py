@@ -13,8 +13,8 @@ FS_THREAD_COUNTS = (1, 2, 4, 8)
 
 
 def safetensors_load_eager(path: str) -> dict[str, torch.Tensor]:
-    """safetensors' load_file with every byte read: its default mmap backend maps tensors lazily
-    (2 GiB "loaded" at 2.4 GB/s here with 64 page faults, before any data was read)."""
+    """safetensors' load_file with every byte read: its default mmap backend maps tensors lazily,
+    so a timed call returns before any data is read (docs/benchmarks.md, findings)."""
     from safetensors.torch import load_file
 
     try:

@@ -53,8 +53,11 @@ class PicklesAsConfig:
 
     config: IOConfig
 
+    if TYPE_CHECKING:
+        def __init__(self, config: IOConfig) -> None: ...  # what every engine's __init__ takes
+
     def __getstate__(self) -> dict:
         return {"config": self.config}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["config"])
+        type(self).__init__(self, state["config"])

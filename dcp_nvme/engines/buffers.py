@@ -1,6 +1,8 @@
-"""What O_DIRECT needs on one file: memory alignment and file offset/length alignment.
+"""The engines' memory: aligned buffers and the reused bounce buffers (``BouncePool``), tensor
+bytes and host addresses, copies between them (``copy_bytes``), crc32c per checksum block, and
+what O_DIRECT needs on one file (``dio_alignment``: memory and offset/length alignment).
 
-Linux >= 6.1 reports both through ``statx(STATX_DIOALIGN)`` (``stx_dio_mem_align``,
+Linux >= 6.1 reports both alignments through ``statx(STATX_DIOALIGN)`` (``stx_dio_mem_align``,
 ``stx_dio_offset_align``; 0 when the file does not support direct I/O). Elsewhere the device's
 logical block size (``/sys/dev/block/MAJ:MIN/queue/logical_block_size``) is the usual rule for
 both; when even that cannot be read, the page size (4096), which every device accepts.
@@ -124,8 +126,9 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy between flat uint8 tensors; host to host by memmove (12 GB/s here, GIL released),
-    where torch's copy_ split over 2 threads ran 3.6 GB/s and fought the I/O threads.
+    """Copy between flat uint8 tensors; host to host by one memmove (GIL released):
+    torch's copy_ splits a copy over the intra-op threads, which on the I/O threads fight them for
+    the cores, and the I/O threads are parallel already (figures: docs/benchmarks.md).
 
     A copy to or from CUDA runs on this thread's own stream: on the shared default stream each
     thread's implicit synchronize would also wait for the copies other threads queued."""

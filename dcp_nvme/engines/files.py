@@ -55,7 +55,7 @@ def open_file(path: str, flags: int, direct: bool) -> tuple[int, bool]:
 def open_for_reading(path: str, config: IOConfig) -> tuple[int, bool]:
     """Open a container for reading in the configured read mode. Buffered reads tell the kernel
     the access is sequential (a larger readahead window), so our block_size preads find the next
-    pages already on their way. Only a regular file is opened (store.open_regular), so a FIFO,
+    pages already on their way. Only a regular file is opened (``host.files.open_regular``), so a FIFO,
     device or link in a checkpoint directory is refused instead of hanging or leading out."""
     if config.reads_direct and _O_DIRECT:
         try:
@@ -139,10 +139,10 @@ def preallocate(fd: int, size: int) -> bool:
     """Reserve ``size`` bytes of the new file before O_DIRECT writes fill it. Why: ext4 (and
     others) serialise O_DIRECT writes that extend a file under the inode's exclusive lock, held
     through the I/O when the write is synchronous, so depth-8 threaded pwrites past the end of
-    the file run one at a time; into reserved blocks they run in parallel (8 threads x 8 MiB,
-    1 GiB: 1.67-1.83 GB/s fresh vs 1.79-2.11 GB/s preallocated, interleaved). Plain fallocate,
-    not posix_fallocate, which writes zeros where the filesystem cannot reserve. Returns False
-    where unsupported; a full disk raises ENOSPC here, before any data is written."""
+    the file run one at a time; into reserved blocks they run in parallel (figures:
+    docs/benchmarks.md). Plain fallocate, not posix_fallocate, which writes zeros where the
+    filesystem cannot reserve. Returns False where unsupported; a full disk raises ENOSPC here,
+    before any data is written."""
     if _fallocate is None or size <= 0:
         return False
     if _fallocate(fd, 0, 0, size) == 0:

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- kvikio access
 
-PROBE_TIMEOUT_ENV = "DCP_NVME_KVIKIO_PROBE_TIMEOUT"
+PROBE_TIMEOUT = 60.0
+"""Seconds the kvikio probe may take before kvikio is given up for posix (a hung cuFile driver)."""
 _PROBE_BYTES = 2 * ALIGN
 
 
@@ -104,7 +105,7 @@ def probe(directory: str, timeout: float | None = None) -> str | None:
     that hangs (seen on a machine without a GPU driver) must not hang the save.
     """
     if timeout is None:
-        timeout = float(os.environ.get(PROBE_TIMEOUT_ENV, "60"))
+        timeout = PROBE_TIMEOUT
     result: list[str | None] = []
     thread = threading.Thread(target=lambda: result.append(_probe_once(directory)),
                               name="dcp-nvme-kvikio-probe", daemon=True)
@@ -246,6 +247,7 @@ class KvikioEngine(PicklesAsConfig):
                 run_bounded(self.config.queue_depth, container.windows(), write_window)
             finally:
                 handle.close()
+        assert container.result is not None  # set by open_container on a clean exit
         return container.result
 
     def _write_device_window(self, handle, container, window, on_device) -> None:
@@ -283,7 +285,8 @@ class KvikioEngine(PicklesAsConfig):
 
     def read(self, requests: Sequence[ReadRequest], dests: Sequence[torch.Tensor]) -> IOStats:
         on_device = [self._on_device(d) for d in dests]
-        device_requests, host_requests = [], []
+        device_requests: list[ReadRequest] = []
+        host_requests: list[ReadRequest] = []
         for request in requests:
             touches = any(d != SCRATCH and on_device[d] for d, _, _ in request.pieces)
             (device_requests if touches else host_requests).append(request)

@@ -1,4 +1,6 @@
-"""POSIX engine: worker threads doing positional I/O, optionally with O_DIRECT.
+"""The POSIX (threads) engine, ``PosixEngine``: worker threads doing positional I/O, optionally
+with O_DIRECT; and one container's write as windows (``ContainerWrite``: crc32c of its blocks,
+the written prefix a staged save waits on), which the io_uring and kvikio engines build on.
 
 Writes stream the container as ``block_size`` requests with ``queue_depth`` in flight. Each
 request is one vectored write (``requests.plan_segments``): the aligned bulk of host memory (a
@@ -91,6 +93,7 @@ class PosixEngine(PicklesAsConfig):
                     tracker.done(window.offset, window.length)
 
             run_bounded(self.config.queue_depth, container.windows(), write)
+        assert container.result is not None  # set by open_container on a clean exit
         return container.result
 
     @contextlib.contextmanager
@@ -209,6 +212,7 @@ class PosixEngine(PicklesAsConfig):
         views, used = [], 0
         for dest, dest_offset, length in request.pieces:
             if dest == SCRATCH:
+                assert scratch is not None  # a SCRATCH piece is never empty (load/planning.py)
                 views.append(scratch[used : used + length])
                 used += length
             else:
@@ -293,6 +297,7 @@ class ContainerWrite:
                 if segment.address is not None:
                     spans.append((segment.address, segment.length))
                     continue
+                assert buffer is not None  # taken above: this segment bounces
                 for piece in segment.pieces:
                     src = self.sources[piece.source][piece.src_offset : piece.src_offset + piece.length]
                     copy_bytes(buffer[piece.dst_offset : piece.dst_offset + piece.length], src)

@@ -87,14 +87,14 @@ def read_range(request: ReadRequest, direct: bool) -> tuple[int, int]:
 
 def prepare_read(request: ReadRequest, source: ReadSource, addresses: Sequence[int | None],
                  pool: BouncePool, take: Callable[[], int]) -> PreparedRead:
-    """Plan one request's read (``layout.plan_read_segments``) into host destinations
+    """Plan one request's read (``engines.requests.plan_read_segments``) into host destinations
     (``addresses``: each destination's, None for device memory) and the bounce buffer ``take()``
     hands out, taken only when something bounces."""
     lo, hi = read_range(request, source.direct)
     if hi - lo > pool.size:
         raise ValueError(f"read request of {hi - lo} bytes exceeds the {pool.size}-byte buffer")
-    pieces = [(length, None if dest == SCRATCH or addresses[dest] is None or not source.zero_copy
-               else addresses[dest] + dest_offset) for dest, dest_offset, length in request.pieces]
+    pieces = [(length, None if dest == SCRATCH or (address := addresses[dest]) is None or not source.zero_copy
+               else address + dest_offset) for dest, dest_offset, length in request.pieces]
     segments = plan_read_segments(request.file_offset, pieces, lo, hi, source.align, max_segments=IOV_MAX)
     bounced = [s for s in segments if s.address is None]
     index = take() if bounced else -1

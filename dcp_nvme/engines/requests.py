@@ -3,7 +3,7 @@
 A container's data region is cut into ``block_size`` windows (``plan_windows``); each window is
 cut into segments (``plan_segments``): the O_DIRECT-aligned bulk of host memory written straight
 from that memory, the rest copied into a bounce buffer. ``plan_read_segments`` is the mirror
-image for reads."""
+image for reads; ``run_bounded`` runs requests with at most ``queue_depth`` in flight."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def iovec_array(spans: Sequence[tuple[int, int]]) -> ctypes.Array:
 _libc = None
 
 
-def _syscall(*args: int) -> int:
+def _syscall(*args: int | ctypes._CArgObject) -> int:  # _CArgObject: byref's type (stubs only)
     """A raw system call (the GIL is released while it runs); OSError on failure."""
     global _libc
     if _libc is None:
@@ -182,9 +182,11 @@ def unavailable_reason() -> str | None:
     try:
         ring = Ring(2)
     except OSError as exc:
-        hint = {errno.ENOSYS: "the kernel has no io_uring (needs Linux >= 5.1) or it is filtered",
-                errno.EPERM: "io_uring is forbidden here (kernel.io_uring_disabled, seccomp, or a "
-                             "container profile)"}.get(exc.errno, "")
+        hints: dict[int | None, str] = {
+            errno.ENOSYS: "the kernel has no io_uring (needs Linux >= 5.1) or it is filtered",
+            errno.EPERM: "io_uring is forbidden here (kernel.io_uring_disabled, seccomp, or a "
+                         "container profile)"}
+        hint = hints.get(exc.errno, "")
         return f"io_uring_setup failed: {exc.strerror}" + (f"; {hint}" if hint else "")
     try:
         ring.prepare(OP_NOP, -1, 0, 0, 0, 1)

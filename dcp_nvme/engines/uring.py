@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -50,12 +51,15 @@ def reset_probe() -> None:
         _probe.clear()
 
 
+_T = TypeVar("_T")  # what an op carries for its finish: a PreparedWindow or a PreparedRead
+
+
 @dataclass
-class _Op:
+class _Op(Generic[_T]):
     """One request in flight: ``length`` bytes at ``address`` <-> file offset ``offset``; a
     vectored read or write has its ``spans`` (``(address, length)``) instead of an address."""
 
-    task: object
+    task: _T
     address: int
     length: int
     offset: int
@@ -65,7 +69,7 @@ class _Op:
     iovecs: object = None  # the iovec array of the vectored transfer in flight: alive until it completes
 
 
-def _op_for(task: object, spans: list[tuple[int, int]], offset: int, buffer: int) -> _Op:
+def _op_for(task: _T, spans: list[tuple[int, int]], offset: int, buffer: int) -> _Op[_T]:
     """The op moving ``spans`` of host memory at file ``offset``: one span is a plain (or
     fixed-buffer) transfer, several a vectored one."""
     length = sum(n for _, n in spans)
@@ -86,8 +90,8 @@ def _remaining(spans: Sequence[tuple[int, int]], done: int) -> list[tuple[int, i
     return out
 
 
-def _again_bounced(op: _Op, refused: bool, stats: IOStats, begun: dict[int, float], free_buffers: list[int],
-                   restart: Callable[[], _Op]) -> _Op | None:
+def _again_bounced(op: _Op[_T], refused: bool, stats: IOStats, begun: dict[int, float], free_buffers: list[int],
+                   restart: Callable[[], _Op[_T]]) -> _Op[_T] | None:
     """After EINVAL: when O_DIRECT ``refused`` the op's memory (from now on its file bounces every
     byte), its timing and bounce buffer are given back and ``restart()`` starts the same work
     again, bounced; None (the original error is raised) for a real error or a failed restart."""
@@ -222,13 +226,13 @@ class UringEngine(PosixEngine):
         with self._ring_lock, self.open_container(path, header, sources, checksum_block) as container:
             stats = container.stats
 
-            def start(window: Window) -> _Op:
+            def start(window: Window) -> _Op[PreparedWindow]:
                 prepared = container.prepare(window, free_buffers.pop, free_buffers.append)
                 op = _op_for(prepared, prepared.spans, container.data_start + window.offset, prepared.buffer)
                 begun[id(op)] = stats.begin()
                 return op
 
-            def finish(op: _Op) -> None:
+            def finish(op: _Op[PreparedWindow]) -> None:
                 prepared: PreparedWindow = op.task
                 window = prepared.window
                 try:
@@ -240,12 +244,13 @@ class UringEngine(PosixEngine):
                 if tracker is not None:
                     tracker.done(window.offset, window.length)
 
-            def retry(op: _Op, code: int) -> _Op | None:
+            def retry(op: _Op[PreparedWindow], code: int) -> _Op[PreparedWindow] | None:
                 prepared: PreparedWindow = op.task
                 refused = container.refused_direct_memory(OSError(code, os.strerror(code)), prepared)
                 return _again_bounced(op, refused, stats, begun, free_buffers, lambda: start(prepared.window))
 
             self._drive(container.fd, container.windows(), start, finish, True, retry)
+        assert container.result is not None  # set by open_container on a clean exit
         return container.result
 
     # ------------------------------------------------------------------ read
@@ -272,13 +277,13 @@ class UringEngine(PosixEngine):
                     raise with_path(exc, path) from exc
                 sources.append(source)
 
-                def start(request: ReadRequest, source=source) -> _Op:
+                def start(request: ReadRequest, source=source) -> _Op[PreparedRead]:
                     prepared = prepare_read(request, source, addresses, pool, free_buffers.pop)
                     op = _op_for(prepared, prepared.spans, prepared.lo, prepared.buffer)
                     begun[id(op)] = stats.begin()
                     return op
 
-                def finish(op: _Op) -> None:
+                def finish(op: _Op[PreparedRead]) -> None:
                     prepared: PreparedRead = op.task
                     try:
                         stats.end(begun.pop(id(op)), prepared.request.length, prepared.copied)
@@ -287,7 +292,7 @@ class UringEngine(PosixEngine):
                         if op.buffer >= 0:
                             free_buffers.append(op.buffer)
 
-                def retry(op: _Op, code: int, source=source, start=start) -> _Op | None:
+                def retry(op: _Op[PreparedRead], code: int, source=source, start=start) -> _Op[PreparedRead] | None:
                     prepared: PreparedRead = op.task
                     refused = source.refused_direct_memory(OSError(code, os.strerror(code)), prepared)
                     return _again_bounced(op, refused, stats, begun, free_buffers,

@@ -84,7 +84,7 @@ class _Screen:
         ok = tensor & ~self.suspect
         whole = bool(ok.all())  # no gather: the grids are the rows
         rows = None if whole else np.flatnonzero(ok)
-        if whole or len(rows):
+        if rows is None or len(rows):  # rows is None: whole
             off, size, shape = (g if whole else g[rows] for g in cols.grid)
             pick = (lambda a: a) if whole else (lambda a: a[rows])
             bad = ((off < 0) | (size < 0) | (size > shape) | (off > shape - size)).any(axis=1)
@@ -188,7 +188,7 @@ def _derived_key_suspects(cols: ChunkColumns, rows: np.ndarray | None = None) ->
         ident = (file.astype(np.uint64) << np.uint64(32)) ^ pick(cols.fqn).astype(np.uint64)
         ident = ident * np.uint64(0xBF58476D1CE4E5B9) + np.where(
             with_offsets, folded + pick(cols.ndim[0]).astype(np.uint64) + np.uint64(1), np.uint64(0))
-    flagged = set()
+    flagged: set[int] = set()
     if cols.longer[0]:  # rows past the grid (a damaged table's): their files are checked outright
         flagged.update(int(cols.file[row]) for row in cols.longer[0])
     ordered = np.sort(ident)

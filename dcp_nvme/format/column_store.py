@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import Any, TypeGuard
 
 import crc32c
 import numpy as np
@@ -31,6 +31,10 @@ _ARRAYS = ("fqn", "kind", "dtype", "file", "ndim0", "ndim1", "ndim2", "grid0", "
 _DTYPES = {"fqn": "<i4", "kind": "<i4", "dtype": "<i4", "file": "<i4", "ndim0": "|i1", "ndim1": "|i1", "ndim2": "|i1"}
 _NAMES = ("fqns", "kinds", "dtypes", "files")
 MAX_FOOTER = 1 << 30
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return type(value) is int and value >= 0
 
 
 def storable(cols: ChunkColumns) -> bool:
@@ -56,7 +60,7 @@ def encode(cols: ChunkColumns, source: dict[str, Any]) -> list[bytes | memoryvie
             pieces.append(b"\0" * pad)
             crc = crc32c.crc32c(b"\0" * pad, crc)
             offset += pad
-        raw = memoryview(array).cast("B")
+        raw = memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy stubs: ndarray a Buffer on 3.12+ only
         pieces.append(raw)
         crc = crc32c.crc32c(raw, crc)
         entries[name] = [offset, array.dtype.str, list(array.shape)]
@@ -85,11 +89,11 @@ def decode(buffer: memoryview, source: dict[str, Any], what: str) -> ChunkColumn
     if not isinstance(footer, dict) or footer.get("source") != source:
         raise ManifestError(f"{what}: made from another index")
     rows, width, body = footer.get("rows"), footer.get("width"), footer.get("body_bytes")
-    if not all(type(v) is int and v >= 0 for v in (rows, width, body)) or body > size - tail - length:
+    if not (_is_count(rows) and _is_count(width) and _is_count(body)) or body > size - tail - length:
         raise ManifestError(f"{what}: rows, width or body size out of range")
     if crc32c.crc32c(buffer[:body]) != footer.get("body_crc32c"):
         raise ManifestError(f"{what}: the arrays fail their checksum")
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     entries = footer.get("arrays")
     if not isinstance(entries, dict) or sorted(entries) != sorted(_ARRAYS):
         raise ManifestError(f"{what}: wrong array list")
@@ -103,7 +107,7 @@ def decode(buffer: memoryview, source: dict[str, Any], what: str) -> ChunkColumn
         if offset < 0 or offset + nbytes > body:
             raise ManifestError(f"{what}: array {name} lies outside the body")
         arrays[name] = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(want)
-    names = [footer.get(name) for name in _NAMES]
+    names: list[Any] = [footer.get(name) for name in _NAMES]  # checked to be lists of str just below
     if not all(isinstance(v, list) and all(isinstance(s, str) for s in v) for v in names):
         raise ManifestError(f"{what}: the distinct names are not lists of strings")
     for name, distinct in zip(("fqn", "kind", "dtype", "file"), names):
@@ -114,5 +118,5 @@ def decode(buffer: memoryview, source: dict[str, Any], what: str) -> ChunkColumn
     return ChunkColumns(
         arrays["fqn"], names[0], arrays["kind"], names[1], arrays["dtype"], names[2], arrays["file"], names[3],
         no_keys(rows), pa.nulls(0, pa.string()),
-        tuple(arrays[f"ndim{i}"] for i in range(3)),
-        tuple(arrays[f"grid{i}"] for i in range(3)), ({}, {}, {}), arrays["byte_offset"], arrays["length"])
+        (arrays["ndim0"], arrays["ndim1"], arrays["ndim2"]),
+        (arrays["grid0"], arrays["grid1"], arrays["grid2"]), ({}, {}, {}), arrays["byte_offset"], arrays["length"])

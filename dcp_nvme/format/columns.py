@@ -113,11 +113,11 @@ class ChunkColumns:
         file, files = _encoded(table.column("file"))
         arrays = [table.column(name) for name in ("chunk_offsets", "chunk_sizes", "global_shape")]
         width = min(max(_longest(a) for a in arrays), MAX_NDIM)
-        lists = [_lists(a, pad, width) for a, pad in zip(arrays, PAD)]
+        offsets, sizes, shape = [_lists(a, pad, width) for a, pad in zip(arrays, PAD)]
         columns = cls(
             fqn, fqns, kind, kinds, dtype, dtypes, file, files, no_keys(len(fqn)),
             pa.nulls(0, pa.string()),  # (pa.array([]) imports pandas)
-            tuple(n for n, _, _ in lists), tuple(g for _, g, _ in lists), tuple(x for _, _, x in lists),
+            (offsets[0], sizes[0], shape[0]), (offsets[1], sizes[1], shape[1]), (offsets[2], sizes[2], shape[2]),
             as_numpy(table.column("byte_offset"), np.int64), as_numpy(table.column("length"), np.int64),
         )
         stored = table.column("key")

@@ -1,4 +1,6 @@
-"""The safetensors container: the dtype table and the header codec (pure, no I/O)."""
+"""The safetensors container (pure, no I/O): the dtype tables, the header codec (``build_header``,
+``parse_header``, padding entries), and where each item goes in the file (``plan_container``:
+back to back, or congruent to its host address so that it is written straight from memory)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ ST_NAMES: dict[str, str] = {
     "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
 }
 """torch dtypes safetensors' torch API (0.8, ``safetensors.torch._TYPES``) maps by name, fnuz
-float8 included; tests/test_format.py holds the table to it. Any other dtype (float8 e8m0,
+float8 included; tests/format/test_container.py holds the table to it. Any other dtype (float8 e8m0,
 float4, complex32, sub-byte ints) is stored as raw U8 bytes and the index keeps the real dtype;
 a container written before fnuz joined this table holds them as U8, which reading accepts."""
 
@@ -43,7 +45,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "uint8": 1,
 }
 """Bytes per element of every torch dtype, by the name torch gives it (``torch.<name>``), so that
-the tools check an index without importing torch; tests/test_format.py holds it to torch's own
+the tools check an index without importing torch; tests/format/test_container.py holds it to torch's own
 dtypes. A name torch adds later is looked up in torch itself (``dtype_itemsize``)."""
 
 
@@ -101,7 +103,7 @@ def stored_as(dtype: torch.dtype | str, shape: Sequence[int], nbytes: int) -> tu
 
 PAD_PREFIX = "__pad__."
 """Keys of padding entries: bytes between items, placed so a host tensor's bytes share its memory's
-alignment in the file (``layout.place_congruent``). safetensors lets no gap go undescribed, so
+alignment in the file (``place_congruent``). safetensors lets no gap go undescribed, so
 each gap is a U8 entry of its own; readers of the container never show or load one."""
 
 
@@ -167,7 +169,7 @@ def build_header(
     return struct.pack("<Q", len(text)) + text, offsets
 
 
-def header_length(first8: bytes, file_size: int, what: str) -> int:
+def header_length(first8: bytes | bytearray, file_size: int, what: str) -> int:
     """The JSON length a safetensors file declares, checked against the cap and the real size."""
     if len(first8) < 8 or file_size < 8:
         raise ManifestError(f"{what}: {file_size} bytes is too short for a safetensors file")
@@ -181,7 +183,7 @@ def header_length(first8: bytes, file_size: int, what: str) -> int:
     return length
 
 
-def parse_header(prefix: bytes, what: str) -> tuple[dict[str, object], list[HeaderItem], int]:
+def parse_header(prefix: bytes | bytearray, what: str) -> tuple[dict[str, object], list[HeaderItem], int]:
     """``(metadata, items, data_start)`` from a safetensors file's first bytes (at least the header).
 
     Every entry is checked: a known dtype, a shape of non-negative ints, offsets that hold exactly
@@ -318,7 +320,7 @@ def plan_container(
 ) -> ContainerLayout:
     """Place items and build the safetensors header that describes them: back to back, or with
     ``addresses`` (each item's host address, None when not in host memory) by
-    ``place_congruent``, every gap a padding entry (``format.pad_key``)."""
+    ``place_congruent``, every gap a padding entry (``pad_key``)."""
     sizes = [item.nbytes for item in items]
     if addresses is None:
         offsets, cursor = place_back_to_back(sizes)

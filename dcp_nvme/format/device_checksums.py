@@ -161,7 +161,7 @@ def finish_crc32c(started: tuple[torch.Tensor | None, torch.Tensor | None], leng
         zero = _zeros_crc(block)
         crcs += [(value & 0xFFFFFFFF) ^ zero for value in head.tolist()]
     if tail is not None:
-        crcs.append((tail.item() & 0xFFFFFFFF) ^ _zeros_crc(length % block))
+        crcs.append((int(tail.item()) & 0xFFFFFFFF) ^ _zeros_crc(length % block))  # an integer tensor
     return crcs
 
 

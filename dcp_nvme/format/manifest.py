@@ -194,6 +194,7 @@ class Manifest:
 
     def to_metadata(self) -> Metadata:
         """DCP's Metadata, rebuilt from data: over the columns, a lazy one (``metadata_view``)."""
+        storage: StorageView | dict[MetadataIndex, ChunkRecord]
         if self.columns is not None and self._chunks is None:
             state, storage = metadata_over(self.columns)
         else:
@@ -462,7 +463,8 @@ def describe_topology(topology: dict | None, elsewhere: list[str]) -> str | None
 
 
 def _spans(ranks: list[int]) -> str:
-    out, start = [], ranks[0]
+    out: list[str] = []
+    start: int | None = ranks[0]
     for prev, cur in zip(ranks, ranks[1:] + [None]):
         if cur != prev + 1 if cur is not None else True:
             out.append(str(start) if start == prev else f"{start}-{prev}")

@@ -191,7 +191,7 @@ class IndexedTensorMetadata(TensorStorageMetadata):
         self._chunks: list[ChunkStorageMetadata] | None = None
         self._index: ChunkIndex | None = None
 
-    @property  # type: ignore[override]
+    @property
     def chunks(self) -> list[ChunkStorageMetadata]:
         if self._chunks is None:
             dims = len(self.size)

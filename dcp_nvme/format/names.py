@@ -91,7 +91,7 @@ FORMAT_VERSION = 3
 3: the index's ``key`` column is null where the key is the default one (``default_item_key``).
 A reader before a version would call such a checkpoint damaged; the bump makes it ask for an
 upgrade instead. This reader loads 1, 2 and 3 alike (padding is dropped by
-``format.parse_header``, a null key is derived wherever a key is read)."""
+``format.container.parse_header``, a null key is derived wherever a key is read)."""
 
 
 OLDEST_FORMAT_VERSION = 1
@@ -122,7 +122,7 @@ REPLICAS_DIR = ".replicas"
 REPLICA_MARKER = "replica.json"
 """Written last into a replica's directory: a replica without it is never used."""
 REPLICATION_RECORD = ".replication.json"
-"""On a node's own copy: which nodes hold a replica of its files (``tiers.replicate``)."""
+"""On a node's own copy: which nodes hold a replica of its files (``peers.replicate``)."""
 
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 

@@ -27,7 +27,8 @@ def plan_pieces(size: int, data_start: int, checksum_block: int, part_size: int)
     if part_size < checksum_block:
         part_size = checksum_block
     part_size -= part_size % checksum_block
-    pieces, offset = [], 0
+    pieces: list[Piece] = []
+    offset = 0
     end = min(size, data_start + part_size)
     while True:
         pieces.append(Piece(len(pieces), offset, end - offset))

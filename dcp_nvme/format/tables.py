@@ -1,4 +1,5 @@
-"""The two Parquet tables of a checkpoint, and their checked decoding.
+"""The two Parquet tables of a checkpoint: their rows as records (``ChunkRecord``,
+``FileRecord``), their encoding, and their checked decoding (with the bounds it applies).
 
     index.<key>.parquet    one row per stored chunk: fqn, chunk offsets/sizes, global shape,
                            dtype, file, byte offset, length, and the item's key in its
@@ -298,8 +299,8 @@ def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
     _check_counts(parquet, what, max_rows, long_column, max_long)
     try:
         # no Arrow thread pool: its threads, once started, can abort the interpreter at exit
-        # ("terminate called without an active exception", apache/arrow#34314; 1 in 100 CLI runs
-        # under load here). A single-threaded read of a small index starts none.
+        # ("terminate called without an active exception", apache/arrow#34314; seen in CLI runs
+        # under load). A single-threaded read of a small index starts none.
         table = parquet.read(columns=schema.names, use_threads=False)
     except (pa.ArrowException, OSError) as exc:
         raise ManifestError(f"{what} is not a readable Parquet file: {exc}") from None

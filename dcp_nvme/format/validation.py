@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import crc32c
 
@@ -41,8 +41,10 @@ class Manifest(Protocol):
 
     def rows_of_file(self, name: str) -> Sequence[ChunkRecord]: ...
 
+    def rows_before(self, data_start: dict[str, int]) -> Sequence[ChunkRecord]: ...
 
-def _is_count(value: object, limit: int = 1 << 62) -> bool:
+
+def _is_count(value: object, limit: int = 1 << 62) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
 
 
@@ -150,6 +152,7 @@ def check_file_rows(name: str, rows: Sequence[ChunkRecord], where: str) -> None:
             raise ManifestError(f"{where}: item key {chunk.key!r} appears twice in {name}")
         keys.add(chunk.key)
         if chunk.byte_offset < end and chunk.length:
+            assert last is not None  # end > -1: set with last (offsets are >= 8: check_row ran first)
             raise ManifestError(f"{where}: rows {last.key!r} and {chunk.key!r} share bytes of {name}")
         if chunk.byte_offset + chunk.length > end:
             end, last = chunk.byte_offset + chunk.length, chunk
@@ -289,7 +292,7 @@ def check_container(store, record: FileRecord, manifest: Manifest, location: str
 def header_mismatches(items: Sequence[HeaderItem], rows: Sequence[ChunkRecord], data_start: int) -> list[str]:
     """Where a container's safetensors header and the index rows of that file disagree (pure):
     every row must be the header item of its key, at the same bytes, with the dtype and shape
-    it is stored under (``format.stored_as``; raw U8 bytes are accepted for any dtype)."""
+    it is stored under (``format.container.stored_as``; raw U8 bytes are accepted for any dtype)."""
     problems = []
     by_key = {i.key: i for i in items}
     keys = {r.key for r in rows}
@@ -307,7 +310,7 @@ def header_mismatches(items: Sequence[HeaderItem], rows: Sequence[ChunkRecord], 
                             f"[{data_start + item.start}, {data_start + item.end}), the index "
                             f"[{row.byte_offset}, {row.byte_offset + row.length})")
             continue
-        raw = (RAW_DTYPE, (row.length,))
+        raw: tuple[str, tuple[int, ...]] = (RAW_DTYPE, (row.length,))
         if row.kind == "bytes":
             expected = [raw]
         else:

@@ -51,6 +51,7 @@ class NVMeLoadPlanner(DefaultLoadPlanner):
 
     def _use_old_keys_if_needed(self) -> None:
         """DefaultLoadPlanner's rule for checkpoints saved before torch 2.4 (their keys)."""
+        assert self.metadata is not None  # create_local_plan checked it
         missing = set(self.metadata.state_dict_metadata) - set(self.state_dict)
         if missing:
             _version._derived_version = "2_3"
@@ -61,6 +62,7 @@ class NVMeLoadPlanner(DefaultLoadPlanner):
 
     def _read_items(self, strict: bool) -> list[ReadItem]:
         """``create_default_local_load_plan``, with the saved chunks found by index."""
+        assert self.metadata is not None  # create_local_plan checked it
         requests: list[ReadItem] = []
         for fqn, obj in self.state_dict.items():
             if fqn not in self.metadata.state_dict_metadata:

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dcp_nvme.config import check_bool
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format import column_store
 from dcp_nvme.format.columns import ChunkColumns
@@ -43,8 +42,9 @@ MIN_ROWS = 1 << 16
 STALE_SECONDS = 3600.0
 """A shared index file this old is a leftover of a rank that died before mapping it."""
 
-ENV_SWITCH = "DCP_NVME_NODE_INDEX"
-"""``0`` (or false/no/off) turns the sharing off: each rank decodes the index itself."""
+ENABLED = True
+"""False turns the sharing off: each rank decodes the index itself (tests set it; sharing
+already falls back to decoding by itself on any failure)."""
 
 
 def cache_directory() -> str | None:
@@ -70,8 +70,7 @@ def shared_columns(doc: dict[str, Any], rows: int, build: Callable[[], ChunkColu
     another rank made it, else ``build()`` (decode and check) and shared. A ``build`` that raises
     shares nothing: every rank then raises the same error from its own decode."""
     local = local_world_size()
-    switch = os.environ.get(ENV_SWITCH)
-    if local <= 1 or rows < MIN_ROWS or (switch is not None and not check_bool(ENV_SWITCH, switch, "the environment")):
+    if not ENABLED or local <= 1 or rows < MIN_ROWS:
         return build()
     directory = cache_directory()
     if directory is None:

@@ -1,4 +1,6 @@
-"""NVMeReader: DCP's StorageReader reading straight into destination tensors, verified.
+"""NVMeReader: DCP's StorageReader reading straight into destination tensors, verified; and
+what it keeps of DCP's stock reader (``reader_stock_options``: FileSystemReader's arguments
+accepted where they are what it does anyway, refused saying why otherwise).
 
 Each ReadItem becomes byte ranges of its container: one range read directly into the
 destination when the slice is contiguous on both sides, else the slice's runs (or the rows
@@ -13,9 +15,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -27,7 +29,7 @@ from dcp_nvme import seams
 from dcp_nvme.config import (
     IOConfig,
     check_option,
-    option_or_env,
+    option_or_default,
     refuse_positional,
     resolve_config,
     unknown_option,
@@ -46,7 +48,7 @@ from dcp_nvme.host.job import node_identity
 from dcp_nvme.load.node_index import shared_columns
 from dcp_nvme.load.objects import bytes_for_planner, check_destination_kind
 from dcp_nvme.load.planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
-from dcp_nvme.storage.fsspec_dir import open_store
+from dcp_nvme.storage.fsspec_dir import FsspecStore, open_store
 from dcp_nvme.storage.local_dir import (
     LocalStore,
     is_local_path,
@@ -62,6 +64,15 @@ MAX_DIRECT_RUNS = 64
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
 """Bytes of temporaries (resharded slices, non-tensor items) held at once per rank."""
+
+
+class _Sources(Protocol):
+    """What a load uses of ``seams.restore_sources``' result (``peers.sources.RestoreSources``)."""
+
+    def ensure_metadata(self) -> None: ...
+    def ensure_files(self, manifest: Manifest, names: Iterable[str]) -> None: ...
+    def replace_damaged(self, manifest: Manifest, exc: ChecksumMismatchError) -> bool: ...
+    def stats(self, read: Any = None, read_seconds: float = 0.0) -> dict[str, Any]: ...
 
 
 class _Batch:
@@ -93,10 +104,10 @@ class NVMeReader(StorageReader):
         path: the checkpoint directory, or an fsspec URL; or None, and DCP's ``checkpoint_id=``
             names it (``dcp.load(sd, checkpoint_id=DIR, storage_reader=NVMeReader())``).
         queue_depth, block_size, direct_io, engine: as for NVMeWriter (and the same env vars).
-        verify: check every byte read against the manifest's crc32c (env ``DCP_NVME_VERIFY``).
+        verify: check every byte read against the manifest's crc32c (default on).
         read_mode: ``"direct"`` (O_DIRECT), ``"buffered"`` (page cache with sequential readahead)
             or ``"auto"``: what ``dcp-nvme tune`` measured faster on this machine, else as
-            ``direct_io`` (env ``DCP_NVME_READ_MODE``).
+            ``direct_io``.
         memory_budget: bytes of temporary buffers held at once for resharded slices.
         allow_pickle: load non-tensor items with full pickle, which runs any code the
             checkpoint's author put in them. Off by default: they are decoded by torch's
@@ -108,7 +119,7 @@ class NVMeReader(StorageReader):
             and its storage options. With it (or ``peers=True``), passed on every rank, a file
             this node lacks or holds damaged comes from the nearest copy that verifies: a
             replica, a peer node, the mirror (``dcp_nvme.peers.sources``), and is kept here.
-        peers: find the other nodes' copies and replicas without a mirror (env ``DCP_NVME_PEERS``).
+        peers: find the other nodes' copies and replicas without a mirror.
     """
 
     def __init__(
@@ -133,8 +144,8 @@ class NVMeReader(StorageReader):
         reader_stock_options(type(self), stock_args, stock_kwargs)  # FileSystemReader's arguments
         self.mirror = None if mirror is None else check_option("mirror", mirror)
         self.mirror_options = mirror_options
-        self.peers = option_or_env("peers", peers, self.mirror is not None)
-        self._sources = None
+        self.peers = option_or_default("peers", peers, self.mirror is not None)
+        self._sources: _Sources | None = None
         """``peers.sources.RestoreSources`` of the current load, with a mirror or peers."""
         self.path: str | None = reader_location(path)
         self.config: IOConfig = resolve_config(
@@ -144,7 +155,7 @@ class NVMeReader(StorageReader):
         self.memory_budget = check_option("memory_budget", memory_budget)
         self.allow_pickle = check_option("allow_pickle", allow_pickle)
         self.storage_options = storage_options
-        self._store = None
+        self._store: LocalStore | FsspecStore | None = None
         self._manifest: Manifest | None = None
         self._checked: set[str] = set()
         """Containers whose header was checked against the index in this load."""
@@ -155,7 +166,12 @@ class NVMeReader(StorageReader):
         """DCP's ``StorageMeta.load_id``: new at every reset, set on ``read_metadata()``."""
 
     @property
-    def store(self) -> LocalStore:
+    def _dir(self) -> str:
+        """``path``, which a load needs (the error of a reader given none, otherwise)."""
+        return require_location(type(self), self.path, "dcp.load")
+
+    @property
+    def store(self) -> LocalStore | FsspecStore:
         if self._store is None:  # one fsspec client per checkpoint, not one per call
             self._store = open_store(require_location(type(self), self.path, "dcp.load"), self.storage_options)
         return self._store
@@ -174,7 +190,7 @@ class NVMeReader(StorageReader):
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
-            self._manifest = read_manifest(self.store, self.path, share=shared_columns)  # one decode a node
+            self._manifest = read_manifest(self.store, self._dir, share=shared_columns)  # one decode a node
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -185,6 +201,7 @@ class NVMeReader(StorageReader):
             self._sources.ensure_metadata()  # a replacement node's empty disk gets it from a peer
             self._manifest, self._store = None, None
         metadata = self.manifest().to_metadata()
+        assert metadata.storage_meta is not None  # to_metadata always makes one
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -278,9 +295,9 @@ class NVMeReader(StorageReader):
             return
         if runs <= MAX_DIRECT_RUNS:
             temp = torch.empty(lengths, dtype=stored, device=target.device)
-            dest = batch.add_dest(tensor_bytes(temp))
+            temp_dest = batch.add_dest(tensor_bytes(temp))
             for src, nbytes, dst in slice_runs(shape, offsets, lengths, itemsize):
-                batch.need(chunk, src, nbytes, dest, dst)
+                batch.need(chunk, src, nbytes, temp_dest, dst)
             view = temp
         else:
             src, nbytes = covering_rows(shape, offsets, lengths, itemsize)
@@ -312,7 +329,7 @@ class NVMeReader(StorageReader):
         if engine is not None:
             pass
         elif is_remote_url(self.path):
-            engine = FsspecEngine(self.store.fs, config)
+            engine = FsspecEngine(cast(FsspecStore, self.store).fs, config)  # a URL's store (open_store)
         else:
             engine, _ = shared_engine(config, has_device, self.path)
         try:
@@ -330,7 +347,7 @@ class NVMeReader(StorageReader):
 
     def _plan_requests(self, batch: _Batch) -> tuple[list, int]:
         """The batch's requests, and the largest request size they were cut to."""
-        files = read_files(self.store, self.manifest(), self.path)
+        files = read_files(self.store, self.manifest(), self._dir)
         requests, largest = [], self.config.block_size
         for name, needs in batch.needs.items():
             record = files[name]  # read_manifest checked that every row's file is listed
@@ -353,8 +370,8 @@ class NVMeReader(StorageReader):
             try:
                 view.size(record.name)
             except FileNotFoundError:
-                raise self.manifest().missing_file_error(record.name, record.rank, self.path) from None
-            check_container(view, record, self.manifest(), self.path, self.config.verify)
+                raise self.manifest().missing_file_error(record.name, record.rank, self._dir) from None
+            check_container(view, record, self.manifest(), self._dir, self.config.verify)
             self._checked.add(record.name)
 
     def _plain_view(self) -> Any:

@@ -1,6 +1,6 @@
 """Reading another node's checkpoint files, and copying a file from any source, verified.
 
-``PeerSource`` asks one peer's server (``peer_server``) for ranges; ``MirrorSource`` does the
+``PeerSource`` asks one peer's server (``peers.server``) for ranges; ``MirrorSource`` does the
 same with ranged reads of an fsspec URL; ``LocalSource`` of a directory on this node.
 ``fetch_file`` copies one file from a source into a directory: ``queue_depth`` requests of
 ``block_size`` bytes in flight, each on its own connection, each checked against the blocks

@@ -1,7 +1,7 @@
 """A second copy of each node's files on a peer's NVMe, pulled in the background after the commit.
 
 After a node-local save commits on node i (``save.node_commit``), node i's node writer
-serves the checkpoint (``storage.peer_server``, address and token in the job's store), and
+serves the checkpoint (``peers.server``, address and token in the job's store), and
 its *replication* thread pulls, from each node whose replica it holds (``placement``), that
 node's rank files, tables and manifest into ``<checkpoint>/.replicas/<node>/``: every piece
 checked against the blocks table as it arrives (a damaged byte is never written), each file

@@ -6,7 +6,7 @@ A node that lost its disk (a replacement node), or a rank that needs another nod
   1. this node's checkpoint directory (a data file at its manifest size; its blocks are
      checked as they are read, and a block that fails makes the file come from the next source);
   2. a complete replica on this node (``.replicas/<node>/``, marker written);
-  3. a peer: every node's first reader serves its directory (``storage.peer_server``) and
+  3. a peer: every node's first reader serves its directory (``peers.server``) and
      publishes the address in the job's store; the node that wrote the file first, then the
      others, each asked for its own copy and for its replica of the writer's node;
   4. the mirror (``NVMeReader(mirror=...)``): ranged reads, ``queue_depth`` x ``block_size`` in

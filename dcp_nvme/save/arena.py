@@ -43,14 +43,14 @@ class TensorSpec:
 
 def plan_arena(specs: list[TensorSpec]) -> tuple[list[int], int]:
     """Offsets of the tensors in the arena, and its size: the container's layout
-    (``layout.place_back_to_back``), each tensor aligned to its dtype's itemsize."""
+    (``format.container.place_back_to_back``), each tensor aligned to its dtype's itemsize."""
     return place_back_to_back([s.nbytes for s in specs], [s.dtype.itemsize for s in specs])
 
 
-_DTENSOR: list = []
+_DTENSOR: list[type[torch.distributed.tensor.DTensor]] = []  # (a name only: imported on first use)
 
 
-def _dtensor_type() -> type:
+def _dtensor_type() -> type[torch.distributed.tensor.DTensor]:
     """torch's DTensor class, imported once (the walk below runs on the caller's thread)."""
     if not _DTENSOR:
         from torch.distributed.tensor import DTensor
@@ -260,8 +260,8 @@ def arena_views(buffer: torch.Tensor, specs: list[TensorSpec], offsets: list[int
 
 PARALLEL_COPY_BYTES = 256 << 10
 """Above this a host copy goes through torch's copy_, which splits it over the intra-op threads
-(10.5-10.9 GB/s on this 2-core machine, where one memmove ran 6.5); below it one memmove is
-cheaper than torch's dispatch. On the idle training thread the whole machine is ours."""
+and so beats one memmove; below it one memmove is cheaper than torch's dispatch. On the idle
+training thread the whole machine is ours (figures: docs/benchmarks.md)."""
 
 
 def copy_host(dst: torch.Tensor, src: torch.Tensor) -> None:

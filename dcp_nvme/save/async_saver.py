@@ -195,7 +195,7 @@ class NVMeAsyncSaver:
                 raise
             job.staged = staged
             in_background = isinstance(staged, Future)
-            if in_background:
+            if isinstance(staged, Future):  # in_background, spelled so that mypy narrows staged
                 staged.add_done_callback(functools.partial(_staged, staging=staging, channel=channel if deferred
                                                            else None, job=job))
             else:

@@ -1,12 +1,16 @@
-"""FileSystemWriter's arguments on NVMeWriter, and the overwrite refusal in the stock wording.
+"""What NVMeWriter keeps of DCP's stock writer: FileSystemWriter's arguments
+(``writer_stock_options``), the overwrite refusal in the stock wording, DCP's plan cache
+(``with_cached_plans``), and the pointer a stock ``dcp.load`` user finds (``write_pointer``).
 
 Each stock argument is accepted where its value is what NVMeWriter does anyway, and otherwise
-refused with a message naming the option of ours that does that job. The rules for the reader,
-the shared ones in ``config``, the location checks in ``storage.local_dir``.
+refused with a message naming the option of ours that does that job (the rules shared with the
+reader are in ``config``, the location checks in ``storage.local_dir``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import traceback
 from dataclasses import replace
 from typing import Any
@@ -19,6 +23,8 @@ from dcp_nvme.errors import CheckpointExistsError, InvalidInputError
 from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.host.job import launched_world_size
 from dcp_nvme.storage.local_dir import LocalStore
+
+log = logging.getLogger(__name__)
 
 STOCK_WRITER_POSITIONAL = ("single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead",
                            "cache_staged_state_dict", "overwrite", "_extensions", "serialization_format")
@@ -122,3 +128,47 @@ def with_cached_plans(plans: list[SavePlan], last: list[SavePlan] | None,
             "NVMeWriter did not plan the save they come from: reuse one NVMeWriter for every save "
             "with plan caching (pass checkpoint_id= to dcp.save for each step)")
     return [plan if plan.usable else replace(last[rank], usable=True) for rank, plan in enumerate(plans)], True
+
+
+POINTER = ".metadata.HOW_TO_LOAD.txt"
+"""Where DCP looks for its missing .metadata (`ls -a`, tab completion): says how to load this directory."""
+
+
+POINTER_TEXT = """\
+This directory is a dcp_nvme checkpoint (manifest.json), not one in DCP's stock layout (.metadata).
+torch.distributed.checkpoint finds no .metadata here: give it dcp_nvme's reader instead,
+
+    from dcp_nvme import NVMeReader
+    dcp.load(state_dict, storage_reader=NVMeReader("<this directory>"))
+
+or convert the checkpoint for tools that only read the stock layout or torch.save files:
+
+    dcp-nvme convert <this directory> OUT --to dcp      (or --to torch)
+"""
+
+
+def write_pointer(store: LocalStore) -> None:
+    """The pointer for stock DCP users (written once per directory). It is not a part of the
+    checkpoint, so it never fails a save: a full disk or a planted link only costs the pointer
+    (a link is refused, not followed: O_NOFOLLOW | O_EXCL)."""
+    path = store.path(POINTER)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        log.warning("dcp_nvme: %s not written (%s); the checkpoint does not need it", path, exc.strerror or exc)
+        return
+    try:
+        os.write(fd, POINTER_TEXT.encode())
+    except OSError as exc:
+        log.warning("dcp_nvme: %s not written (%s); the checkpoint does not need it", path, exc.strerror or exc)
+        os.close(fd)
+        fd = -1
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    finally:
+        if fd >= 0:
+            os.close(fd)

@@ -1,6 +1,8 @@
 """One DCP WriteItem as container bytes: its name in the container, its bytes as flat uint8
 (no copy when contiguous; a non-contiguous view copies only the view's bytes), its index row,
-and the pad sources that fill the gaps ``format.placement`` left between items."""
+and the pad sources that fill the gaps ``format.container`` left between items. Also the bounded
+stager's hand-off (``WaveRelease``): a staged save's Future resolves as soon as the writer has
+written the live tensors, before the rest of the file."""
 
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, Ch
     if not tensor.is_contiguous():
         tensor = _contiguous_copy(tensor)  # only the view's bytes, never the whole storage
     source = tensor_bytes(tensor)
+    assert item.tensor_data is not None  # DCP's WriteItem carries it on every TENSOR item
     chunk = item.tensor_data.chunk
     st_dtype, shape = stored_as(tensor.dtype, tensor.shape, source.numel())
     spec = ItemSpec(key, source.numel(), st_dtype, shape)
@@ -106,7 +109,8 @@ def _pad_source(previous: torch.Tensor | None, following: torch.Tensor, size: in
         if (size < ITEMSIZE_GAP and storage.data_ptr() == following.untyped_storage().data_ptr()
                 and previous.data_ptr() + previous.numel() + size == following.data_ptr()
                 and start + size <= storage.nbytes()):
-            gap = torch.empty(0, dtype=torch.uint8).set_(storage, start, (size,))
+            # torch's stubs want a stride with an offset; set_ defaults it to contiguous
+            gap = torch.empty(0, dtype=torch.uint8).set_(storage, start, (size,))  # type: ignore[call-overload]
             if not gap.any():
                 return gap
     return torch.zeros(size, dtype=torch.uint8)

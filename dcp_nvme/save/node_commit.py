@@ -2,7 +2,7 @@
 
 DCP calls ``finish()`` on the coordinator only; the other ranks wait meanwhile in DCP's broadcast
 of its outcome and get no call after it. So each node whose directory the coordinator cannot
-see (``topology``) has one *node writer* rank, which starts a thread in ``write_data`` that
+see (``save.nodes``) has one *node writer* rank, which starts a thread in ``write_data`` that
 commits that node's copy of the metadata, and the coordinator's ``finish`` runs the rounds
 below with those threads over the job's key-value store (the one ``init_process_group`` made;
 keys are named by the save key, so a round of a failed save can never be mistaken for another):
@@ -55,7 +55,7 @@ _POLL_MAX = 0.2
 
 def shared_store() -> Any:
     """The job's key-value store (``torch.distributed``'s default store): the one private
-    touch-point, ``storage.peer_client.job_store``, which the peer servers publish in too."""
+    touch-point, ``host.job.job_store``, which the peer servers publish in too."""
     return job_store()
 
 

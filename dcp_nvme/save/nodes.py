@@ -1,4 +1,6 @@
-"""Where a checkpoint's directory lives: one filesystem every rank sees, or each node its own.
+"""The node side of a save: whether the ranks share one directory or each node has its own
+(``decide``, from probe files: ``Topology``), and the queue budget a node's ranks share
+(``budgeted``) with their write turns (``node_turn``). Who runs on which node: ``host.job``.
 
 The same path (``/nvme/run1/step_10``) may name one parallel-filesystem directory shared by all
 ranks, or a directory on each node's local NVMe. The writer finds out while DCP plans, with no
@@ -8,8 +10,6 @@ the coordinator then looks for each node's probe by that name. A node whose prob
 its directory; a node whose probe it cannot see has a disk of its own, and must get its own copy
 of the checkpoint's metadata (``node_commit``). Looking a fresh random name up by name is exact
 on NFS too (no cached listing or negative entry can hide it).
-
-Node identity: torchrun's ``GROUP_RANK`` (the node rank) when set, else the host name.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def decide(coordinator: int, tags: Sequence[NodeTag | None], visible: Callable[[
     A rank without a tag (a writer DCP did not plan through ours) counts as on the coordinator's
     node. A node other than the coordinator's is on the coordinator's filesystem when any of its
     probes is visible; otherwise its lowest probing rank commits its copy of the metadata."""
-    own = tags[coordinator].node if tags[coordinator] is not None else ""
+    coordinator_tag = tags[coordinator]
+    own = coordinator_tag.node if coordinator_tag is not None else ""
     nodes = tuple(tag.node if tag is not None else own for tag in tags)
     probes: dict[str, list[tuple[int, str]]] = {}
     for rank, tag in enumerate(tags):

@@ -1,6 +1,7 @@
-"""What the ranks wrote, as records: each rank's WriteResults (its index rows, its container's
-blocks-table record and figures), and on the coordinator all of them gathered in the plan's order
-for the tables and the manifest (pure)."""
+"""What the ranks wrote, as records (pure): each rank's WriteResults (its index rows, its
+container's blocks-table record and figures); on the coordinator, all of them gathered in the
+plan's order for the tables and the manifest (``collect``), and the save's figures per rank and
+per node with the straggler, for the manifest and the log (``layer_summary``, ``rank_stats_doc``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import operator
 import os
 import statistics
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     SavePlan,
 )
@@ -93,7 +94,7 @@ def collect(metadata: Metadata, results: list[list[WriteResult]]):
                 if stored.stats is not None:
                     stats.append(stored.stats)
         if not _same_metadata(records, metadata):
-            planned = []
+            planned: list[tuple] = []
             for fqn, entry in metadata.state_dict_metadata.items():
                 chunks = getattr(entry, "chunks", None)
                 planned.extend([(fqn, None)] if chunks is None else [(fqn, c.offsets) for c in chunks])
@@ -112,8 +113,8 @@ def collect_rows(metadata: Metadata, results: list[list[WriteResult]]):
     (``rows_in_metadata_order``), the rows are the ranks' concatenated: no object per row on
     the coordinator. Else ``collect``'s records, made into rows."""
     heads = [rank_results[0].storage_data for rank_results in results if rank_results]
-    blobs = [head.rows for head in heads if isinstance(head, StoredItem)]
-    if len(blobs) == len(heads) and all(blobs):
+    blobs = [head.rows for head in heads if isinstance(head, StoredItem) and head.rows]
+    if len(blobs) == len(heads):  # every rank sent its rows
         rows = rows_from_blobs(blobs)
         if rows.num_rows == sum(len(r) for r in results) and rows_in_metadata_order(rows, metadata):
             files = sorted((h.file for h in heads if h.file is not None), key=lambda f: f.rank)
@@ -138,7 +139,8 @@ def rows_in_metadata_order(rows: pa.Table, metadata: Metadata) -> bool:
             is_bytes.append(chunks is None)
             expected_counts.append(1 if chunks is None else len(chunks))
             if chunks:
-                dims.append(len(entry.size))
+                # getattr above is duck typing mypy cannot follow: an entry with chunks is a tensor's
+                dims.append(len(cast(TensorStorageMetadata, entry).size))
                 flat.append(np.fromiter(itertools.chain.from_iterable(map(_offsets_of, chunks)), np.int64))
     if not np.array_equal(np.bincount(codes, minlength=len(entries)), expected_counts):
         return False

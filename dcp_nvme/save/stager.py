@@ -9,8 +9,8 @@ the tensors (the optimizer step).
 
 Layout: tensors are packed back to back in the order DCP's default planner will hand them to
 NVMeWriter (the flattened state-dict traversal order), from a page-aligned base, each aligned
-to its itemsize (``format.placement.place_back_to_back``). The writer places them in its container at the
-same offsets (``format.placement.place_congruent``: congruent to their addresses, the dtype padding a pad
+to its itemsize (``format.container.place_back_to_back``). The writer places them in its container at the
+same offsets (``format.container.place_congruent``: congruent to their addresses, the dtype padding a pad
 entry read from the arena's zeros), so each write window is one aligned span of the arena and
 the engines write it straight from there (no bounce copy). Within each mapping, keys that hold tensors are placed before non-tensor leaves:
 a pickled object between two tensors would shift every later tensor off the 4 KiB grid.
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from dcp_nvme.config import ALIGN, check_option
 from dcp_nvme.engines.buffers import cuda_available
 from dcp_nvme.errors import InvalidInputError, StagingBusyError
-from dcp_nvme.save import items as waves
+from dcp_nvme.save import items
 from dcp_nvme.save.arena import (
     Arena,
     Lease,
@@ -78,8 +78,8 @@ class _StagedFuture(Future):
         self.lease: Lease | None = None
         self.early: Any = None
         """A staged state handed to the save before the Future resolves (bounded staging: the
-        save writes the live tensors, then resolves it; see ``waves``)."""
-        self.wave: waves.WaveRelease | None = None
+        save writes the live tensors, then resolves it; see ``items.WaveRelease``)."""
+        self.wave: items.WaveRelease | None = None
         self.copied: Future | None = None
         """Bounded staging: resolves when the arena copy is done (the save may read the arena)."""
         self.prepared: threading.Event | None = None
@@ -107,8 +107,12 @@ class _StagedFuture(Future):
         if wave is None or getattr(self, "_watching", False) or getattr(save_thread, PERSISTENT, False):
             return  # a persistent save thread never ends: it calls save_ended() after each save
         self._watching = True
-        threading.Thread(target=lambda: (save_thread.join(), wave.release()),
-                         name=f"{_HELPER_PREFIX}-wave", daemon=True).start()
+
+        def release_when_ended() -> None:
+            save_thread.join()
+            wave.release()
+
+        threading.Thread(target=release_when_ended, name=f"{_HELPER_PREFIX}-wave", daemon=True).start()
 
 
 PERSISTENT = "dcp_nvme_persistent"
@@ -175,8 +179,9 @@ class NVMeStager(AsyncStager):
         max_bytes: int | str | None = None,
         background_copy: bool = True,
     ) -> None:
+        limit: int | None = None  # max_bytes, in bytes
         if max_bytes is not None:
-            max_bytes = check_option("max_bytes", max_bytes)
+            limit = check_option("max_bytes", max_bytes)
             if shared_memory:
                 raise InvalidInputError("max_bytes cannot be combined with shared_memory=True: a bounded "
                                  "save writes live tensors, which a checkpoint process cannot read; "
@@ -190,7 +195,7 @@ class NVMeStager(AsyncStager):
         self.wait_timeout = wait_timeout
         self.shared_memory = shared_memory
         self.pin_memory = pin_memory
-        self.max_bytes = max_bytes
+        self.max_bytes = limit
         self.background_copy = bool(background_copy)
         self._setup()
 
@@ -225,7 +230,7 @@ class NVMeStager(AsyncStager):
     @property
     def pinned_bytes(self) -> int:
         # re-checked: a PROCESS save may have moved an unshared arena into (unpinned) shm
-        return sum(a.nbytes for a in self._arenas if a.pinned and a.buffer.is_pinned())
+        return sum(a.nbytes for a in self._arenas if a.pinned and a.buffer is not None and a.buffer.is_pinned())
 
     def stats(self) -> dict[str, Any]:
         """Arena and pinned bytes, saves staged, arena rebuilds, and the last stage's timings:
@@ -352,7 +357,7 @@ class NVMeStager(AsyncStager):
                         host_pairs: list, device_pairs: list, started: float) -> None:
         """Bounded staging: the save gets ``staged`` once the arena copy is done
         (``future.early``, ``future.copied``); the Future resolves when the save has written
-        the live tensors (``waves``) or has ended, or with the copy's error."""
+        the live tensors (``items.WaveRelease``) or has ended, or with the copy's error."""
         copied: Future = Future()
 
         def resolve(error: BaseException | None) -> None:
@@ -362,11 +367,16 @@ class NVMeStager(AsyncStager):
             else:
                 future.set_result(staged)
 
-        wave = waves.WaveRelease({t.untyped_storage().data_ptr() for t in live}, resolve)
+        wave = items.WaveRelease({t.untyped_storage().data_ptr() for t in live}, resolve)
+
         # a failed copy: the save raises it and may never report progress; training is released
-        copied.add_done_callback(lambda done: done.exception() is not None and wave.release())
+        def release_if_failed(done: Future) -> None:
+            if done.exception() is not None:
+                wave.release()
+
+        copied.add_done_callback(release_if_failed)
         future.early, future.wave, future.copied = staged, wave, copied
-        waves.register(wave)
+        items.register(wave)
         if host_pairs or device_pairs:
             self._copy_background(host_pairs, device_pairs, copied, staged, started)
         else:

@@ -5,7 +5,7 @@ prepare_global_plan (coordinator) -> write_data (every rank) -> finish (coordina
 
 
 Each rank's write (``write_data``) is: resolve the items (``items``), place them
-(``format.placement``), write the container through the engine under the node's turn, and hand
+(``format.container``), write the container through the engine under the node's turn, and hand
 back WriteResults carrying the rows; ``finish`` writes the tables, then the manifest."""
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ from torch.futures import Future
 
 from dcp_nvme import seams
 from dcp_nvme.compat import dcp_version
-from dcp_nvme.config import COMPRESS_MODES, IOConfig, check_option, option_or_env, resolve_config
+from dcp_nvme.config import (
+    COMPRESS_MODES,
+    IOConfig,
+    check_option,
+    option_or_default,
+    option_or_env,
+    resolve_config,
+)
 from dcp_nvme.engines import shared_engine
 from dcp_nvme.engines.buffers import host_address
 from dcp_nvme.engines.stats import PhaseTimer
@@ -48,14 +55,15 @@ from dcp_nvme.format.names import (
 )
 from dcp_nvme.format.tables import files_table, index_table_bytes
 from dcp_nvme.host.job import host_name, leads_its_node, local_world_size, node_identity
-from dcp_nvme.save import items as waves
 from dcp_nvme.save.dropin import (
+    POINTER,
     exists_message,
     refuse_existing_early,
     with_cached_plans,
+    write_pointer,
     writer_stock_options,
 )
-from dcp_nvme.save.items import resolve_item, with_pads
+from dcp_nvme.save.items import release_for, resolve_item, with_pads
 from dcp_nvme.save.node_commit import (
     NodeCommitter,
     abort_everywhere,
@@ -123,10 +131,10 @@ class NVMeWriter(StorageWriter):
         direct_io: O_DIRECT where the filesystem allows it (env ``DCP_NVME_DIRECT_IO``).
         engine: ``"auto"``, ``"posix"`` (threads), ``"uring"`` (io_uring) or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
         node_queue_depth: requests in flight shared by the ranks of a node: each keeps
-            ``node_queue_depth // local ranks`` (env ``DCP_NVME_NODE_QUEUE_DEPTH``; ``dcp_nvme.node``).
+            ``node_queue_depth // local ranks`` (env ``DCP_NVME_NODE_QUEUE_DEPTH``; ``save.nodes``).
         node_write_order: ``"together"`` (the node's ranks write at once, sharing the budget) or
-            ``"staggered"`` (one at a time, each with the whole budget); env
-            ``DCP_NVME_NODE_WRITE_ORDER``, or what ``dcp-nvme tune --ranks`` measured faster.
+            ``"staggered"`` (one at a time, each with the whole budget); unset: what
+            ``dcp-nvme tune --ranks`` measured faster, else ``"together"``.
         overwrite: replace a committed checkpoint at ``path``; the old one stays loadable until
             the new one commits.
         mirror, mirror_options: an fsspec URL (or directory) and its storage options: after each
@@ -139,10 +147,9 @@ class NVMeWriter(StorageWriter):
             (None: the drainer's option). The local checkpoint is always plain safetensors.
         replicas: with node-local disks, after each commit every node's files are pulled by this
             many other nodes into their ``<checkpoint>/.replicas/<node>/`` in the background
-            (node i's go to i+1.. mod N; ``dcp_nvme.peers.replicate``); env ``DCP_NVME_REPLICAS``,
-            default 0. ``writer.replication_future`` resolves when this node's part is done.
-        replica_bandwidth: bytes/s each pull may use (e.g. ``"200MB"``; env
-            ``DCP_NVME_REPLICA_BANDWIDTH``; unlimited by default).
+            (node i's go to i+1.. mod N; ``dcp_nvme.peers.replicate``), default 0.
+            ``writer.replication_future`` resolves when this node's part is done.
+        replica_bandwidth: bytes/s each pull may use (e.g. ``"200MB"``; unlimited by default).
 
     FileSystemWriter's own arguments (``sync_files``, ``thread_count``...) are accepted where
     their value is what this writer does, else refused naming the option that does that job.
@@ -169,8 +176,8 @@ class NVMeWriter(StorageWriter):
     ) -> None:
         super().__init__()
         writer_stock_options(type(self), stock_args, stock_kwargs)
-        self.replicas = option_or_env("replicas", replicas, 0)
-        self.replica_bandwidth = option_or_env("replica_bandwidth", replica_bandwidth, None)
+        self.replicas = option_or_default("replicas", replicas, 0)
+        self.replica_bandwidth = option_or_default("replica_bandwidth", replica_bandwidth, None)
         self.replica_stride = option_or_env("replica_stride", None, 1)  # env only: checked here, not after a commit
         self.replication_future = None
         """With ``replicas``, on each node writer: a Future of the last save's ReplicationResult."""
@@ -210,14 +217,20 @@ class NVMeWriter(StorageWriter):
         self._lock: save_lock.SaveLock | None = None
         """On the coordinator (and a node writer), the directory's save lock until the commit."""
         self._probe: str | None = None
-        """The probe file this rank made in the directory while planning (``topology``)."""
+        """The probe file this rank made in the directory while planning (``nodes``)."""
         self._topology: Topology | None = None
         """On the coordinator: where the ranks' directories are, found while planning."""
         self._committer: NodeCommitter | None = None
         """On a node writer: the thread committing this node's copy of the last save."""
         self._sent_plans: list[SavePlan] | None = None
-        """On the coordinator: the plans of the last save, for a planner that caches (``plan_cache``)."""
+        """On the coordinator: the plans of the last save, for a planner that caches
+        (``dropin.with_cached_plans``)."""
         refuse_existing_early(self.path, self.overwrite)
+
+    @property
+    def _dir(self) -> str:
+        """``path``, which a save needs (the error of ``set_up_storage_writer`` on a writer given none)."""
+        return require_location(type(self), self.path, "dcp.save")
 
     # ------------------------------------------------------------------ DCP protocol
 
@@ -245,23 +258,23 @@ class NVMeWriter(StorageWriter):
                 "committed by the coordinator, describes every rank's data. Save without "
                 "use_collectives=False, or give each rank its own checkpoint directory")
         try:
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self._dir, exist_ok=True)
         except OSError as exc:
             raise StorageError(exc.errno, f"cannot create checkpoint directory {self.path}: {exc.strerror}") from exc
-        remove_probe(self.path, self._probe)
-        self._probe = write_probe(self.path) if _world_size() > 1 and leads_its_node() else None
+        remove_probe(self._dir, self._probe)
+        self._probe = write_probe(self._dir) if _world_size() > 1 and leads_its_node() else None
         # the coordinator counts ranks per host, and finds which nodes share its directory
         return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe))
 
     def _refuse_existing(self, where: str) -> None:
-        if LocalStore(self.path).has(MANIFEST) and not self.overwrite:
+        if LocalStore(self._dir).has(MANIFEST) and not self.overwrite:
             raise CheckpointExistsError(exists_message(where))
 
     def mirror_url(self) -> str | None:
         """Where this checkpoint drains: ``mirror``, or ``mirror_root`` + its directory name."""
         if self.mirror_root is None:
             return self.mirror
-        name = os.path.basename(os.path.normpath(self.path))
+        name = os.path.basename(os.path.normpath(self._dir))
         root = self.mirror_root
         return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)
 
@@ -271,6 +284,7 @@ class NVMeWriter(StorageWriter):
         url = self.mirror_url()
         earlier = self._mirrored.get(url) if url else None
         if earlier is not None and earlier != self.path:
+            assert url is not None  # earlier was found under it
             raise InvalidInputError(
                 f"mirror={url!r} already holds the mirror of {earlier}; draining {self.path} there "
                 f"would replace it. Give the run's mirror as NVMeWriter(mirror_root={url.rsplit('/', 1)[0]!r}) "
@@ -282,15 +296,15 @@ class NVMeWriter(StorageWriter):
         self._check_mirror_reuse()
         key = new_save_key()
         self._release_lock()
-        self._lock = save_lock.acquire(self.path, key)
+        self._lock = save_lock.acquire(self._dir, key)
         try:
-            self._refuse_existing(self.path)
-            plans, cached = with_cached_plans(plans, self._sent_plans, self.path)  # enable_plan_caching
+            self._refuse_existing(self._dir)
+            plans, cached = with_cached_plans(plans, self._sent_plans, self._dir)  # enable_plan_caching
             check_planner_data(plans)  # fail before any byte is written, not after
             tags = [plan.storage_data if isinstance(plan.storage_data, NodeTag) else None for plan in plans]
             counts = ranks_per_host([tag.host if tag else None for tag in tags])
             if not (cached and self._topology is not None):
-                self._topology = decide(self._rank, tags, lambda name: probe_visible(self.path, name))
+                self._topology = decide(self._rank, tags, lambda name: probe_visible(self._dir, name))
         except BaseException:
             self._release_lock()
             raise
@@ -300,7 +314,7 @@ class NVMeWriter(StorageWriter):
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        remove_probe(self.path, self._probe)  # the coordinator has looked
+        remove_probe(self._dir, self._probe)  # the coordinator has looked
         self._probe, self._committer = None, None
         try:
             if plan.storage_data.node_writer:
@@ -316,8 +330,8 @@ class NVMeWriter(StorageWriter):
     def _start_node_copy(self, target: RankPlan) -> None:
         """On a node writer: this node's lock, then the thread that commits its copy (``node_commit``)."""
         self._release_lock()
-        end_waiting(self.path)  # an earlier failed save's committer lets go of this node's lock
-        lock = save_lock.acquire(self.path, target.save_key)
+        end_waiting(self._dir)  # an earlier failed save's committer lets go of this node's lock
+        lock = save_lock.acquire(self._dir, target.save_key)
         try:
             self._refuse_existing(f"{self.path} on node {node_identity()}")
         except BaseException:
@@ -326,7 +340,7 @@ class NVMeWriter(StorageWriter):
         self._lock = lock
         key = target.save_key
         self._committer = start_committer(NodeCommitter(
-            shared_store(), self.path, key, target.rank, node_identity(),
+            shared_store(), self._dir, key, target.rank, node_identity(),
             after_commit=lambda: self._after_node_commit(key), release=lambda: self._release_this(lock)))
 
     def _release_this(self, lock: save_lock.SaveLock) -> None:
@@ -338,7 +352,7 @@ class NVMeWriter(StorageWriter):
     def _after_node_commit(self, key: str) -> None:
         """On a node writer, its node's copy committed: what the coordinator does after its own."""
         try:
-            self._remove_other_saves(LocalStore(self.path), key)
+            self._remove_other_saves(LocalStore(self._dir), key)
         except OSError as exc:
             log.warning("dcp_nvme: %s committed, but removing files of other saves failed: %s", self.path, exc)
         self._submit_drain()  # each node drains the files on its own disk
@@ -362,7 +376,7 @@ class NVMeWriter(StorageWriter):
         return future
 
     def _place_items(self, plan: SavePlan, planner: SavePlanner, target: RankPlan, timer: PhaseTimer):
-        """Each item as bytes (``items``), placed in this rank's container (``format.placement``):
+        """Each item as bytes (``items``), placed in this rank's container (``format.container``):
         host tensors congruent to their addresses, so they are written from their memory."""
         with timer.span("resolve"):
             resolved = [resolve_item(item, planner.resolve_data(item)) for item in plan.items]
@@ -383,10 +397,10 @@ class NVMeWriter(StorageWriter):
         on_node = local_world_size(target.local_ranks) if self.config.node_queue_depth else target.local_ranks
         config = budgeted(self.config, on_node)
         engine, reason = shared_engine(config, has_device, self.path)
-        path = os.path.join(self.path, name)
+        path = os.path.join(self._dir, name)
         watch = seams.save_diagnostics(self.path, config.queue_depth, on_node, config.block_size) \
             if seams.save_diagnostics.plugged else None  # when asked: dcp-nvme bench and tune
-        wave = waves.release_for(data)  # a bounded stager's live tensors are in this save
+        wave = release_for(data)  # a bounded stager's live tensors are in this save
         progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
         try:
             with timer.span("write"), self._turn(config) as waited:
@@ -419,11 +433,11 @@ class NVMeWriter(StorageWriter):
 
     def _turn(self, config: IOConfig) -> contextlib.AbstractContextManager[float]:
         """The node's write turn when ranks write staggered, else nothing to wait for."""
-        return node_turn(self.path) if config.node_write_order == "staggered" else contextlib.nullcontext(0.0)
+        return node_turn(self._dir) if config.node_write_order == "staggered" else contextlib.nullcontext(0.0)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         started = time.perf_counter()
-        store = LocalStore(self.path)
+        store = LocalStore(self._dir)
         key = self.save_key or (self._lock.save_key if self._lock else None) or key_from_results(results)
         committed = False
         try:
@@ -438,7 +452,7 @@ class NVMeWriter(StorageWriter):
             if not committed:  # nothing of this save may stay behind looking like a checkpoint
                 if self._topology is not None and self._topology.mode == NODE_LOCAL:
                     abort_everywhere(shared_store(), key)  # a no-op where the nodes already decided
-                remove_save_files(self.path, key)
+                remove_save_files(self._dir, key)
                 if not store.has(MANIFEST):  # no checkpoint here for the pointer to explain
                     store.remove(POINTER)
             raise
@@ -459,7 +473,7 @@ class NVMeWriter(StorageWriter):
                 stride=getattr(self, "replica_stride", 1))
         url = self.mirror_url()
         if url:
-            self._mirrored[url] = self.path
+            self._mirrored[url] = self._dir
             self.drain_future = seams.drain(self.path, url, self.mirror_options,
                                             compress=getattr(self, "compress", None))
 
@@ -471,8 +485,8 @@ class NVMeWriter(StorageWriter):
         index_bytes = index_table_bytes(rows)
         blocks_bytes = files_table(files)
         index_name, blocks_name = table_name("index", key), table_name("blocks", key)
-        write_commit_file(self.path, index_name, index_bytes, key)
-        write_commit_file(self.path, blocks_name, blocks_bytes, key)
+        write_commit_file(self._dir, index_name, index_bytes, key)
+        write_commit_file(self._dir, blocks_name, blocks_bytes, key)
         doc = build_manifest_doc(
             save_key=key, files=files,
             index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
@@ -484,7 +498,7 @@ class NVMeWriter(StorageWriter):
                    **({"topology": self._topology.to_doc()} if self._topology is not None else {})},
         )
         sealed = seal(doc)  # everything that can fail happens before the commit
-        _write_pointer(LocalStore(self.path))
+        write_pointer(LocalStore(self._dir))
         if self._lock is not None and not self._lock.held():
             raise CheckpointLockedError(
                 f"{self.path}: this save ({key}) lost its save lock before its commit (it was "
@@ -492,10 +506,10 @@ class NVMeWriter(StorageWriter):
         topology = self._topology
         if topology is not None and topology.mode == NODE_LOCAL:  # every node's own disk
             writers = {rank: topology.rank_nodes[rank] for rank in topology.node_writers}
-            commit_on_every_node(shared_store(), self.path, key, sealed,
+            commit_on_every_node(shared_store(), self._dir, key, sealed,
                                  [(index_name, index_bytes), (blocks_name, blocks_bytes)], writers)
         else:
-            write_commit_file(self.path, MANIFEST, sealed, key)  # the commit
+            write_commit_file(self._dir, MANIFEST, sealed, key)  # the commit
         return doc
 
     def _remove_other_saves(self, store: LocalStore, key: str) -> None:
@@ -520,7 +534,7 @@ class NVMeWriter(StorageWriter):
         # a Future does not pickle (PROCESS mode); a lock belongs to the process that took it
         return {**self.__dict__, "drain_future": None, "replication_future": None, "_lock": None, "_committer": None}
 
-    def storage_meta(self) -> StorageMeta | None:
+    def storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     @property
@@ -532,48 +546,10 @@ class NVMeWriter(StorageWriter):
         return is_local_path(checkpoint_id)
 
 
-POINTER = ".metadata.HOW_TO_LOAD.txt"
-"""Where DCP looks for its missing .metadata (`ls -a`, tab completion): says how to load this directory."""
 
 
-POINTER_TEXT = """\
-This directory is a dcp_nvme checkpoint (manifest.json), not one in DCP's stock layout (.metadata).
-torch.distributed.checkpoint finds no .metadata here: give it dcp_nvme's reader instead,
-
-    from dcp_nvme import NVMeReader
-    dcp.load(state_dict, storage_reader=NVMeReader("<this directory>"))
-
-or convert the checkpoint for tools that only read the stock layout or torch.save files:
-
-    dcp-nvme convert <this directory> OUT --to dcp      (or --to torch)
-"""
 
 
-def _write_pointer(store: LocalStore) -> None:
-    """The pointer for stock DCP users (written once per directory). It is not a part of the
-    checkpoint, so it never fails a save: a full disk or a planted link only costs the pointer
-    (a link is refused, not followed: O_NOFOLLOW | O_EXCL)."""
-    path = store.path(POINTER)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    except FileExistsError:
-        return
-    except OSError as exc:
-        log.warning("dcp_nvme: %s not written (%s); the checkpoint does not need it", path, exc.strerror or exc)
-        return
-    try:
-        os.write(fd, POINTER_TEXT.encode())
-    except OSError as exc:
-        log.warning("dcp_nvme: %s not written (%s); the checkpoint does not need it", path, exc.strerror or exc)
-        os.close(fd)
-        fd = -1
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def _log_write(stats: dict[str, Any]) -> None:

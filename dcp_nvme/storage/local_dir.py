@@ -1,6 +1,9 @@
-"""The small-file side of a checkpoint directory: list, read, write atomically, remove.
+"""A checkpoint's location and the small-file side of its directory: which locations a reader
+or writer takes (``reader_location``, ``writer_location``: local path or URL), and a local
+directory's list, read, remove and all-or-nothing write (``LocalStore``, ``write_commit_file``).
 
-Bulk data goes through an engine; this is for the manifest, the index and cleanup.
+Bulk data goes through an engine; this is for the manifest, the index and cleanup. The file
+primitives under it (no link followed, no FIFO opened) are ``host.files``.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def committed_kind(path: str | os.PathLike, kinds: Iterable[str] = (NVME, DCP)) 
 
 
 def checkpoints(
-    run_dir: str | os.PathLike,
+    run_dir: str | os.PathLike[str],
     *,
     kinds: Iterable[str] = (NVME, DCP),
     extra_markers: Iterable[str] = (),
@@ -136,7 +136,7 @@ def checkpoints(
 
 
 def latest(
-    run_dir: str | os.PathLike,
+    run_dir: str | os.PathLike[str],
     *,
     kinds: Iterable[str] = (NVME,),
     extra_markers: Iterable[str] = (),

@@ -185,9 +185,10 @@ def _count(value: object, field: str) -> int:
 
 
 def _pid(value: object) -> int:
-    if not 0 < _count(value, "pid") <= PID_MAX:
+    pid = _count(value, "pid")  # value itself, checked to be an int
+    if not 0 < pid <= PID_MAX:
         raise ValueError(f"pid {value} is not a process id")
-    return value
+    return pid
 
 
 def _unix_time(value: object) -> float:

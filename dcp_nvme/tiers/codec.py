@@ -42,9 +42,9 @@ CODEC_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MAGIC = b"DCPNVZC1"
 DEFAULT_LEVEL = 1
-"""zstd level by measurement (`dcp-nvme bench --compress --levels 1,3` on a trained state, 2026-12-01):
-byte-grouped planes are mostly entropy-coded, so level 1 coded as small as 3 or smaller (bf16
-weights 1.471x vs 1.429x, fp32 moments 1.175x / 1.233x vs 1.160x / 1.235x) at 1.1-1.5x the speed."""
+"""zstd level by measurement (`dcp-nvme bench --compress --levels 1,3` on a trained state):
+byte-grouped planes are mostly entropy-coded, so a higher level's longer match search finds
+little; level 1 codes about as small as 3 and faster (figures: docs/benchmarks.md, Compression)."""
 DEFAULT_CHUNK = 2 << 20
 MAX_CHUNK = 64 << 20
 """Bound on one chunk's decoded length read from a container (an allocation)."""

@@ -1,7 +1,7 @@
 """Reading a compressed mirror: ranges of the original rank files, decoded from ``.dcz`` files.
 
 A mirror drained with compression holds, per rank file, ``<rank file>.dcz`` (see
-``dcp_nvme.codec``) and a manifest whose ``compression`` section names it. ``CodedFile``
+``dcp_nvme.tiers.codec``) and a manifest whose ``compression`` section names it. ``CodedFile``
 serves any byte range of the original file by fetching only the stored bytes of the chunks it
 overlaps (in runs of adjacent chunks, one ranged read each) and decoding them, each chunk checked
 against its crc32c; a delta run reads its base's bytes under it the same way, at once.

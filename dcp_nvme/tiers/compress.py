@@ -2,7 +2,7 @@
 
 The local tier stays plain safetensors. With ``DrainOptions(compress="bytegroup")`` (or
 ``"auto"`` when it pays) each rank file is read in block-aligned windows, each window checked
-against the blocks table, coded by ``format.codec`` on a bounded thread pool, and written to
+against the blocks table, coded by ``tiers.codec`` on a bounded thread pool, and written to
 ``<checkpoint>/.drain-zip.<key>/<rank file>.dcz``, on a coder thread of its own. The drain sends
 those files as it sends plain ones (pieces, journal, confirmation before ``mirrored``), each
 piece as soon as it is coded (``CompressedSource.stream``): each gets a FileRecord of its own

@@ -3,7 +3,7 @@
 A checkpoint is removed only when all of these hold (docs/tiers.md, "Retention"):
 
 - it is a real directory directly inside the run directory holding a committed
-  ``manifest.json`` (``dcp_nvme.rundir.checkpoints``: symlinks, such as a ``latest`` link,
+  ``manifest.json`` (``dcp_nvme.storage.run_dir.checkpoints``: symlinks, such as a ``latest`` link,
   are never followed, counted or removed, and nothing outside the run directory is touched);
 - it is not among the newest ``keep_last`` whose manifest reads back valid (never the newest
   loadable one: ``keep_last >= 1``; a broken directory with a higher step does not count);
@@ -13,7 +13,7 @@ A checkpoint is removed only when all of these hold (docs/tiers.md, "Retention")
   or unreachable now, keeps the local copy);
 - no save holds its save lock (an overwrite in progress).
 
-Replicas a node holds of other nodes' files (``tiers.replicate``) live inside the step's
+Replicas a node holds of other nodes' files (``peers.replicate``) live inside the step's
 directory (``.replicas/``), so they go with it, and only once the mirror holds every node's
 files (a node-local drain commits its mirror after every node's marker): a step that is only
 replicated is kept, so no removal takes the last protected copy.

@@ -101,7 +101,7 @@ class TensorPlan:
 
     @property
     def entry(self) -> tuple[str, str, tuple[int, ...], int]:
-        """``(key, st_dtype, shape, nbytes)`` as ``format.build_header`` takes it."""
+        """``(key, st_dtype, shape, nbytes)`` as ``format.container.build_header`` takes it."""
         return self.name, ST_DTYPES[self.out], self.shape, self.nbytes
 
     @property

@@ -5,7 +5,7 @@ own file of ``size // N`` bytes, all processes start the write together and the 
 (a barrier), and the point's time is the slowest process's: the node's checkpoint time. The best
 point is stored with ``node_queue_depth = D``, so writers on a node of N ranks share D.
 
-Each node depth is also measured staggered: the processes take turns (``node.node_turn``), each
+Each node depth is also measured staggered: the processes take turns (``save.nodes.node_turn``), each
 with all D requests; the point's time is then the last process's end. Whichever order wins is
 stored as ``node_write_order``.
 """

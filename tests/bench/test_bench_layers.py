@@ -10,7 +10,7 @@ from dcp_nvme import bench
 @pytest.mark.slow
 def test_bench_two_ranks_with_a_node_budget(tmp_path, monkeypatch):
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tmp_path / "no-tune.json"))
-    for name in ("QUEUE_DEPTH", "BLOCK_SIZE", "DIRECT_IO", "NODE_QUEUE_DEPTH", "NODE_WRITE_ORDER"):
+    for name in ("QUEUE_DEPTH", "BLOCK_SIZE", "DIRECT_IO", "NODE_QUEUE_DEPTH"):
         monkeypatch.delenv(f"DCP_NVME_{name}", raising=False)
     options = bench.BenchOptions(size=4 << 20, ranks=2, directory=str(tmp_path / "disk"), quick=True,
                                  progress=False, queue_depth=3, block_size=256 << 10, node_queue_depth=4)

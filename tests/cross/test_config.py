@@ -270,13 +270,90 @@ def test_misspelt_environment_variable_is_named_with_the_closest_real_one(monkey
         "the variables read are " + ", ".join(config.known_env_names())]
 
 
-def test_every_variable_the_package_reads_is_known_to_the_misspelling_warning():
-    """A DCP_NVME_* name in the code that warn_unknown_env does not know would be read and
-    warned about as misspelt at once (replicas=, the peer server's address, dev.sh's own)."""
-    from dcp_nvme.config import known_env_names, warn_unknown_env
+PER_CLUSTER_ENV = {"DCP_NVME_QUEUE_DEPTH", "DCP_NVME_BLOCK_SIZE", "DCP_NVME_DIRECT_IO", "DCP_NVME_ENGINE",
+                   "DCP_NVME_NODE_QUEUE_DEPTH", "DCP_NVME_TUNE_FILE", "DCP_NVME_PEER_ADDR",
+                   "DCP_NVME_REPLICA_STRIDE"}
 
+
+def test_every_variable_the_package_reads_is_known_to_the_misspelling_warning():
+    """The product reads only the 8 variables an operator sets per cluster; a DCP_NVME_* name in
+    the code that warn_unknown_env does not know would be read and warned about as misspelt at
+    once. Only config.py names the removed ones (to say what replaced them)."""
+    from dcp_nvme.config import REMOVED_ENV, known_env_names, warn_unknown_env
+
+    assert set(known_env_names()) == PER_CLUSTER_ENV and len(known_env_names()) == 8
+    assert not set(REMOVED_ENV) & PER_CLUSTER_ENV
     root = Path(__file__).parents[2]
     sources = [*(root / "dcp_nvme").rglob("*.py"), root / "scripts" / "dev.sh"]
-    named = {m for path in sources for m in re.findall(r"DCP_NVME_[A-Z0-9_]*[A-Z0-9]", path.read_text())}
-    assert len(named) > 10 and named <= set(known_env_names()), sorted(named - set(known_env_names()))
-    assert warn_unknown_env({name: "1" for name in named}) == []
+    for path in sources:
+        found = set(re.findall(r"DCP_NVME_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
+        allowed = PER_CLUSTER_ENV | (set(REMOVED_ENV) if path == root / "dcp_nvme" / "config.py" else set())
+        assert found <= allowed, (path, sorted(found - allowed))
+    assert warn_unknown_env({name: "1" for name in PER_CLUSTER_ENV}) == []
+
+
+def test_each_removed_variable_is_warned_about_and_not_used(tmp_path, monkeypatch, caplog):
+    """A variable earlier versions read is not silently ignored: one warning per name, saying it
+    is no longer read and what to use instead; and it changes nothing."""
+    from dcp_nvme import NVMeReader, NVMeWriter, config
+    from dcp_nvme.engines import kvikio
+    from dcp_nvme.load import node_index
+
+    monkeypatch.setattr(config, "_WARNED_ENV", set())
+    monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tmp_path / "absent.json"))
+    changed = {"DCP_NVME_VERIFY": "0", "DCP_NVME_READ_MODE": "buffered", "DCP_NVME_HOST_ENGINE": "uring",
+               "DCP_NVME_NODE_WRITE_ORDER": "staggered", "DCP_NVME_REPLICAS": "2",
+               "DCP_NVME_REPLICA_BANDWIDTH": "1MB", "DCP_NVME_PEERS": "1", "DCP_NVME_KVIKIO_PROBE_TIMEOUT": "0.1",
+               "DCP_NVME_NODE_INDEX": "off", "DCP_NVME_DEMO_DIR": str(tmp_path), "DCP_NVME_S3_BENCH": "1"}
+    assert set(changed) == set(config.REMOVED_ENV)
+    for name, value in changed.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING, logger="dcp_nvme.config"):
+        writer, reader = NVMeWriter(tmp_path / "w"), NVMeReader(tmp_path / "r")
+        NVMeReader(tmp_path / "r")  # once per process and name
+    warned = [r.getMessage() for r in caplog.records if r.name == "dcp_nvme.config"]
+    assert sorted(warned) == sorted(
+        f"dcp_nvme: environment variable {name} is no longer read and is ignored; instead, {instead}"
+        for name, instead in config.REMOVED_ENV.items())
+    assert "pass verify=... to NVMeReader" in config.REMOVED_ENV["DCP_NVME_VERIFY"]
+    assert (reader.config.verify, reader.config.read_mode, reader.config.host_engine) == (True, "auto", "posix")
+    assert (writer.config.node_write_order, writer.replicas, writer.replica_bandwidth) == ("together", 0, None)
+    assert reader.peers is False and kvikio.PROBE_TIMEOUT == 60 and node_index.ENABLED is True
+
+
+def test_the_tune_file_is_read_once_per_version_and_named_once(tmp_path, monkeypatch, caplog):
+    """Writers and readers built every step do not re-read the file; a changed file is re-read;
+    the log says once which file's values are used, and which values."""
+    from dcp_nvme import config
+
+    monkeypatch.setattr(config, "TUNE_RACY_NS", 0)  # the file was just written: trust its timestamps
+    reads = []
+    real = config._read_tune_file
+    monkeypatch.setattr(config, "_read_tune_file", lambda path: reads.append(path) or real(path))
+    tune = tmp_path / "tune.json"
+    tune.write_text(json.dumps({"best": {"queue_depth": 16, "block_size": 4 << 20}}))
+    monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune))
+    with caplog.at_level(logging.INFO, logger="dcp_nvme.config"):
+        for _ in range(3):
+            assert resolve_config() == IOConfig(queue_depth=16, block_size=4 << 20)
+        assert reads == [tune]
+        tune.write_text(json.dumps({"best": {"queue_depth": 4}}))  # changed: read again
+        assert resolve_config() == resolve_config() == IOConfig(queue_depth=4)
+        assert reads == [tune, tune]
+    used = [r.getMessage() for r in caplog.records if "using the settings" in r.getMessage()]
+    assert used == [f"dcp_nvme: using the settings `dcp-nvme tune` measured, from {tune}: queue_depth=16, "
+                    "block_size=4MiB (an argument or DCP_NVME_* variable overrides each)",
+                    f"dcp_nvme: using the settings `dcp-nvme tune` measured, from {tune}: queue_depth=4 "
+                    "(an argument or DCP_NVME_* variable overrides each)"]
+    assert all(r.levelno == logging.INFO for r in caplog.records if "using the settings" in r.getMessage())
+
+
+def test_a_tune_file_rewritten_within_a_timestamp_tick_is_read_again(tmp_path, monkeypatch):
+    """Same size, same inode, maybe the same mtime: a file modified near its last read is
+    re-read rather than trusted."""
+    tune = tmp_path / "tune.json"
+    monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune))
+    tune.write_text(json.dumps({"best": {"read_mode": "buffered"}}))
+    assert resolve_config().read_mode == "buffered"
+    tune.write_text(json.dumps({"best": {"read_mode": "direct"}}).replace("}}", " }}"))
+    assert resolve_config().read_mode == "direct"

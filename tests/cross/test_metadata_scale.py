@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_nvme import ManifestError, NVMeLoadPlanner, NVMeReader
+from dcp_nvme import NVMeLoadPlanner, NVMeReader
+from dcp_nvme.errors import ManifestError
 from dcp_nvme.format import column_checks, validation
 from dcp_nvme.format.columns import ChunkColumns
 from dcp_nvme.format.container import default_item_key
@@ -302,7 +303,7 @@ def test_commit_keeps_the_ranks_order_when_it_is_the_metadata_order_else_sorts()
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from dcp_nvme import SaveError
+    from dcp_nvme.errors import SaveError
     from dcp_nvme.format.tables import StoredItem
     from dcp_nvme.save.results import collect
 

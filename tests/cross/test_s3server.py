@@ -1,6 +1,6 @@
 """Proves the loopback S3 test infrastructure (tests/s3server.py, tests/s3_fixtures.py).
 
-Set DCP_NVME_S3_BENCH=1 to also time a 256 MiB s3fs put/get (prints, ~10 s).
+Set S3_BENCH=1 to also time a 256 MiB s3fs put/get (prints, ~10 s).
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def test_dcp_fsspec_writer_reader_roundtrip(s3_server, s3_bucket):
     assert w.fs.fs.endpoint_url is None and w.fs.fs.key is None
 
 
-@pytest.mark.skipif(not os.environ.get("DCP_NVME_S3_BENCH"), reason="set DCP_NVME_S3_BENCH=1 to run")
+@pytest.mark.skipif(not os.environ.get("S3_BENCH"), reason="set S3_BENCH=1 to run")
 def test_bench_put_256mib(s3_server, s3_bucket, tmp_path, capsys):
     src = tmp_path / "blob"
     with open(src, "wb") as f:

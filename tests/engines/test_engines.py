@@ -234,7 +234,7 @@ def test_probe_runs_once_per_directory(monkeypatch, fake_cuda, tmp_path):
 
 def test_probe_that_hangs_times_out(monkeypatch, fake_cuda, tmp_path):
     install(monkeypatch, FakeKvikio(hang=5))
-    monkeypatch.setenv(kv.PROBE_TIMEOUT_ENV, "0.2")
+    monkeypatch.setattr(kv, "PROBE_TIMEOUT", 0.2)
     started = time.perf_counter()
     engine, reason = engines.select_engine(IOConfig(), True, str(tmp_path))
     assert engine.name == "posix" and "did not finish within 0.2 s" in reason

@@ -20,17 +20,22 @@ ENGINES = ["posix"] + (["uring"] if uring_unavailable_reason() is None else [])
 @pytest.fixture(autouse=True)
 def _no_tune_file(tmp_path, monkeypatch):
     monkeypatch.setenv(TUNE_FILE_ENV, str(tmp_path / "absent.json"))
-    for name in ("READ_MODE", "DIRECT_IO"):
-        monkeypatch.delenv(f"DCP_NVME_{name}", raising=False)
+    monkeypatch.delenv("DCP_NVME_DIRECT_IO", raising=False)
 
 
-def test_read_mode_is_validated_wherever_it_comes_from(monkeypatch):
+def test_read_mode_is_validated_wherever_it_comes_from(tmp_path, monkeypatch, caplog):
     with pytest.raises(ValueError, match=r"read_mode='fast' from the argument .*direct, buffered"):
         resolve_config(read_mode="fast")
-    monkeypatch.setenv("DCP_NVME_READ_MODE", "bufferd")
-    with pytest.raises(ValueError, match="DCP_NVME_READ_MODE"):
-        resolve_config()
-    monkeypatch.setenv("DCP_NVME_READ_MODE", "buffered")
+    with pytest.raises(ValueError, match="read_mode='bufferd' from the argument"):
+        NVMeReader(tmp_path, read_mode="bufferd")
+    assert NVMeReader(tmp_path, read_mode="buffered").config.read_mode == "buffered"
+    tune_file = tmp_path / "tune.json"  # the other source: a bad tuned value is named and skipped
+    tune_file.write_text(json.dumps({"best": {"read_mode": "bufferd"}}))
+    monkeypatch.setenv(TUNE_FILE_ENV, str(tune_file))
+    with caplog.at_level("WARNING", logger="dcp_nvme.config"):
+        assert resolve_config().read_mode == "auto"
+    assert f"ignoring read_mode of tune file {tune_file}" in caplog.text
+    tune_file.write_text(json.dumps({"best": {"read_mode": "buffered"}}))
     assert resolve_config().read_mode == "buffered"
 
 

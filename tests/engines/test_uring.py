@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeReader, NVMeWriter
-from dcp_nvme.config import IOConfig
+from dcp_nvme.config import IOConfig, resolve_config
 from dcp_nvme.engines.buffers import aligned_buffer
 from dcp_nvme.engines.posix import PosixEngine
 from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
@@ -200,17 +200,19 @@ def test_pick_host_engine_needs_throughput_and_less_cpu():
 
 
 @needs_uring
-def test_auto_runs_the_tuned_host_engine(tmp_path, monkeypatch):
+def test_auto_runs_the_tuned_host_engine(tmp_path, monkeypatch, caplog):
     """A tune file that found io_uring better makes engine='auto' use it for host tensors."""
     tune_file = tmp_path / "tune.json"
     tune_file.write_text(json.dumps({"best": {"host_engine": "uring"}}))
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune_file))
-    monkeypatch.delenv("DCP_NVME_HOST_ENGINE", raising=False)
     sd = {"w": torch.randn(10_000)}
     writer = NVMeWriter(tmp_path / "c", block_size=65_536)
     dcp.save(sd, storage_writer=writer, no_dist=True)
     assert writer.last_stats["engine"] == "uring"
     assert "host_engine=uring" in writer.last_stats["engine_reason"]
-    monkeypatch.setenv("DCP_NVME_HOST_ENGINE", "threads")
-    with pytest.raises(ValueError, match="DCP_NVME_HOST_ENGINE"):
-        NVMeWriter(tmp_path / "d")
+    with pytest.raises(ValueError, match="host_engine='threads' from the argument"):
+        resolve_config(host_engine="threads")
+    tune_file.write_text(json.dumps({"best": {"host_engine": "threads"}}))  # named and skipped
+    with caplog.at_level("WARNING", logger="dcp_nvme.config"):
+        assert NVMeWriter(tmp_path / "d").config.host_engine == "posix"
+    assert f"ignoring host_engine of tune file {tune_file}" in caplog.text

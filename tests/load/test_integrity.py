@@ -9,7 +9,8 @@ import torch.distributed.checkpoint as dcp
 from hostile_kit import doc_of, reseal
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_nvme import ChecksumMismatchError, ManifestError, NVMeReader, NVMeWriter
+from dcp_nvme import ChecksumMismatchError, NVMeReader, NVMeWriter
+from dcp_nvme.errors import ManifestError
 from dcp_nvme.format.manifest import read_manifest
 from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.storage.local_dir import LocalStore

@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hostile_kit import chunks_of, write_index
 
-from dcp_nvme import ManifestError, NVMeReader, NVMeWriter
-from dcp_nvme.errors import InvalidInputError
+from dcp_nvme import NVMeReader, NVMeWriter
+from dcp_nvme.errors import ManifestError
 from dcp_nvme.format import manifest as manifest_module
 from dcp_nvme.load import node_index
 
@@ -165,12 +165,18 @@ def test_no_lock_file_means_each_rank_decodes_for_itself(shared, tmp_path, monke
     assert all(torch.equal(loaded[k], v) for k, v in state.items()) and not list(directory.iterdir())
 
 
-def test_the_switch_turns_sharing_off_and_a_bad_value_is_named(shared, tmp_path, monkeypatch):
+def test_the_switch_turns_sharing_off_and_the_old_variable_is_only_warned_about(shared, tmp_path, monkeypatch,
+                                                                                caplog):
+    from dcp_nvme import config
+
     directory, builds = shared
     path, _ = _saved(tmp_path)
-    monkeypatch.setenv("DCP_NVME_NODE_INDEX", "off")
+    monkeypatch.setattr(node_index, "ENABLED", False)
     NVMeReader(path).read_metadata()
     assert builds == [1] and not list(directory.iterdir())  # decoded here, nothing shared
-    monkeypatch.setenv("DCP_NVME_NODE_INDEX", "sometimes")
-    with pytest.raises(InvalidInputError, match="DCP_NVME_NODE_INDEX='sometimes' from the environment"):
-        NVMeReader(path).read_metadata()
+    monkeypatch.setattr(node_index, "ENABLED", True)
+    monkeypatch.setattr(config, "_WARNED_ENV", set())
+    monkeypatch.setenv("DCP_NVME_NODE_INDEX", "off")  # no longer read: warned about, sharing stays on
+    NVMeReader(path).read_metadata()
+    assert builds == [1, 1] and len(list(directory.glob("*.cols"))) == 1
+    assert "DCP_NVME_NODE_INDEX is no longer read" in caplog.text

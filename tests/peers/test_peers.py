@@ -250,16 +250,20 @@ def test_a_replacement_node_restores_bitwise_from_a_peer_then_from_the_mirror(sa
 
 
 def test_options_are_checked_where_read(monkeypatch, tmp_path):
-    monkeypatch.setenv("DCP_NVME_REPLICAS", "two")
-    with pytest.raises(InvalidInputError, match="environment variable DCP_NVME_REPLICAS"):
-        NVMeWriter(tmp_path / "x")
-    monkeypatch.setenv("DCP_NVME_REPLICAS", "1")
-    assert NVMeWriter(tmp_path / "x").replicas == 1
+    with pytest.raises(InvalidInputError, match="replicas='two' from the argument"):
+        NVMeWriter(tmp_path / "x", replicas="two")
+    assert NVMeWriter(tmp_path / "x", replicas="1").replicas == 1
+    assert NVMeWriter(tmp_path / "x").replicas == 0
     with pytest.raises(InvalidInputError, match="replicas=99"):
         NVMeWriter(tmp_path / "x", replicas=99)
     assert NVMeWriter(tmp_path / "x", replica_bandwidth="100MB").replica_bandwidth == 100_000_000
+    with pytest.raises(InvalidInputError, match="replica_bandwidth='fast' from the argument"):
+        NVMeWriter(tmp_path / "x", replica_bandwidth="fast")
     assert NVMeReader(tmp_path / "x", mirror=str(tmp_path)).peers is True
     assert NVMeReader(tmp_path / "x").peers is False
+    assert NVMeReader(tmp_path / "x", peers="on").peers is True
+    with pytest.raises(InvalidInputError, match="peers='maybe' from the argument"):
+        NVMeReader(tmp_path / "x", peers="maybe")
     monkeypatch.setenv("DCP_NVME_REPLICA_STRIDE", "0")  # env only: refused at construction, never after a commit
     with pytest.raises(InvalidInputError, match="environment variable DCP_NVME_REPLICA_STRIDE"):
         NVMeWriter(tmp_path / "x")

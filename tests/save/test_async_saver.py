@@ -24,9 +24,8 @@ from dcp_nvme import (
     NVMeAsyncSaver,
     NVMeReader,
     NVMeStager,
-    SaveError,
-    StagingBusyError,
 )
+from dcp_nvme.errors import SaveError, StagingBusyError
 from dcp_nvme.save.async_saver import missing_cpu_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -24,8 +24,7 @@ from dcp_nvme.save.results import format_summary, layer_summary
 
 @pytest.fixture(autouse=True)
 def no_env(monkeypatch, tmp_path):
-    for name in ("LOCAL_WORLD_SIZE", "DCP_NVME_NODE_QUEUE_DEPTH", "DCP_NVME_QUEUE_DEPTH",
-                 "DCP_NVME_NODE_WRITE_ORDER"):
+    for name in ("LOCAL_WORLD_SIZE", "DCP_NVME_NODE_QUEUE_DEPTH", "DCP_NVME_QUEUE_DEPTH"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tmp_path / "no-tune.json"))
 
@@ -158,17 +157,24 @@ def test_layer_summary_on_a_known_node_of_four():
 # --------------------------------------------------------------------------- staggered writes
 
 
-def test_staggered_ranks_each_take_the_whole_budget(monkeypatch):
+def test_staggered_ranks_each_take_the_whole_budget(monkeypatch, tmp_path, caplog):
     staggered = IOConfig(node_queue_depth=8, node_write_order="staggered")
     assert effective_queue_depth(staggered, 4) == 8  # one rank at a time: all of it
     assert effective_queue_depth(IOConfig(node_queue_depth=8), 4) == 2  # together: a share
     with pytest.raises(ValueError, match="node_write_order='sideways' from the argument is not valid"):
         IOConfig(node_write_order="sideways")
-    monkeypatch.setenv("DCP_NVME_NODE_WRITE_ORDER", "staggered")
+    with pytest.raises(ValueError, match="node_write_order='alone' from the argument is not valid"):
+        NVMeWriter(tmp_path / "c", node_write_order="alone")
+    assert NVMeWriter(tmp_path / "c", node_write_order="staggered").config.node_write_order == "staggered"
+    tune = tmp_path / "tune.json"  # the other source: what `dcp-nvme tune --ranks N` measured faster
+    tune.write_text(json.dumps({"best": {"node_write_order": "staggered"}}))
+    monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tune))
     assert resolve_config().node_write_order == "staggered"
-    monkeypatch.setenv("DCP_NVME_NODE_WRITE_ORDER", "alone")
-    with pytest.raises(ValueError, match="environment variable DCP_NVME_NODE_WRITE_ORDER"):
-        resolve_config()
+    assert resolve_config(node_write_order="together").node_write_order == "together"  # an argument wins
+    tune.write_text(json.dumps({"best": {"node_write_order": "alone"}}))
+    with caplog.at_level("WARNING", logger="dcp_nvme.config"):
+        assert resolve_config().node_write_order == "together"
+    assert f"ignoring node_write_order of tune file {tune}" in caplog.text
 
 
 def _turn_is_free(directory: str) -> bool:

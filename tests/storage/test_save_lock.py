@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_nvme import CheckpointLockedError, NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
 from dcp_nvme.format.names import MANIFEST
-from dcp_nvme.save.writer import POINTER
+from dcp_nvme.save.dropin import POINTER
 from dcp_nvme.storage import save_lock as savelock
 from dcp_nvme.storage.save_lock import LOCK_NAME, STALE_AFTER_S, LockHolder
 

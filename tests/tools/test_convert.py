@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
-from dcp_nvme.save.writer import POINTER
+from dcp_nvme.save.dropin import POINTER
 from dcp_nvme.tools.convert import convert, detect_format
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -31,7 +31,7 @@ def test_pick_best_prefers_balanced_then_smaller_window():
 def test_tune_writes_a_file_resolve_config_uses(tmp_path, monkeypatch, capsys):
     tune_file = tmp_path / "conf" / "tune.json"
     monkeypatch.setenv(TUNE_FILE_ENV, str(tune_file))
-    for name in ("QUEUE_DEPTH", "BLOCK_SIZE", "DIRECT_IO", "READ_MODE", "HOST_ENGINE"):
+    for name in ("QUEUE_DEPTH", "BLOCK_SIZE", "DIRECT_IO"):
         monkeypatch.delenv(f"DCP_NVME_{name}", raising=False)
     assert default_tune_file() == tune_file
     disk = tmp_path / "disk"

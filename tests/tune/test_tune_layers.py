@@ -16,7 +16,7 @@ from dcp_nvme.tune.ranks import combine, node_grid, order_grid
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch, tmp_path):
     monkeypatch.setenv(TUNE_FILE_ENV, str(tmp_path / "tune.json"))
-    for name in ("QUEUE_DEPTH", "BLOCK_SIZE", "DIRECT_IO", "NODE_QUEUE_DEPTH", "NODE_WRITE_ORDER"):
+    for name in ("QUEUE_DEPTH", "BLOCK_SIZE", "DIRECT_IO", "NODE_QUEUE_DEPTH"):
         monkeypatch.delenv(f"DCP_NVME_{name}", raising=False)
 
 
