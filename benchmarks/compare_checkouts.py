@@ -7,7 +7,7 @@ Each round runs one fresh process per checkout (the order alternates between rou
 process saves a Llama-shaped bf16 state with NVMeWriter (O_DIRECT, fsynced) and loads it back
 with NVMeReader (every block verified) into preallocated tensors. The figures are ratios within
 one run: the machine's own drift hits both checkouts alike. Prints one JSON line per process and
-a summary (median GB/s per checkout and new/old).
+a summary (median GB/s per checkout, new/old, and the median of the rounds' new/old ratios).
 """
 
 from __future__ import annotations
@@ -54,11 +54,15 @@ def run_one(root: str, size: int, directory: str) -> dict:
     path = tempfile.mkdtemp(dir=directory)
     env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
     try:
+        # run from the scratch directory: `python -c` puts the working directory first on sys.path
         done = subprocess.run([sys.executable, "-c", CHILD, str(size), os.path.join(path, "ckpt")],
-                              env=env, capture_output=True, text=True, check=True)
+                              env=env, cwd=path, capture_output=True, text=True, check=True)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    if not row["package"].startswith(os.path.abspath(root) + os.sep):
+        raise SystemExit(f"the child imported {row['package']}, not the checkout at {root}")
+    return row
 
 
 def main() -> None:
@@ -67,7 +71,7 @@ def main() -> None:
     parser.add_argument("new")
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
     args = parser.parse_args()
     size = parse_size(args.size)
     results: dict[str, list[dict]] = {"old": [], "new": []}
@@ -80,6 +84,9 @@ def main() -> None:
     summary = {name: {key: statistics.median(r[key] for r in rows) for key in ("save_gbps", "load_gbps")}
                for name, rows in results.items()}
     summary["new_over_old"] = {key: summary["new"][key] / summary["old"][key] for key in ("save_gbps", "load_gbps")}
+    # each round's pair ran back to back: the median of their ratios is the least drift-prone figure
+    summary["paired_median"] = {key: statistics.median(n[key] / o[key] for n, o in zip(results["new"], results["old"]))
+                                for key in ("save_gbps", "load_gbps")}
     print(json.dumps({"summary": summary, "rounds": args.rounds, "bytes": results["new"][0]["bytes"]}))
 
 

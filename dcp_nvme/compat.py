@@ -9,6 +9,7 @@ Nothing here imports torch until a name is asked for.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -70,8 +71,9 @@ def resolve(dotted: str) -> Any:
     raise ModuleNotFoundError(f"no module of {dotted!r} can be imported")
 
 
+@functools.cache
 def dcp_version() -> str:
-    """The DCP format version the installed torch's FileSystemWriter records."""
+    """The DCP format version the installed torch's FileSystemWriter records (looked up once)."""
     return resolve("torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION")
 
 
