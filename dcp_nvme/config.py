@@ -37,15 +37,15 @@ extra (1 MiB blocks made a resharded quarter-load read nearly twice the bytes it
 
 ENGINES = ("auto", "posix", "kvikio", "uring")
 READ_MODES = ("auto", "direct", "buffered")
-HOST_ENGINES = ("posix", "uring")
-NODE_WRITE_ORDERS = ("together", "staggered")
-COMPRESS_MODES = ("off", "auto", "bytegroup", "delta")
-"""How the drain sends to a mirror (``tiers.compress``); the local checkpoint is always plain."""
-"""How a node's ranks share the drive: all at once (each with its share of the node budget) or
-one at a time (each with the whole budget, in turns); ``dcp-nvme tune --ranks`` measures both."""
-"""What ``engine="auto"`` runs when there are no device tensors (``dcp-nvme tune`` measures both)."""
 """How containers are read: O_DIRECT, or the page cache with readahead (POSIX_FADV_SEQUENTIAL,
 block_size preads); ``auto`` follows ``direct_io`` unless ``dcp-nvme tune`` stored a winner."""
+HOST_ENGINES = ("posix", "uring")
+"""What ``engine="auto"`` runs when there are no device tensors (``dcp-nvme tune`` measures both)."""
+NODE_WRITE_ORDERS = ("together", "staggered")
+"""How a node's ranks share the drive: all at once (each with its share of the node budget) or
+one at a time (each with the whole budget, in turns); ``dcp-nvme tune --ranks`` measures both."""
+COMPRESS_MODES = ("off", "auto", "bytegroup", "delta")
+"""How the drain sends to a mirror (``tiers.compress``); the local checkpoint is always plain."""
 
 ENV_PREFIX = "DCP_NVME_"
 TUNE_FILE_ENV = "DCP_NVME_TUNE_FILE"

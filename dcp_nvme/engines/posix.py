@@ -67,7 +67,8 @@ class PosixEngine(PicklesAsConfig):
 
     # ------------------------------------------------------------------ shared
 
-    def _bounce(self) -> BouncePool:
+    def bounce_pool(self) -> BouncePool:
+        """The engine's queue_depth bounce buffers (made at first use, kept across saves and loads)."""
         with self._pool_lock:
             if self._pool is None:
                 # room for an unaligned request rounded out to ALIGN on both sides
@@ -128,7 +129,7 @@ class PosixEngine(PicklesAsConfig):
 
     def _write_header(self, path: str, fd: int, direct: bool, header: bytes) -> tuple[int, bool]:
         """Write the header; it is also the probe that O_DIRECT writes really work here."""
-        pool = self._bounce()
+        pool = self.bounce_pool()
         index = pool.free.get()
         try:
             if len(header) <= pool.size:
@@ -187,7 +188,7 @@ class PosixEngine(PicklesAsConfig):
         memory is congruent to the file, the rest into a bounce buffer (``prepare_read``). When
         O_DIRECT refuses the destinations' memory, the request is read again with every byte
         bounced, after its first buffer went back to the pool (as ``write_host_window``)."""
-        pool = self._bounce()
+        pool = self.bounce_pool()
         while True:
             prepared = prepare_read(request, source, addresses, pool, pool.free.get)
             try:
@@ -291,7 +292,7 @@ class ContainerWrite:
         segments = plan_segments(window, self.addresses, self.align, max_segments=IOV_MAX)
         index = take() if any(s.address is None for s in segments) else -1
         try:
-            buffer = self.engine._bounce().buffers[index] if index >= 0 else None
+            buffer = self.engine.bounce_pool().buffers[index] if index >= 0 else None
             spans, copied = [], 0
             for segment in segments:
                 if segment.address is not None:
@@ -324,7 +325,7 @@ class ContainerWrite:
         sources' memory, the window is written again with every byte bounced, after its first
         buffer went back to the pool: with every I/O thread retrying at once, none may hold a
         buffer while waiting for another."""
-        pool = self.engine._bounce()
+        pool = self.engine.bounce_pool()
         while True:
             prepared = self.prepare(window, pool.free.get, pool.free.put)
             try:

@@ -118,7 +118,7 @@ class UringEngine(PosixEngine):
 
     def _get_ring(self) -> uring.Ring:
         if self._ring is None:
-            pool = self._bounce()
+            pool = self.bounce_pool()
             ring = uring.Ring(self.config.queue_depth)
             try:
                 ring.register_buffers([(b.data_ptr(), pool.size) for b in pool.buffers])
@@ -219,7 +219,7 @@ class UringEngine(PosixEngine):
     ) -> FileWriteResult:
         """The threads engine's container (header probe, placement, crcs, fsync), its windows
         driven through the ring."""
-        pool = self._bounce()
+        pool = self.bounce_pool()
         free_buffers = list(range(len(pool.buffers)))
         begun: dict[int, float] = {}
         tracker = PrefixTracker(on_progress) if on_progress is not None else None
@@ -262,7 +262,7 @@ class UringEngine(PosixEngine):
         stats = IOStats("read")
         started = time.perf_counter()
         sources: list[ReadSource] = []
-        pool = self._bounce()
+        pool = self.bounce_pool()
         free_buffers = list(range(len(pool.buffers)))
         addresses = [host_address(d) for d in dests]
         begun: dict[int, float] = {}

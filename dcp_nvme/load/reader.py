@@ -173,7 +173,7 @@ class NVMeReader(StorageReader):
     @property
     def store(self) -> LocalStore | FsspecStore:
         if self._store is None:  # one fsspec client per checkpoint, not one per call
-            self._store = open_store(require_location(type(self), self.path, "dcp.load"), self.storage_options)
+            self._store = open_store(self._dir, self.storage_options)
         return self._store
 
     # ------------------------------------------------------------------ DCP protocol
@@ -194,7 +194,7 @@ class NVMeReader(StorageReader):
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = require_location(type(self), self.path, "dcp.load")
+        path = self._dir
         if self.peers and not is_remote_url(path):
             self._sources = seams.restore_sources(path, node_identity(), self.mirror, self.mirror_options,
                                                   self.config)
@@ -323,11 +323,8 @@ class NVMeReader(StorageReader):
         config = self.config if request_size <= self.config.block_size else \
             replace(self.config, block_size=request_size)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
-        engine = None
         if "compression" in self.manifest().doc:  # a compressed mirror
-            engine = seams.coded_engine(self.store, self.manifest(), self.path, config)
-        if engine is not None:
-            pass
+            engine = seams.coded_engine(self.store, self.manifest(), self._dir, config)
         elif is_remote_url(self.path):
             engine = FsspecEngine(cast(FsspecStore, self.store).fs, config)  # a URL's store (open_store)
         else:

@@ -216,3 +216,24 @@ def test_docstrings_and_comments_name_what_exists() -> None:
 def test_pages_name_what_exists() -> None:
     stale = [entry for path in PAGES for entry in stale_in_page(path)]
     assert not stale, "stale references in README.md and docs/:\n" + "\n".join(stale)
+
+
+def test_no_orphaned_docstring():
+    """A bare string statement documents what stands right before it: the start of a module,
+    class or function, or an assignment (an attribute docstring). One anywhere else documents
+    nothing (it was left behind when the code it described moved)."""
+    orphans = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if not isinstance(body, list):
+                continue
+            for index, statement in enumerate(body):
+                if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+                        and isinstance(statement.value.value, str)):
+                    continue
+                before = body[index - 1] if index else None
+                if before is not None and not isinstance(before, (ast.Assign, ast.AnnAssign)):
+                    orphans.append(f"{path.relative_to(PACKAGE.parent)}:{statement.lineno}")
+    assert not orphans, "string statements that document nothing:\n" + "\n".join(orphans)
