@@ -41,16 +41,20 @@ class Seam:
             self.plugged = target is not None
 
     def function(self) -> Callable[..., Any]:
-        """The plugged function, imported now if it was plugged by name."""
+        """The plugged function, imported now if it was plugged by name (outside the lock: an
+        import takes Python's own import lock, and holding ours meanwhile could deadlock)."""
+        target = self._target
+        if target is None:
+            raise MissingDependencyError(f"dcp_nvme: nothing is plugged into the {self.name} seam "
+                                         f"({self.what}); import dcp_nvme, which plugs it")
+        if not isinstance(target, str):
+            return target
+        module, _, attr = target.partition(":")
+        found = getattr(importlib.import_module(module), attr)
         with self._lock:
-            target = self._target
-            if target is None:
-                raise MissingDependencyError(f"dcp_nvme: nothing is plugged into the {self.name} seam "
-                                             f"({self.what}); import dcp_nvme, which plugs it")
-            if isinstance(target, str):
-                module, _, attr = target.partition(":")
-                target = self._target = getattr(importlib.import_module(module), attr)
-        return target
+            if self._target is target:  # not re-plugged meanwhile: keep the function, not the name
+                self._target = found
+        return found
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function()(*args, **kwargs)
