@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import crc32c
 import torch
@@ -53,6 +52,8 @@ from dcp_nvme.engines.requests import SCRATCH, ReadRequest, Window, plan_segment
 from dcp_nvme.engines.stats import IOStats
 from dcp_nvme.format.checksums import check_host
 from dcp_nvme.format.container import align_up
+
+log = logging.getLogger(__name__)
 
 
 class PosixEngine(PicklesAsConfig):
@@ -223,14 +224,6 @@ class PosixEngine(PicklesAsConfig):
         stats.end(begun, request.length)
         check_length(request, request.file_offset + got)
         check_host(request.file, request.file_offset, request.checks, views)
-
-
-log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from dcp_nvme.engines.posix import PosixEngine
-
-
 
 
 class PrefixTracker:

@@ -27,7 +27,7 @@ CORE = {"errors", "humanize", "lazy_imports", "compat", "config", "seams", "host
 """What a plain dcp.save / dcp.load / dcp.async_save runs."""
 MAX_LINES = 600
 MAX_TOP_LEVEL_MODULES = 7
-MAX_TYPE_CHECKING_IMPORTS = 8
+MAX_TYPE_CHECKING_IMPORTS = 7
 
 
 def _modules() -> dict[str, Path]:
