@@ -246,10 +246,6 @@ class PrefixTracker:
             self.callback(prefix)
 
 
-
-
-
-
 class ContainerWrite:
     """A container being written by ``PosixEngine.open_container``: where its data goes, the
     crc32c of every checksum block as windows land, and the write's figures."""
@@ -363,7 +359,3 @@ class PreparedWindow:
     buffer: int
     direct_bytes: int = 0
     """Bytes written straight from the sources' memory."""
-
-
-
-

@@ -11,14 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dcp_nvme.config import ALIGN
 from dcp_nvme.errors import ManifestError
 
 if TYPE_CHECKING:
     import torch
-
-
-
-from dcp_nvme.config import ALIGN
 
 ST_NAMES: dict[str, str] = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",

@@ -401,11 +401,3 @@ def reader_stock_options(cls: type, args: tuple[Any, ...], extra: dict[str, Any]
                     "the reader itself")
             continue
         raise unknown_option(cls, name, value)
-
-
-
-
-
-
-
-

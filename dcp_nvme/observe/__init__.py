@@ -1,7 +1,7 @@
 """What a save ran on, when asked: the Linux block layer under a directory (``blockdev``), drive
 temperature and throttling (``drive_health``), and the page cache and machine facts a benchmark
-reports (``machine``). ``dcp-nvme bench`` and ``dcp-nvme tune`` turn the save diagnostics on; a
-plain save runs none of it."""
+reports (``machine``). ``dcp-nvme bench`` and ``dcp-nvme tune`` watch the drive around their own
+runs; a plain save runs none of it unless ``enable_save_diagnostics()`` was called."""
 
 from __future__ import annotations
 

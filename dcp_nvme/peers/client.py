@@ -7,8 +7,8 @@ same with ranged reads of an fsspec URL; ``LocalSource`` of a directory on this 
 table before it is written (a damaged copy fails with ChecksumMismatchError naming it), under a
 bandwidth cap, into a temp name that is fsynced and renamed only when all of it arrived.
 
-The job's store (``job_store``) is where servers publish their address and token: the one
-private touch-point of torch (``_get_default_store``, reached through ``compat``), shared with ``save.node_commit``.
+Servers publish their address and token in the job's store (``host.job.job_store``, which
+``save.node_commit`` uses too: torch's ``_get_default_store``, reached through ``compat``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ CONNECT_TIMEOUT = 10.0
 IO_TIMEOUT = 120.0
 ADDR_ENV = "DCP_NVME_PEER_ADDR"
 """The address this node's peer server listens on and publishes (else found as below)."""
-
-
 
 
 def server_address(environ: dict[str, str] | None = None) -> str:

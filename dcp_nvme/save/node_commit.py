@@ -37,7 +37,6 @@ from typing import Any
 
 from dcp_nvme.errors import ManifestError, SaveError
 from dcp_nvme.format.names import MANIFEST, check_name, save_key_of, temp_of
-from dcp_nvme.host.job import job_store
 from dcp_nvme.storage.local_dir import (
     LocalStore,
     commit_prepared,
@@ -51,12 +50,6 @@ log = logging.getLogger(__name__)
 TIMEOUT = 1800.0
 """Seconds a round waits for the other side: DCP's and gloo's default collective timeout."""
 _POLL_MAX = 0.2
-
-
-def shared_store() -> Any:
-    """The job's key-value store (``torch.distributed``'s default store): the one private
-    touch-point, ``host.job.job_store``, which the peer servers publish in too."""
-    return job_store()
 
 
 # --------------------------------------------------------------------------- the payload (pure)

@@ -68,8 +68,6 @@ def _node_order(name: str) -> tuple[int, int | str]:
     return (0, int(name)) if name.isdigit() else (1, name)
 
 
-
-
 def write_probe(directory: str) -> str:
     """Create a probe file of a fresh random name in ``directory``; return its name."""
     name = PROBE_PREFIX + secrets.token_hex(8)
@@ -124,16 +122,10 @@ def decide(coordinator: int, tags: Sequence[NodeTag | None], visible: Callable[[
     return Topology(NODE_LOCAL if writers else SHARED, nodes, tuple(writers))
 
 
-
-
-
-
 def ranks_per_host(hosts: list[str | None]) -> list[int]:
     """For each rank, how many ranks share its host (a rank that did not say counts alone)."""
     counts = Counter(h for h in hosts if h is not None)
     return [counts[h] if h is not None else 1 for h in hosts]
-
-
 
 
 def effective_queue_depth(config: IOConfig, ranks_on_node: int) -> int:

@@ -54,7 +54,7 @@ from dcp_nvme.format.names import (
     temp_of,
 )
 from dcp_nvme.format.tables import files_table, index_table_bytes
-from dcp_nvme.host.job import host_name, leads_its_node, local_world_size, node_identity
+from dcp_nvme.host.job import host_name, job_store, leads_its_node, local_world_size, node_identity
 from dcp_nvme.save.dropin import (
     POINTER,
     exists_message,
@@ -70,7 +70,6 @@ from dcp_nvme.save.node_commit import (
     commit_on_every_node,
     end_waiting,
     remove_save_files,
-    shared_store,
     start_committer,
 )
 from dcp_nvme.save.nodes import (
@@ -340,7 +339,7 @@ class NVMeWriter(StorageWriter):
         self._lock = lock
         key = target.save_key
         self._committer = start_committer(NodeCommitter(
-            shared_store(), self._dir, key, target.rank, node_identity(),
+            job_store(), self._dir, key, target.rank, node_identity(),
             after_commit=lambda: self._after_node_commit(key), release=lambda: self._release_this(lock)))
 
     def _release_this(self, lock: save_lock.SaveLock) -> None:
@@ -451,7 +450,7 @@ class NVMeWriter(StorageWriter):
         except BaseException:
             if not committed:  # nothing of this save may stay behind looking like a checkpoint
                 if self._topology is not None and self._topology.mode == NODE_LOCAL:
-                    abort_everywhere(shared_store(), key)  # a no-op where the nodes already decided
+                    abort_everywhere(job_store(), key)  # a no-op where the nodes already decided
                 remove_save_files(self._dir, key)
                 if not store.has(MANIFEST):  # no checkpoint here for the pointer to explain
                     store.remove(POINTER)
@@ -506,7 +505,7 @@ class NVMeWriter(StorageWriter):
         topology = self._topology
         if topology is not None and topology.mode == NODE_LOCAL:  # every node's own disk
             writers = {rank: topology.rank_nodes[rank] for rank in topology.node_writers}
-            commit_on_every_node(shared_store(), self._dir, key, sealed,
+            commit_on_every_node(job_store(), self._dir, key, sealed,
                                  [(index_name, index_bytes), (blocks_name, blocks_bytes)], writers)
         else:
             write_commit_file(self._dir, MANIFEST, sealed, key)  # the commit
@@ -544,12 +543,6 @@ class NVMeWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_local_path(checkpoint_id)
-
-
-
-
-
-
 
 
 def _log_write(stats: dict[str, Any]) -> None:

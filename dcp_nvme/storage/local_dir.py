@@ -70,30 +70,6 @@ class Store(Protocol):
         ...
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 class LocalStore:
     """A checkpoint directory on a local (or locally mounted) filesystem."""
 
@@ -158,8 +134,6 @@ class LocalStore:
 
     def sync(self) -> None:
         fsync_dir(self.root)
-
-
 
 
 def write_commit_file(directory: str | os.PathLike, name: str, data: bytes, save_key: str) -> None:
@@ -255,4 +229,3 @@ def require_location(cls: type, location: str | None, call: str) -> str:
             f"{cls.__name__} has no checkpoint directory: give one, {cls.__name__}('/nvme/run/step_10'), or "
             f"pass checkpoint_id='/nvme/run/step_10' to {call}")
     return location
-

@@ -465,7 +465,6 @@ def unlock(directory: str | os.PathLike, *, force: bool = False) -> tuple[LockHo
     return holder, reason or "forced"
 
 
-
 def _remove_malformed(directory: str, path: str, exc: LockFileError, force: bool) -> str:
     """Remove what is at the lock's name but is not a readable lock: anything that is not a
     regular file (no save creates one), a regular file when ``force`` or stale by its age. A

@@ -63,8 +63,6 @@ from dcp_nvme.tiers.transfer import (
 log = logging.getLogger(__name__)
 
 
-
-
 Hook = Callable[[str, dict[str, Any]], None]
 
 
@@ -83,8 +81,6 @@ def set_drain_hook(hook: Hook | None) -> Hook | None:
 def _at(point: str, **info: Any) -> None:
     if _hook is not None:
         _hook(point, info)
-
-
 
 
 @dataclass
