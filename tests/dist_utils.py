@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 from collections.abc import Callable
 from multiprocessing.reduction import DupFd
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import reserve_port
 
 # The ranks are forked from a server that imported these once, instead of each spawned rank
 # importing torch again (about 4 s of CPU per rank on 2 cores: most of the suite's time). The
@@ -28,9 +28,7 @@ preload_in_forkserver()
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return reserve_port()
 
 
 def _adopt_stdio(stdout: Any, stderr: Any) -> None:

@@ -44,6 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ports import reserve_port
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "multinode_scripts"
 RECORD = "RESULT "
@@ -65,9 +67,7 @@ def _tail(text: str, limit: int = _TAIL) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return reserve_port()
 
 
 @functools.lru_cache(maxsize=1)

@@ -60,6 +60,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from ports import reserve_port
+
 __all__ = ["S3Server", "FaultProxy", "Fault", "free_port", "DUMMY_KEY", "DUMMY_SECRET", "REGION"]
 
 DUMMY_KEY = "testing"
@@ -81,10 +83,8 @@ atexit.register(_kill_all_at_exit)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port held for this process alone (see ports.reserve_port)."""
+    return reserve_port(host)
 
 
 def _pdeathsig() -> None:  # runs in the child between fork and exec
