@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dcp_nvme import NVMeStager, NVMeWriter
 from dcp_nvme.config import parse_size
-from dcp_nvme.engines.buffers import aligned_buffer
+from dcp_nvme.engines.host_io import aligned_buffer
 
 
 def make_state(total: int, count: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -129,9 +129,9 @@ def synthesize(model: Model, world: int, directory: str):
     from torch.distributed.checkpoint.storage import WriteResult
 
     from dcp_nvme.format import tables
-    from dcp_nvme.format.names import data_file_name
+    from dcp_nvme.format.container import data_file_name
     from dcp_nvme.format.tables import ChunkRecord, FileRecord, StoredItem
-    from dcp_nvme.save.nodes import NodeTag
+    from dcp_nvme.host.job import NodeTag
 
     rows_blob = getattr(tables, "rows_blob", None)  # a dcp_nvme whose ranks encode their rows
 

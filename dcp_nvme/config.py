@@ -252,7 +252,7 @@ class IOConfig:
 
     ``queue_depth`` requests of ``block_size`` bytes are in flight per rank: that product is the
     write window. With N ranks on one node the device sees N x queue_depth requests, unless
-    ``node_queue_depth`` is set: then the node's ranks share that many (``save.nodes``), all
+    ``node_queue_depth`` is set: then the node's ranks share that many (``host.job``), all
     at once or, with ``node_write_order="staggered"``, one rank at a time.
     """
 

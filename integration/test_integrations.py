@@ -151,7 +151,7 @@ def test_remove_items_rewrites_without_prefix(tmp_path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from dcp_nvme import NVMeReader, NVMeWriter
-    from dcp_nvme.format.names import save_key_of
+    from dcp_nvme.format.container import save_key_of
     from dcp_nvme.integrations._prune import remove_items
 
     ckpt = tmp_path / "iter_1"

@@ -18,8 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeWriter
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.format.manifest import read_files, read_manifest, seal, table_entry
-from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.format.tables import ChunkRecord, FileRecord, chunks_table, files_table
 from dcp_nvme.storage.local_dir import LocalStore
 

@@ -15,10 +15,10 @@ from dcp_nvme.bench.group import Group
 from dcp_nvme.bench.records import BenchOptions, Row, Skip
 from dcp_nvme.bench.synthetic import ModelSpec, build_state, llama_spec
 from dcp_nvme.config import resolve_config
-from dcp_nvme.engines.buffers import tensor_bytes
+from dcp_nvme.engines.host_io import tensor_bytes
 from dcp_nvme.errors import BenchError
+from dcp_nvme.host.job import budgeted
 from dcp_nvme.observe.machine import cached_fraction, evict_from_page_cache, files_under
-from dcp_nvme.save.nodes import budgeted
 
 
 class BenchCore:

@@ -17,7 +17,7 @@ from dcp_nvme.bench.peers import safetensors_load_eager, save_torch
 from dcp_nvme.bench.records import Row, Skip
 from dcp_nvme.bench.reshard import RESHARD_SPLIT, rchar, reshard_rows, row_block_planner
 from dcp_nvme.bench.synthetic import build_state, llama_spec
-from dcp_nvme.engines.buffers import aligned_buffer, tensor_bytes
+from dcp_nvme.engines.host_io import aligned_buffer, tensor_bytes
 from dcp_nvme.errors import BenchError
 from dcp_nvme.humanize import format_size
 from dcp_nvme.observe.machine import evict_from_page_cache, files_under

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from dcp_nvme.config import IOConfig
-from dcp_nvme.engines.requests import ReadRequest
-from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.engines.requests import IOStats, ReadRequest
 
 if TYPE_CHECKING:
     import torch

@@ -14,9 +14,8 @@ import numpy as np
 import torch
 
 from dcp_nvme.config import IOConfig
-from dcp_nvme.engines.files import check_length
-from dcp_nvme.engines.requests import SCRATCH, ReadRequest, run_bounded
-from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.engines.host_io import check_length
+from dcp_nvme.engines.requests import SCRATCH, IOStats, ReadRequest, run_bounded
 from dcp_nvme.format.checksums import check_host
 
 

@@ -35,10 +35,9 @@ import torch
 
 from dcp_nvme.config import ALIGN, IOConfig
 from dcp_nvme.engines.base import FileWriteResult, PicklesAsConfig
-from dcp_nvme.engines.files import check_length
+from dcp_nvme.engines.host_io import check_length
 from dcp_nvme.engines.posix import PosixEngine
-from dcp_nvme.engines.requests import SCRATCH, ReadRequest, Window, run_bounded
-from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.engines.requests import SCRATCH, IOStats, ReadRequest, Window, run_bounded
 from dcp_nvme.format.device_checksums import check_device, device_crc32c_async, finish_crc32c
 
 log = logging.getLogger(__name__)

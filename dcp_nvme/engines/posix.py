@@ -26,20 +26,18 @@ import torch
 
 from dcp_nvme.config import ALIGN, IOConfig
 from dcp_nvme.engines.base import FileWriteResult, PicklesAsConfig
-from dcp_nvme.engines.buffers import (
+from dcp_nvme.engines.host_io import (
+    IOV_MAX,
     BouncePool,
     DioAlignment,
     aligned_buffer,
     block_crcs,
+    check_length,
     copy_bytes,
     dio_alignment,
+    finish_file,
     host_address,
     memory_at,
-)
-from dcp_nvme.engines.files import (
-    IOV_MAX,
-    check_length,
-    finish_file,
     open_file,
     pread_into,
     preallocate,
@@ -48,8 +46,15 @@ from dcp_nvme.engines.files import (
     write_header,
 )
 from dcp_nvme.engines.reads import ReadSource, finish_read, prepare_read
-from dcp_nvme.engines.requests import SCRATCH, ReadRequest, Window, plan_segments, plan_windows, run_bounded
-from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.engines.requests import (
+    SCRATCH,
+    IOStats,
+    ReadRequest,
+    Window,
+    plan_segments,
+    plan_windows,
+    run_bounded,
+)
 from dcp_nvme.format.checksums import check_host
 from dcp_nvme.format.container import align_up
 

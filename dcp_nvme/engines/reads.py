@@ -15,8 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from dcp_nvme.config import IOConfig
-from dcp_nvme.engines.buffers import BouncePool, copy_bytes, dio_alignment, memory_at
-from dcp_nvme.engines.files import IOV_MAX, check_length, clip_views, open_for_reading
+from dcp_nvme.engines.host_io import (
+    IOV_MAX,
+    BouncePool,
+    check_length,
+    clip_views,
+    copy_bytes,
+    dio_alignment,
+    memory_at,
+    open_for_reading,
+)
 from dcp_nvme.engines.requests import SCRATCH, ReadRequest, Segment, plan_read_segments
 from dcp_nvme.format.checksums import check_host
 from dcp_nvme.format.container import align_down, align_up

@@ -25,12 +25,10 @@ import torch
 from dcp_nvme.config import IOConfig
 from dcp_nvme.engines import ring as uring
 from dcp_nvme.engines.base import FileWriteResult
-from dcp_nvme.engines.buffers import host_address
-from dcp_nvme.engines.files import with_path
+from dcp_nvme.engines.host_io import host_address, with_path
 from dcp_nvme.engines.posix import PosixEngine, PrefixTracker, PreparedWindow
 from dcp_nvme.engines.reads import PreparedRead, ReadSource, finish_read, prepare_read
-from dcp_nvme.engines.requests import ReadRequest, Window
-from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.engines.requests import IOStats, ReadRequest, Window
 
 log = logging.getLogger(__name__)
 

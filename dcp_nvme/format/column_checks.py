@@ -16,8 +16,7 @@ import pyarrow.compute as pc
 
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format.columns import ChunkColumns
-from dcp_nvme.format.container import MAX_NDIM, dtype_itemsize
-from dcp_nvme.format.names import check_name
+from dcp_nvme.format.container import MAX_NDIM, check_name, dtype_itemsize
 from dcp_nvme.format.tables import as_numpy
 from dcp_nvme.format.validation import check_file_rows, check_row, tiling_problem
 

@@ -29,14 +29,12 @@ from dcp_nvme.format.checksums import check_table
 from dcp_nvme.format.column_checks import check_columns
 from dcp_nvme.format.columns import ChunkColumns
 from dcp_nvme.format.container import (
-    parse_dtype,
-)
-from dcp_nvme.format.names import (
     DCP_METADATA,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     OLDEST_FORMAT_VERSION,
+    parse_dtype,
     save_key_of,
 )
 from dcp_nvme.format.tables import (

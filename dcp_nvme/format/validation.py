@@ -15,20 +15,18 @@ from dcp_nvme.errors import (
     ManifestError,
 )
 from dcp_nvme.format.container import (
+    MANIFEST,
     MAX_HEADER,
     MAX_NDIM,
     RAW_DTYPE,
     HeaderItem,
+    check_name,
+    check_save_key,
     dtype_itemsize,
     header_length,
     parse_header,
-    stored_as,
-)
-from dcp_nvme.format.names import (
-    MANIFEST,
-    check_name,
-    check_save_key,
     rank_of,
+    stored_as,
 )
 from dcp_nvme.format.tables import MAX_CHECKSUM_BLOCK, MAX_TABLE, MIN_CHECKSUM_BLOCK, ChunkRecord, FileRecord
 

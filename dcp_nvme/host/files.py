@@ -25,7 +25,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def bare_name(name: str) -> str:
     """``name`` if it names an entry of the directory itself: no separator, not ``.``/``..``.
 
-    Names read from a checkpoint are checked against their exact form in ``format.names.check_name``;
+    Names read from a checkpoint are checked against their exact form in ``format.container.check_name``;
     this is the last guard before a name is joined onto the directory."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise ManifestError(f"{name!r} is not a file name inside the checkpoint directory")

@@ -1,4 +1,7 @@
-"""Who this process is in the job: the one place that reads the launcher's variables.
+"""Who runs where: who this process is in the job (the one place that reads the launcher's
+variables), and the node it shares with other ranks -- whether the ranks share one checkpoint
+directory or each node has its own (``decide``, from probe files: ``Topology``), and the queue
+budget a node's ranks share (``budgeted``) with their write turns (``node_turn``).
 
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``
 (the node rank). Each is checked here, with one rule for all: unset or empty means "not
@@ -8,12 +11,20 @@ an InvalidInputError names the variable, its value and what to do.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import secrets
 import socket
-from collections.abc import Mapping
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
-from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.config import IOConfig
+from dcp_nvme.errors import InvalidInputError, StorageError
 
 MAX_DIGITS = 9
 """A rank or a count of ranks has at most 9 digits; more is a typo."""
@@ -84,3 +95,157 @@ def job_store() -> Any:
     from dcp_nvme.compat import default_store
 
     return PrefixStore("dcp_nvme/", default_store())
+
+
+# The node side of a save.
+#
+# The same path (``/nvme/run1/step_10``) may name one parallel-filesystem directory shared by all
+# ranks, or a directory on each node's local NVMe. The writer finds out while DCP plans, with no
+# collective of its own: each node's first rank (``LOCAL_RANK`` 0; every rank where torchrun did
+# not say) creates a probe file of a random name in the directory and names it in its local plan;
+# the coordinator then looks for each node's probe by that name. A node whose probe it sees shares
+# its directory; a node whose probe it cannot see has a disk of its own, and must get its own copy
+# of the checkpoint's metadata (``save.node_commit``). Looking a fresh random name up by name is
+# exact on NFS too (no cached listing or negative entry can hide it).
+
+SHARED = "shared"
+NODE_LOCAL = "node-local"
+MODES = (SHARED, NODE_LOCAL)
+PROBE_PREFIX = ".dcp_nvme-probe."
+
+
+@dataclass(frozen=True)
+class NodeTag:
+    """What a rank's local plan tells the coordinator about where it runs."""
+
+    host: str
+    node: str
+    probe: str | None = None
+    """The probe file this rank created in the checkpoint directory (node leaders only)."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The coordinator's finding, handed to every rank in its plan and kept in the manifest."""
+
+    mode: str
+    rank_nodes: tuple[str, ...]
+    """The node of each rank."""
+    node_writers: tuple[int, ...] = ()
+    """One rank per node that does not share the coordinator's directory: it commits the
+    metadata there. Empty in shared mode."""
+
+    def to_doc(self) -> dict[str, Any]:
+        names = sorted(set(self.rank_nodes), key=_node_order)
+        index = {name: i for i, name in enumerate(names)}
+        return {"mode": self.mode, "nodes": names, "rank_nodes": [index[n] for n in self.rank_nodes]}
+
+    def ranks_of(self, node: str) -> list[int]:
+        return [rank for rank, name in enumerate(self.rank_nodes) if name == node]
+
+
+def _node_order(name: str) -> tuple[int, int | str]:
+    return (0, int(name)) if name.isdigit() else (1, name)
+
+
+def write_probe(directory: str) -> str:
+    """Create a probe file of a fresh random name in ``directory``; return its name."""
+    name = PROBE_PREFIX + secrets.token_hex(8)
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+    except OSError as exc:
+        raise StorageError(exc.errno, f"cannot create {os.path.join(directory, name)} (the probe that "
+                                      f"tells whether nodes share the directory): {exc.strerror}") from exc
+    return name
+
+
+def probe_visible(directory: str, name: str) -> bool:
+    return os.path.lexists(os.path.join(directory, name))
+
+
+def remove_probe(directory: str, name: str | None) -> None:
+    if name:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+def is_probe(name: str) -> bool:
+    return name.startswith(PROBE_PREFIX)
+
+
+def decide(coordinator: int, tags: Sequence[NodeTag | None], visible: Callable[[str], bool]) -> Topology:
+    """The topology of a save from every rank's tag (pure, given ``visible``: whether the
+    coordinator sees a probe file of that name).
+
+    A rank without a tag (a writer DCP did not plan through ours) counts as on the coordinator's
+    node. A node other than the coordinator's is on the coordinator's filesystem when any of its
+    probes is visible; otherwise its lowest probing rank commits its copy of the metadata."""
+    coordinator_tag = tags[coordinator]
+    own = coordinator_tag.node if coordinator_tag is not None else ""
+    nodes = tuple(tag.node if tag is not None else own for tag in tags)
+    probes: dict[str, list[tuple[int, str]]] = {}
+    for rank, tag in enumerate(tags):
+        if tag is not None and tag.probe:
+            probes.setdefault(tag.node, []).append((rank, tag.probe))
+    writers = []
+    for node in sorted(set(nodes) - {own}, key=_node_order):
+        seen = probes.get(node, [])
+        if not seen:
+            raise InvalidInputError(
+                f"node {node} sent no probe of the checkpoint directory (no rank there has "
+                "LOCAL_RANK=0): set LOCAL_RANK and GROUP_RANK as torchrun does, or unset both")
+        if not any(visible(probe) for _, probe in seen):
+            writers.append(min(rank for rank, _ in seen))
+    return Topology(NODE_LOCAL if writers else SHARED, nodes, tuple(writers))
+
+
+def ranks_per_host(hosts: list[str | None]) -> list[int]:
+    """For each rank, how many ranks share its host (a rank that did not say counts alone)."""
+    counts = Counter(h for h in hosts if h is not None)
+    return [counts[h] if h is not None else 1 for h in hosts]
+
+
+def effective_queue_depth(config: IOConfig, ranks_on_node: int) -> int:
+    """This rank's share of the node budget (all of it when ranks write in turns), or its own
+    ``queue_depth`` when there is no budget."""
+    if config.node_queue_depth is None:
+        return config.queue_depth
+    sharing = 1 if config.node_write_order == "staggered" else max(1, ranks_on_node)
+    return min(256, max(1, config.node_queue_depth // sharing))
+
+
+def turn_file(directory: str) -> str:
+    """The node-local lock file for the drive under ``directory``: ranks writing to one file
+    system take turns on it; other drives, users and nodes are not involved."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"dcp_nvme-turn-{os.getuid()}-{os.stat(directory).st_dev:x}.lock")
+
+
+@contextmanager
+def node_turn(directory: str) -> Iterator[float]:
+    """Hold this node's write turn for the drive under ``directory``; yields the seconds waited."""
+    path = turn_file(directory)
+    try:  # O_NOFOLLOW: a planted symlink must not make us open (and lock) someone else's file
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StorageError(exc.errno, f"cannot open the node's write-turn file {path} "
+                                 f"(node_write_order=staggered): {exc.strerror}") from exc
+    try:
+        started = time.perf_counter()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield time.perf_counter() - started
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def budgeted(config: IOConfig, ranks_on_node: int) -> IOConfig:
+    """``config`` with this rank's share of the node budget as its ``queue_depth``."""
+    depth = effective_queue_depth(config, ranks_on_node)
+    return config if depth == config.queue_depth else replace(config, queue_depth=depth)

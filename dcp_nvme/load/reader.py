@@ -35,9 +35,9 @@ from dcp_nvme.config import (
     unknown_option,
 )
 from dcp_nvme.engines import shared_engine
-from dcp_nvme.engines.buffers import tensor_bytes
 from dcp_nvme.engines.fsspec import FsspecEngine
-from dcp_nvme.engines.stats import IOStats, PhaseTimer
+from dcp_nvme.engines.host_io import tensor_bytes
+from dcp_nvme.engines.requests import IOStats, PhaseTimer
 from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError, MissingItemError, ShapeMismatchError
 from dcp_nvme.format.checksums import items_in
 from dcp_nvme.format.container import parse_dtype

@@ -342,8 +342,8 @@ def fetch_metadata(source: Any, location: str) -> tuple[bytes, list[tuple[str, b
     ``read_files``) before anything is written: (manifest bytes, [(table name, bytes)], Manifest)."""
     import json
 
+    from dcp_nvme.format.container import MANIFEST, check_name, check_save_key
     from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
-    from dcp_nvme.format.names import MANIFEST, check_name, check_save_key
 
     manifest_bytes = source.read(MANIFEST, MAX_MANIFEST)
     where = source.describe(MANIFEST)
@@ -366,7 +366,7 @@ def fetch_metadata(source: Any, location: str) -> tuple[bytes, list[tuple[str, b
 def write_metadata(directory: str, manifest_bytes: bytes, tables: list[tuple[str, bytes]]) -> None:
     """What ``fetch_metadata`` returned, written into ``directory``: the tables, then the
     manifest last (the manifest present means the tables it names are complete)."""
-    from dcp_nvme.format.names import MANIFEST
+    from dcp_nvme.format.container import MANIFEST
 
     for name, data in tables:
         write_small(directory, name, data)

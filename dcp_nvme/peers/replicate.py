@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_nvme.errors import InvalidInputError, ManifestError
-from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
-from dcp_nvme.format.names import (
+from dcp_nvme.format.container import (
     MANIFEST,
     REPLICA_MARKER,
     REPLICAS_DIR,
     REPLICATION_RECORD,
     check_node_name,
 )
+from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
 from dcp_nvme.host.files import make_private_dir, read_regular
 from dcp_nvme.host.job import job_store
 from dcp_nvme.peers.client import (

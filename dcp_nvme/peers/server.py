@@ -7,7 +7,7 @@ alone, with a timeout. The server runs on a daemon thread of the node's first ra
 writer while saving, the node's first reader while restoring) and serves only:
 
 * directories registered with ``register`` (checkpoint directories this process saved or loads);
-* under them, the manifest, rank files and tables of any save (``format.names.is_served_name``),
+* under them, the manifest, rank files and tables of any save (``format.container.is_served_name``),
   of the node's own copy (``holder=""``) or of a complete replica it holds
   (``holder=<node>``: ``.replicas/<node>/`` with its marker written, and only names it lists);
 * regular files only (``open_regular``: no link, FIFO or device), ranges of at most
@@ -32,7 +32,7 @@ import threading
 from typing import Any
 
 from dcp_nvme.errors import ManifestError, PeerError
-from dcp_nvme.format.names import MANIFEST, REPLICA_MARKER, REPLICAS_DIR, check_node_name, is_served_name
+from dcp_nvme.format.container import MANIFEST, REPLICA_MARKER, REPLICAS_DIR, check_node_name, is_served_name
 from dcp_nvme.host.files import open_regular, read_regular
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from typing import Any
 
 from dcp_nvme.config import IOConfig
 from dcp_nvme.errors import ChecksumMismatchError, DCPNVMeError, ManifestError, PeerError
+from dcp_nvme.format.container import MANIFEST, REPLICAS_DIR, check_node_name
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
-from dcp_nvme.format.names import MANIFEST, REPLICAS_DIR, check_node_name
 from dcp_nvme.host.files import create_no_follow
 from dcp_nvme.host.job import job_store, leads_its_node
 from dcp_nvme.peers.client import (

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dcp_nvme.config import ALIGN
-from dcp_nvme.engines.buffers import aligned_buffer
+from dcp_nvme.engines.host_io import aligned_buffer
 from dcp_nvme.errors import UnsupportedItemError
 from dcp_nvme.format.container import place_back_to_back
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_nvme.config import refuse_positional, unknown_option
 from dcp_nvme.errors import CheckpointExistsError, InvalidInputError
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.host.job import launched_world_size
 from dcp_nvme.storage.local_dir import LocalStore
 

@@ -2,7 +2,7 @@
 
 DCP calls ``finish()`` on the coordinator only; the other ranks wait meanwhile in DCP's broadcast
 of its outcome and get no call after it. So each node whose directory the coordinator cannot
-see (``save.nodes``) has one *node writer* rank, which starts a thread in ``write_data`` that
+see (``host.job``) has one *node writer* rank, which starts a thread in ``write_data`` that
 commits that node's copy of the metadata, and the coordinator's ``finish`` runs the rounds
 below with those threads over the job's key-value store (the one ``init_process_group`` made;
 keys are named by the save key, so a round of a failed save can never be mistaken for another):
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dcp_nvme.errors import ManifestError, SaveError
-from dcp_nvme.format.names import MANIFEST, check_name, save_key_of, temp_of
+from dcp_nvme.format.container import MANIFEST, check_name, save_key_of, temp_of
 from dcp_nvme.storage.local_dir import (
     LocalStore,
     commit_prepared,

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from dcp_nvme.config import ALIGN, check_option
-from dcp_nvme.engines.buffers import cuda_available
+from dcp_nvme.engines.host_io import cuda_available
 from dcp_nvme.errors import InvalidInputError, StagingBusyError
 from dcp_nvme.save import items
 from dcp_nvme.save.arena import (

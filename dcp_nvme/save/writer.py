@@ -38,23 +38,40 @@ from dcp_nvme.config import (
     resolve_config,
 )
 from dcp_nvme.engines import shared_engine
-from dcp_nvme.engines.buffers import host_address
-from dcp_nvme.engines.stats import PhaseTimer
+from dcp_nvme.engines.host_io import host_address
+from dcp_nvme.engines.requests import PhaseTimer
 from dcp_nvme.errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, StorageError
-from dcp_nvme.format.container import ContainerLayout, plan_container
-from dcp_nvme.format.manifest import build_manifest_doc, seal, table_entry
-from dcp_nvme.format.names import (
+from dcp_nvme.format.container import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    ContainerLayout,
     data_file_name,
     new_save_key,
+    plan_container,
     save_key_of,
     table_name,
     temp_of,
 )
+from dcp_nvme.format.manifest import build_manifest_doc, seal, table_entry
 from dcp_nvme.format.tables import files_table, index_table_bytes
-from dcp_nvme.host.job import host_name, job_store, leads_its_node, local_world_size, node_identity
+from dcp_nvme.host.job import (
+    NODE_LOCAL,
+    NodeTag,
+    Topology,
+    budgeted,
+    decide,
+    host_name,
+    job_store,
+    leads_its_node,
+    local_world_size,
+    node_identity,
+    node_turn,
+    probe_visible,
+    ranks_per_host,
+    remove_probe,
+    write_probe,
+)
 from dcp_nvme.save.dropin import (
     POINTER,
     exists_message,
@@ -63,7 +80,19 @@ from dcp_nvme.save.dropin import (
     write_pointer,
     writer_stock_options,
 )
-from dcp_nvme.save.items import release_for, resolve_item, with_pads
+from dcp_nvme.save.items import (
+    check_planner_data,
+    collect_rows,
+    format_summary,
+    key_from_results,
+    layer_summary,
+    rank_stats_doc,
+    release_for,
+    resolve_item,
+    storage_meta_doc,
+    with_pads,
+    write_results,
+)
 from dcp_nvme.save.node_commit import (
     NodeCommitter,
     abort_everywhere,
@@ -71,28 +100,6 @@ from dcp_nvme.save.node_commit import (
     end_waiting,
     remove_save_files,
     start_committer,
-)
-from dcp_nvme.save.nodes import (
-    NODE_LOCAL,
-    NodeTag,
-    Topology,
-    budgeted,
-    decide,
-    node_turn,
-    probe_visible,
-    ranks_per_host,
-    remove_probe,
-    write_probe,
-)
-from dcp_nvme.save.results import (
-    check_planner_data,
-    collect_rows,
-    format_summary,
-    key_from_results,
-    layer_summary,
-    rank_stats_doc,
-    storage_meta_doc,
-    write_results,
 )
 from dcp_nvme.storage import save_lock
 from dcp_nvme.storage.local_dir import (
@@ -130,7 +137,7 @@ class NVMeWriter(StorageWriter):
         direct_io: O_DIRECT where the filesystem allows it (env ``DCP_NVME_DIRECT_IO``).
         engine: ``"auto"``, ``"posix"`` (threads), ``"uring"`` (io_uring) or ``"kvikio"`` (env ``DCP_NVME_ENGINE``).
         node_queue_depth: requests in flight shared by the ranks of a node: each keeps
-            ``node_queue_depth // local ranks`` (env ``DCP_NVME_NODE_QUEUE_DEPTH``; ``save.nodes``).
+            ``node_queue_depth // local ranks`` (env ``DCP_NVME_NODE_QUEUE_DEPTH``; ``host.job``).
         node_write_order: ``"together"`` (the node's ranks write at once, sharing the budget) or
             ``"staggered"`` (one at a time, each with the whole budget); unset: what
             ``dcp-nvme tune --ranks`` measured faster, else ``"together"``.

@@ -18,7 +18,7 @@ from dcp_nvme.errors import (
     InvalidInputError,
     StorageError,
 )
-from dcp_nvme.format.names import (
+from dcp_nvme.format.container import (
     temp_name,
 )
 from dcp_nvme.host.files import (

@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dcp_nvme.config import IOConfig
-from dcp_nvme.engines.requests import ReadRequest, run_bounded
-from dcp_nvme.engines.stats import IOStats
+from dcp_nvme.engines.requests import IOStats, ReadRequest, run_bounded
 from dcp_nvme.errors import ChecksumMismatchError, ManifestError
 from dcp_nvme.format.manifest import Manifest
 from dcp_nvme.format.pieces import plan_pieces, verify_piece

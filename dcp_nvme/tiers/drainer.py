@@ -33,7 +33,7 @@ from dcp_nvme.errors import (
     ManifestError,
     MissingDependencyError,
 )
-from dcp_nvme.format.names import MANIFEST, save_key_of
+from dcp_nvme.format.container import MANIFEST, save_key_of
 from dcp_nvme.format.pieces import Piece, plan_pieces, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.storage.local_dir import is_local_path

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dcp_nvme.errors import CheckpointNotFoundError
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.format.manifest import MAX_MANIFEST, missing_manifest_error
-from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.format.pieces import Piece
 from dcp_nvme.host.files import create_no_follow, read_regular
 from dcp_nvme.storage.local_dir import LocalStore

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.format.manifest import MAX_MANIFEST, read_manifest
-from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.storage.fsspec_dir import open_store
 from dcp_nvme.storage.local_dir import LocalStore, is_local_path, local_path
 from dcp_nvme.storage.run_dir import NVME, checkpoints

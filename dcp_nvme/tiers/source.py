@@ -14,8 +14,8 @@ from typing import Any
 
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format.checksums import check_table
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
-from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.format.pieces import Piece, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import open_regular

@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.tiers.coded import same_save
 from dcp_nvme.tiers.journal import Journal
 from dcp_nvme.tiers.options import DrainOptions

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from dcp_nvme.errors import DrainError
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.tiers.coded import readback_coded, same_save
 from dcp_nvme.tiers.drainer import DrainResult, readback
 from dcp_nvme.tiers.journal import FAILED, DrainBusy, Journal, drain_lock

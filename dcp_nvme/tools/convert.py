@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcp_nvme.config import parse_size
 from dcp_nvme.errors import InvalidInputError
-from dcp_nvme.format.names import DCP_METADATA, MANIFEST
+from dcp_nvme.format.container import DCP_METADATA, MANIFEST
 from dcp_nvme.humanize import progress_bar
 from dcp_nvme.load.reader import NVMeReader
 from dcp_nvme.save.writer import NVMeWriter

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from dcp_nvme.config import IOConfig, parse_size
-from dcp_nvme.engines.buffers import tensor_bytes
+from dcp_nvme.engines.host_io import tensor_bytes
 from dcp_nvme.engines.posix import PosixEngine
 from dcp_nvme.errors import InvalidInputError
 from dcp_nvme.format.container import build_header

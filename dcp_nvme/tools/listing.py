@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dcp_nvme.format.names import DCP_METADATA, MANIFEST, save_key_of
+from dcp_nvme.format.container import DCP_METADATA, MANIFEST, save_key_of
 from dcp_nvme.storage.local_dir import LocalStore
 from dcp_nvme.storage.run_dir import parse_step
 from dcp_nvme.tiers import drain_state

@@ -7,8 +7,8 @@ import stat
 from dataclasses import dataclass, field
 
 from dcp_nvme.errors import CheckpointNotCommittedError, CheckpointNotFoundError, DCPNVMeError
+from dcp_nvme.format.container import DCP_METADATA, MANIFEST, save_key_of
 from dcp_nvme.format.manifest import Manifest, read_manifest
-from dcp_nvme.format.names import DCP_METADATA, MANIFEST, save_key_of
 from dcp_nvme.host.files import file_kind, open_regular
 from dcp_nvme.storage.local_dir import LocalStore, Store
 

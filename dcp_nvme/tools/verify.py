@@ -31,9 +31,8 @@ from dcp_nvme.errors import (
     TableError,
 )
 from dcp_nvme.format.checksums import checks_within, host_crcs, items_in, mismatches
-from dcp_nvme.format.container import parse_header
+from dcp_nvme.format.container import MANIFEST, parse_header
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
-from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import header_mismatches
 from dcp_nvme.humanize import progress_bar

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dcp_nvme.config import ALIGN, IOConfig
-from dcp_nvme.engines.buffers import aligned_buffer
+from dcp_nvme.engines.host_io import aligned_buffer
 from dcp_nvme.engines.posix import PosixEngine
 from dcp_nvme.humanize import format_size, progress_bar
 from dcp_nvme.load.planning import Need, plan_reads

@@ -5,7 +5,7 @@ own file of ``size // N`` bytes, all processes start the write together and the 
 (a barrier), and the point's time is the slowest process's: the node's checkpoint time. The best
 point is stored with ``node_queue_depth = D``, so writers on a node of N ranks share D.
 
-Each node depth is also measured staggered: the processes take turns (``save.nodes.node_turn``), each
+Each node depth is also measured staggered: the processes take turns (``host.job.node_turn``), each
 with all D requests; the point's time is then the last process's end. Whichever order wins is
 stored as ``node_write_order``.
 """
@@ -22,9 +22,9 @@ from typing import Any
 
 from dcp_nvme.config import ALIGN, IOConfig
 from dcp_nvme.errors import BenchError
+from dcp_nvme.host.job import effective_queue_depth, node_turn
 from dcp_nvme.humanize import format_size, progress_bar
 from dcp_nvme.observe.machine import machine_info
-from dcp_nvme.save.nodes import effective_queue_depth, node_turn
 from dcp_nvme.tune.probe import CHOSEN_BY, engine_probe, pick_best
 
 BARRIER_SECONDS = 3600.0
@@ -32,7 +32,7 @@ BARRIER_SECONDS = 3600.0
 
 def _worker(index: int, directory: str, nbytes: int, tasks, results, barrier) -> None:
     """One process: probe each task's config in step with the others; ``None`` ends it."""
-    from dcp_nvme.engines.buffers import aligned_buffer
+    from dcp_nvme.engines.host_io import aligned_buffer
 
     buffer = aligned_buffer(nbytes, pin=False)
     own = os.path.join(directory, f"rank{index}")

@@ -128,7 +128,7 @@ def test_fsdp2_save_two_ranks_load_one(tmp_path):
 
 
 def _one_rank_fails(rank, world, path):
-    from dcp_nvme.engines import files
+    from dcp_nvme.engines import host_io as files
 
     if rank == 1:
         def broken(fd, buffer, offset):

@@ -305,7 +305,7 @@ def test_commit_keeps_the_ranks_order_when_it_is_the_metadata_order_else_sorts()
 
     from dcp_nvme.errors import SaveError
     from dcp_nvme.format.tables import StoredItem
-    from dcp_nvme.save.results import collect
+    from dcp_nvme.save.items import collect
 
     def row(fqn, start, rank):
         return ChunkRecord(fqn, "tensor", (start,), (2,), (4,), "float32", f"rank_{rank:05d}.ab.safetensors",

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from dcp_nvme import NVMeReader, NVMeWriter
-from dcp_nvme.format.names import FORMAT_VERSION, MANIFEST
+from dcp_nvme.format.container import FORMAT_VERSION, MANIFEST
 
 
 def _dcp_can_plan(dtype):
@@ -142,7 +142,8 @@ def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch, refuse_a
     EINVAL, either at open or at the first write; the save goes on buffered and says why."""
     import errno
 
-    from dcp_nvme.engines import files, posix
+    from dcp_nvme.engines import host_io as files
+    from dcp_nvme.engines import posix
 
     real_open, real_pwrite = os.open, os.pwrite
     direct_fds = set()

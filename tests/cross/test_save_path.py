@@ -16,8 +16,8 @@ import dcp_nvme
 from dcp_nvme import NVMeReader, NVMeWriter
 
 PACKAGE = os.path.dirname(dcp_nvme.__file__)
-MAX_SAVE_MODULES = 20
-MAX_LOAD_MODULES = 24
+MAX_SAVE_MODULES = 15
+MAX_LOAD_MODULES = 21
 OPTIONAL = ("tiers/", "peers/", "observe/", "bench/", "tune/", "tools/", "integrations/")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcp_nvme.config import ALIGN, IOConfig
-from dcp_nvme.engines.buffers import DEFAULT_DIO, _logical_block_size, _statx, aligned_buffer, dio_alignment
+from dcp_nvme.engines.host_io import DEFAULT_DIO, _logical_block_size, _statx, aligned_buffer, dio_alignment
 from dcp_nvme.engines.posix import PosixEngine
 from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
 from dcp_nvme.format.container import ItemSpec, plan_container
@@ -37,13 +37,13 @@ def test_dio_alignment_of_a_file(tmp_path):
 
 
 def test_a_direct_span_meets_both_alignments():
-    from dcp_nvme.engines.buffers import DioAlignment
+    from dcp_nvme.engines.host_io import DioAlignment
 
     assert DioAlignment(4, 512, "statx").span == 512 and DioAlignment(4096, 512, "statx").span == 4096
 
 
 def test_statx_refusal_falls_back(monkeypatch, tmp_path):
-    import dcp_nvme.engines.buffers as dio
+    import dcp_nvme.engines.host_io as dio
 
     monkeypatch.setattr(dio, "_statx", lambda fd: None)
     monkeypatch.setattr(dio, "_logical_block_size", lambda fd: None)

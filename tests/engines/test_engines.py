@@ -24,8 +24,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_nvme.engines as engines
-import dcp_nvme.engines.buffers
-import dcp_nvme.engines.files as files
+import dcp_nvme.engines.host_io
+import dcp_nvme.engines.host_io as files
 import dcp_nvme.engines.kvikio as kv
 import dcp_nvme.engines.posix as posix
 import dcp_nvme.engines.posix as windows
@@ -153,7 +153,7 @@ class FakeDeviceEngine(kv.KvikioEngine):
 def fake_cuda(monkeypatch):
     """CUDA reported available, the probe buffer on the CPU, fresh caches."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(dcp_nvme.engines.buffers, "cuda_available", lambda: False)  # no pinned allocator here
+    monkeypatch.setattr(dcp_nvme.engines.host_io, "cuda_available", lambda: False)  # no pinned allocator here
     monkeypatch.setattr(kv, "_probe_tensor", lambda n: (torch.arange(n) % 251).to(torch.uint8))
     monkeypatch.setattr(engines, "_ENGINE_CACHE", {})
     engines.reset_probe_cache()

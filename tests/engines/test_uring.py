@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import IOConfig, resolve_config
-from dcp_nvme.engines.buffers import aligned_buffer
+from dcp_nvme.engines.host_io import aligned_buffer
 from dcp_nvme.engines.posix import PosixEngine
 from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
 from dcp_nvme.errors import DCPNVMeError

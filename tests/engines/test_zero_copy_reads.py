@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_nvme import ChecksumMismatchError, NVMeReader, NVMeWriter
 from dcp_nvme.config import ALIGN, IOConfig
 from dcp_nvme.engines import posix, reads
-from dcp_nvme.engines.buffers import DioAlignment, aligned_buffer, dio_alignment
+from dcp_nvme.engines.host_io import DioAlignment, aligned_buffer, dio_alignment
 from dcp_nvme.engines.requests import plan_read_segments
 from dcp_nvme.engines.uring import UringEngine, uring_unavailable_reason
 from dcp_nvme.errors import DCPNVMeError

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from dcp_nvme import NVMeReader, NVMeStager, NVMeWriter
-from dcp_nvme.engines.buffers import DioAlignment, aligned_buffer, block_crcs, dio_alignment
+from dcp_nvme.engines.host_io import DioAlignment, aligned_buffer, block_crcs, dio_alignment
 from dcp_nvme.engines.uring import uring_unavailable_reason
 from dcp_nvme.format.container import DIRECT_MIN, is_pad_key
 from dcp_nvme.tools import export_hf, inspect_checkpoint, list_checkpoints, verify_checkpoint

@@ -19,13 +19,14 @@ from dcp_nvme.format.container import (
     MAX_HEADER,
     ST_DTYPES,
     build_header,
+    check_name,
     dtype_itemsize,
     header_length,
     parse_dtype,
     parse_header,
+    save_key_of,
     stored_as,
 )
-from dcp_nvme.format.names import check_name, save_key_of
 
 
 def test_dtype_table_is_safetensors_own():

@@ -2,9 +2,8 @@ import pytest
 import torch
 
 from dcp_nvme.errors import ManifestError
-from dcp_nvme.format.container import parse_dtype
+from dcp_nvme.format.container import parse_dtype, save_key_of
 from dcp_nvme.format.manifest import decode_json, encode_json
-from dcp_nvme.format.names import save_key_of
 from dcp_nvme.format.tables import (
     ChunkRecord,
     FileRecord,

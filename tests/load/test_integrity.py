@@ -11,8 +11,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import ChecksumMismatchError, NVMeReader, NVMeWriter
 from dcp_nvme.errors import ManifestError
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.format.manifest import read_manifest
-from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.storage.local_dir import LocalStore
 
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import dcp_nvme
 from dcp_nvme import NVMeReader, NVMeWriter
-from dcp_nvme.engines import files
+from dcp_nvme.engines import host_io as files
 from dcp_nvme.tiers import Drainer, DrainOptions, set_default_drainer
 
 SHARD = int(os.environ.get("SHARD_ELEMS", "4"))  # elements per rank of the saved world (a bench sets more)

@@ -16,7 +16,7 @@ import time
 import pytest
 from multinode import SCRIPTS, all_records, describe
 
-from dcp_nvme.format.names import REPLICA_MARKER, REPLICAS_DIR
+from dcp_nvme.format.container import REPLICA_MARKER, REPLICAS_DIR
 
 pytestmark = pytest.mark.slow
 SCRIPT = SCRIPTS / "node_loss.py"

@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError, ManifestError, PeerError
+from dcp_nvme.format.container import MANIFEST, REPLICA_MARKER, REPLICAS_DIR
 from dcp_nvme.format.manifest import read_manifest
-from dcp_nvme.format.names import MANIFEST, REPLICA_MARKER, REPLICAS_DIR
 from dcp_nvme.peers import sources
 from dcp_nvme.peers.client import PeerSource
 from dcp_nvme.peers.replicate import placement, pull_replica

@@ -20,7 +20,7 @@ from dcp_nvme import (
     NVMeReader,
     NVMeWriter,
 )
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 
 
 def _save(path, value, **kw):
@@ -79,7 +79,7 @@ def test_uncommitted_data_is_refused(tmp_path):
 CRASHING_SAVE = textwrap.dedent("""
     import sys, time, torch, torch.distributed.checkpoint as dcp
     from dcp_nvme import NVMeWriter
-    from dcp_nvme.engines import files
+    from dcp_nvme.engines import host_io as files
     real = files.pwrite_all
     def slow(fd, buffer, offset):  # a slow drive: the parent kills us mid-write
         real(fd, buffer, offset)
@@ -113,7 +113,7 @@ def test_killed_save_leaves_earlier_checkpoint_loadable(tmp_path):
 
 
 def test_failed_write_commits_nothing_and_removes_its_data(tmp_path, monkeypatch):
-    from dcp_nvme.engines import files
+    from dcp_nvme.engines import host_io as files
 
     def full_disk(fd, buffer, offset):
         raise OSError(28, "No space left on device")
@@ -215,7 +215,7 @@ def test_o_direct_containers_are_preallocated_then_cut_to_size(tmp_path, monkeyp
 def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch, code):
     import ctypes
 
-    from dcp_nvme.engines import files
+    from dcp_nvme.engines import host_io as files
 
     def refuse(fd, mode, offset, length):
         ctypes.set_errno(code)
@@ -229,7 +229,7 @@ def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch, code)
 def test_a_full_disk_at_preallocation_names_the_file_and_commits_nothing(tmp_path, monkeypatch):
     import ctypes
 
-    from dcp_nvme.engines import files
+    from dcp_nvme.engines import host_io as files
 
     def full(fd, mode, offset, length):
         ctypes.set_errno(28)

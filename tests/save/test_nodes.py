@@ -18,8 +18,8 @@ from dcp_nvme import InvalidInputError, NVMeReader, NVMeWriter
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format.manifest import describe_topology, read_manifest, seal
 from dcp_nvme.format.validation import check_topology
+from dcp_nvme.host.job import NODE_LOCAL, SHARED, NodeTag, decide
 from dcp_nvme.save.node_commit import decode_payload, encode_payload
-from dcp_nvme.save.nodes import NODE_LOCAL, SHARED, NodeTag, decide
 from dcp_nvme.storage.local_dir import LocalStore
 from dcp_nvme.tiers import DrainError, drain
 from dcp_nvme.tools.status import checkpoint_state

@@ -14,7 +14,7 @@ from dist_utils import run_ranks
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_nvme import NVMeReader, NVMeWriter
-from dcp_nvme.format.names import save_key_of
+from dcp_nvme.format.container import save_key_of
 
 
 class RecordingWriter(NVMeWriter):

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import CheckpointLockedError, NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.save.dropin import POINTER
 from dcp_nvme.storage import save_lock as savelock
 from dcp_nvme.storage.save_lock import LOCK_NAME, STALE_AFTER_S, LockHolder
@@ -70,8 +70,8 @@ PAUSED_SAVER = textwrap.dedent("""
     from test_save_lock import state
     from dcp_nvme import NVMeWriter
     from dcp_nvme.save import writer
-    from dcp_nvme.engines import files
-    from dcp_nvme.format.names import MANIFEST
+    from dcp_nvme.engines import host_io as files
+    from dcp_nvme.format.container import MANIFEST
     path, handshake, seed, point = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
     def pause():
         if not os.path.exists(os.path.join(handshake, "ready")):
@@ -142,7 +142,7 @@ def test_two_processes_saving_into_one_directory_one_wins(tmp_path):
 
 
 def test_same_process_second_save_is_refused(tmp_path, monkeypatch):
-    from dcp_nvme.engines import files
+    from dcp_nvme.engines import host_io as files
 
     path = tmp_path / "ck"
     writing, go = threading.Event(), threading.Event()
@@ -291,7 +291,7 @@ def test_heartbeat_and_release_by_garbage_collection(tmp_path):
 
 
 def _ranks_lock_and_failure(rank, world, path):
-    from dcp_nvme.engines import files
+    from dcp_nvme.engines import host_io as files
 
     sd = {f"r{rank}": torch.full((50_000,), float(rank + 1))}
     # 1. a live lock (another host's, fresh) refuses the save on every rank, none hangs

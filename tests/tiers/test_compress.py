@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.tiers import (
     MIRRORED,
     Drainer,

@@ -25,7 +25,7 @@ from test_compress import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import NVMeReader
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.tiers import MIRRORED, DrainError, DrainOptions, codec, compress, drain, drain_state
 from dcp_nvme.tiers import coded as coded_mod
 from dcp_nvme.tiers.drainer import set_drain_hook

@@ -20,7 +20,7 @@ from test_tiers import FAST, assert_same, data_size, load, make_state, opts, par
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.cli import main as cli_main
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.format.pieces import Piece, plan_pieces
 from dcp_nvme.tiers import (
     FAILED,

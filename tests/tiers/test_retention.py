@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeReader, NVMeWriter
-from dcp_nvme.format.names import MANIFEST
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.storage import save_lock as savelock
 from dcp_nvme.tiers import MIRRORED, DrainOptions, apply_retention, drain, drain_state, plan_retention
 from dcp_nvme.tiers.journal import JOURNAL

@@ -17,8 +17,8 @@ from dist_utils import run_ranks
 from safetensors.torch import load_file
 
 from dcp_nvme import NVMeWriter
+from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.format.manifest import read_files, read_manifest
-from dcp_nvme.format.names import MANIFEST
 from dcp_nvme.storage.local_dir import LocalStore
 from dcp_nvme.storage.run_dir import parse_step
 from dcp_nvme.tools import export_hf, inspect_checkpoint, list_checkpoints, verify_checkpoint

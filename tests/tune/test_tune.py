@@ -94,7 +94,7 @@ def test_tune_rejects_bad_arguments(tmp_path, capsys):
 def test_engine_probe_reads_back_what_it_wrote(tmp_path):
     import torch
 
-    from dcp_nvme.engines.buffers import aligned_buffer
+    from dcp_nvme.engines.host_io import aligned_buffer
 
     buffer = aligned_buffer(3 << 20, pin=False)
     pattern = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)

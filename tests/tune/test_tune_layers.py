@@ -9,7 +9,7 @@ import pytest
 
 from dcp_nvme.cli import main
 from dcp_nvme.config import TUNE_FILE_ENV, resolve_config
-from dcp_nvme.save.nodes import effective_queue_depth
+from dcp_nvme.host.job import effective_queue_depth
 from dcp_nvme.tune.ranks import combine, node_grid, order_grid
 
 
