@@ -7,6 +7,22 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture
+def torch_safe_globals_of_torch_only():
+    """torch's weights-only allowlist with only what torch itself registered: Megatron-Core adds
+    io.BytesIO, argparse.Namespace, numpy and more at import, for the rest of the process, so a
+    test that expects torch's own refusals would pass or fail by which tests its worker ran."""
+    import torch
+
+    saved = torch.serialization.get_safe_globals()
+    own = [g for g in saved if str(getattr(g[0] if isinstance(g, tuple) else g, "__module__", "")).startswith("torch")]
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(own)
+    yield
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(saved)
+
+
 def _simulated_cluster(tmp_path, nodes: int, ranks_per_node: int):
     """Simulated nodes (tests/multinode.py); skipped where namespaces are refused."""
     from multinode import Cluster, unshare_unavailable

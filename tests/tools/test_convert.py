@@ -181,7 +181,7 @@ def test_chunks_survive_every_conversion(tmp_path):
     assert_bitwise(torch.load(tmp_path / "t.pt", weights_only=True)["t"], full, "reassembled")
 
 
-def test_bytes_items_are_copied_not_unpickled(tmp_path):
+def test_bytes_items_are_copied_not_unpickled(tmp_path, torch_safe_globals_of_torch_only):
     """Between checkpoint layouts a non-tensor item is bytes: a pickled class that torch's
     restricted unpickler refuses (io.BytesIO) converts unchanged, never unpickled; --to torch
     refuses it by name."""
