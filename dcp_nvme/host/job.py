@@ -48,7 +48,7 @@ def local_rank(environ: Mapping[str, str] | None = None) -> int | None:
 
     ``torch.distributed.get_node_local_rank`` reads the same variable; it is used where torch has
     it, and the check above still names a bad value."""
-    value = _env_int("LOCAL_RANK", environ, positive=False, what="this rank's index on its node")
+    value = _local_rank_env(environ)
     if value is None or environ is not None:
         return value
     import torch.distributed as dist
@@ -72,7 +72,11 @@ def launched_world_size(environ: Mapping[str, str] | None = None) -> int:
 
 def leads_its_node(environ: Mapping[str, str] | None = None) -> bool:
     """This rank acts for its node: ``LOCAL_RANK`` 0, or any rank when it is unset."""
-    return _env_int("LOCAL_RANK", environ, positive=False, what="this rank's index on its node") in (None, 0)
+    return _local_rank_env(environ) in (None, 0)
+
+
+def _local_rank_env(environ: Mapping[str, str] | None) -> int | None:
+    return _env_int("LOCAL_RANK", environ, positive=False, what="this rank's index on its node")
 
 
 def host_name() -> str:
