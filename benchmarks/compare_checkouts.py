@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
     args = parser.parse_args()
     size = parse_size(args.size)
+    os.makedirs(args.dir, exist_ok=True)  # the README's command names a folder that may not exist yet
     results: dict[str, list[dict]] = {"old": [], "new": []}
     for index in range(args.rounds):
         order = ("old", "new") if index % 2 == 0 else ("new", "old")
