@@ -350,7 +350,13 @@ MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"  # the commit marker of DCP's own FileSystemWriter
 
 
-TABLE_KINDS = ("index", "blocks")
+TABLE_KINDS = ("index", "blocks", "copies")
+"""``copies`` is optional: the extra copies of items several directories hold (``save.copies``)."""
+
+
+def tables_of(doc: dict) -> list[tuple[str, dict]]:
+    """The manifest's table entries, ``(kind, entry)``, the optional ``copies`` only where present."""
+    return [(kind, doc[kind]) for kind in TABLE_KINDS if kind in doc]
 
 
 _KEY = r"[0-9a-f]{1,64}"
@@ -362,7 +368,7 @@ _KEY_RE = re.compile(rf"^{_KEY}$")
 _DATA_RE = re.compile(rf"^rank_(\d{{5,9}})\.({_KEY})\.safetensors$")
 
 
-_TABLE_RE = re.compile(rf"^(index|blocks)\.({_KEY})\.parquet$")
+_TABLE_RE = re.compile(rf"^(index|blocks|copies)\.({_KEY})\.parquet$")
 
 
 def data_file_name(rank: int, key: str) -> str:
@@ -389,7 +395,7 @@ def check_save_key(key: object, where: str) -> str:
 
 def check_name(name: object, kind: str, key: str, where: str) -> str:
     """``name`` as read from a checkpoint, if it is the bare file name of a ``kind`` file of save
-    ``key`` ("data", "index" or "blocks"); a ManifestError otherwise.
+    ``key`` ("data", "index", "blocks" or "copies"); a ManifestError otherwise.
 
     The regular expressions admit only ``[a-z0-9_.]`` with no leading dot, so a name that passes
     has no separator, no ``..`` and no absolute form, and stays inside the checkpoint directory.

@@ -46,10 +46,11 @@ from dcp_nvme.format.tables import (
     column_values,
     gc_paused,
     parquet_footer,
+    parse_chunks,
     parse_files,
     read_chunk_table,
 )
-from dcp_nvme.format.validation import check_doc, check_files
+from dcp_nvme.format.validation import check_doc, check_files, check_row
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -108,6 +109,8 @@ class Manifest:
         self._declared_bytes: int | None = None
         self._by_file: dict[str, list[ChunkRecord]] | None = None
         self._file_rows: dict[str, Any] | None = None
+        self.copies: list[ChunkRecord] = []
+        """Rows of the copies table: items a node-local save wrote once per node (``save.copies``)."""
 
     def __repr__(self) -> str:
         return f"Manifest(save_key={self.doc.get('save_key')!r}, rows={self.row_count})"
@@ -127,21 +130,23 @@ class Manifest:
         return len(self.columns) if self.columns is not None else len(self.chunks)
 
     def rows_by_file(self) -> dict[str, list[ChunkRecord]]:
-        """The index rows of each container file."""
+        """The rows of each container file: its index rows, then its copies."""
         if self._by_file is None:
             self._by_file = {}
-            for chunk in self.chunks:
+            for chunk in [*self.chunks, *self.copies]:
                 self._by_file.setdefault(chunk.file, []).append(chunk)
         return self._by_file
 
     def rows_of_file(self, name: str) -> list[ChunkRecord]:
-        """The index rows of one container file (only they become ChunkRecords)."""
+        """The rows of one container file, its index rows then its copies (only they become
+        ChunkRecords): every item its safetensors header holds."""
         if self.columns is None or self._chunks is not None:
             return self.rows_by_file().get(name, [])
         if self._file_rows is None:
             self._file_rows = self.columns.by_file()
         rows = self._file_rows.get(name)
-        return [] if rows is None else self.columns.records(rows)
+        copies = [c for c in self.copies if c.file == name]
+        return ([] if rows is None else self.columns.records(rows)) + copies
 
     def rows_before(self, data_start: dict[str, int]) -> list[ChunkRecord]:
         """The rows that start before their file's data region (``data_start`` by file name)."""
@@ -382,6 +387,7 @@ def read_manifest(store, location: str, share: Callable | None = None) -> Manife
 
     declared = entry.get("rows", 0)
     manifest.columns = build() if share is None else share(doc, declared, build)
+    manifest.copies = read_copies(store, manifest, location)
     return manifest
 
 
@@ -398,6 +404,26 @@ def _read_index(store, manifest: Manifest, location: str) -> ChunkColumns:
     del table, data
     check_columns(columns, manifest.doc, what)
     return columns
+
+
+def read_copies(store, manifest: Manifest, location: str) -> list[ChunkRecord]:
+    """The copies table (items a node-local save wrote once per node, ``save.copies``), read and
+    each row checked on its own and against its file's declared size; [] when there is none.
+    Whether each copy is the chunk it claims to be (same item, dtype, shape and length as the
+    index's row) is checked where it replaces that row (``load.reader``)."""
+    entry = manifest.doc.get("copies")
+    if entry is None:
+        return []
+    what = f"{location}/{entry['name']}"
+    data = _load_table(store, entry, location)
+    rows = parquet_footer(data, what).metadata.num_rows
+    if "rows" in entry and rows != entry["rows"]:
+        raise ManifestError(f"{what} has {rows} rows, {MANIFEST} says {entry['rows']}")
+    copies = parse_chunks(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
+    sizes = {f["name"]: f["size"] for f in manifest.doc["files"]}
+    for copy in copies:
+        check_row(copy, sizes, manifest.save_key, what)
+    return copies
 
 
 def read_files(store, manifest: Manifest, location: str) -> dict[str, FileRecord]:

@@ -86,6 +86,10 @@ class StoredItem:
     file: FileRecord | None = None
     stats: dict[str, Any] | None = None
     rows: bytes | None = None
+    copies: int = 0
+    """On the first result: how many of the rank's results, at the end, are copies of items
+    another directory's rank wrote (``save.copies``); their rows are ``copy_rows``, not ``rows``."""
+    copy_rows: bytes | None = None
 
 
 _CHUNK_SCHEMA = pa.schema([

@@ -27,6 +27,7 @@ from dcp_nvme.format.container import (
     parse_header,
     rank_of,
     stored_as,
+    tables_of,
 )
 from dcp_nvme.format.tables import MAX_CHECKSUM_BLOCK, MAX_TABLE, MIN_CHECKSUM_BLOCK, ChunkRecord, FileRecord
 
@@ -56,8 +57,7 @@ def check_doc(doc: dict[str, Any], where: str) -> None:
     world = doc["world_size"]
     if not _is_count(world, MAX_WORLD) or world == 0:
         raise ManifestError(f"{where}: world_size {world!r} is not a rank count")
-    for kind in ("index", "blocks"):
-        entry = doc[kind]
+    for kind, entry in tables_of(doc):
         if not isinstance(entry, dict):
             raise ManifestError(f"{where}: {kind!r} is not an object")
         check_name(entry.get("name"), kind, key, f"{where} {kind!r}")

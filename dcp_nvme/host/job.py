@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dcp_nvme.config import IOConfig
@@ -126,6 +126,9 @@ class NodeTag:
     node: str
     probe: str | None = None
     """The probe file this rank created in the checkpoint directory (node leaders only)."""
+    items: list | None = field(default=None, compare=False)
+    """The rank's local plan's items, before the planner's dedup (the same list as the plan's,
+    so it costs nothing when the plans are gathered): what a node-local save copies."""
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import check_container
 from dcp_nvme.host.job import node_identity
+from dcp_nvme.load.local_copies import local_copies
 from dcp_nvme.load.node_index import shared_columns
 from dcp_nvme.load.objects import bytes_for_planner, check_destination_kind
 from dcp_nvme.load.planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
@@ -159,6 +160,8 @@ class NVMeReader(StorageReader):
         self._manifest: Manifest | None = None
         self._checked: set[str] = set()
         """Containers whose header was checked against the index in this load."""
+        self._moved: dict[tuple, ChunkRecord] | None = None
+        """Chunks read from this node's copy instead of the index's file (``local_copies``)."""
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
@@ -184,6 +187,7 @@ class NVMeReader(StorageReader):
             self._store = None
         self._manifest = None
         self._checked = set()
+        self._moved = None
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         self._sources = None
@@ -225,6 +229,10 @@ class NVMeReader(StorageReader):
         for item in plan.items:  # refuse before any byte lands in the caller's state_dict
             if item.type == LoadItemType.BYTE_IO:
                 check_destination_kind(planner, item.dest_index.fqn, str(self.path))
+        if self._moved is None:  # once per load: the copies on this node's disk
+            manifest = self.manifest()
+            here = set(self.store.names()) if manifest.copies and not is_remote_url(self._dir) else set()
+            self._moved = local_copies(manifest, here, self.storage_data, self._dir) if here else {}
         items = sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
         if self._sources is not None:  # each file this rank needs, here or from the nearest copy
             with timer.span("fetch"):
@@ -238,7 +246,8 @@ class NVMeReader(StorageReader):
                 batch = _Batch()
         needed += self._run(batch, stats, timer)
         stats.seconds = time.perf_counter() - started
-        self.last_stats = {"bytes_needed": needed, **stats.to_dict(),
+        remote = sum(v["bytes"] for k, v in self._sources.taken.items() if k != "local") if self._sources else 0
+        self.last_stats = {"bytes_needed": needed, **stats.to_dict(), "remote_bytes": int(remote),
                            "phases": {k: round(v, 6) for k, v in timer.phases.items()},
                            **({"sources": self._sources.stats(stats, timer.phases.get("io", 0.0))}
                               if self._sources is not None else {})}
@@ -257,10 +266,13 @@ class NVMeReader(StorageReader):
 
     def _chunk(self, item: ReadItem) -> ChunkRecord:
         try:
-            return self.storage_data[item.storage_index]
+            chunk = self.storage_data[item.storage_index]
         except KeyError:
             raise MissingItemError(f"{self.path}: the checkpoint has no stored chunk for {item.storage_index}; "
                            "was the metadata from another checkpoint?") from None
+        if self._moved:  # the index's file is on another node's disk; this node has a copy
+            return self._moved.get((chunk.fqn, chunk.offsets if chunk.kind == "tensor" else None), chunk)
+        return chunk
 
     def _add_item(self, batch: _Batch, item: ReadItem, planner: LoadPlanner) -> None:
         chunk = self._chunk(item)

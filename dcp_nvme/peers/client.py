@@ -342,7 +342,7 @@ def fetch_metadata(source: Any, location: str) -> tuple[bytes, list[tuple[str, b
     ``read_files``) before anything is written: (manifest bytes, [(table name, bytes)], Manifest)."""
     import json
 
-    from dcp_nvme.format.container import MANIFEST, check_name, check_save_key
+    from dcp_nvme.format.container import MANIFEST, check_name, check_save_key, tables_of
     from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
 
     manifest_bytes = source.read(MANIFEST, MAX_MANIFEST)
@@ -350,7 +350,7 @@ def fetch_metadata(source: Any, location: str) -> tuple[bytes, list[tuple[str, b
     try:
         doc = json.loads(manifest_bytes)
         key = check_save_key(doc.get("save_key"), where)
-        entries = [(kind, doc[kind]) for kind in ("index", "blocks")]
+        entries = tables_of(doc)
         names = [check_name(entry.get("name"), kind, key, where) for kind, entry in entries]
     except (ValueError, AttributeError, KeyError, TypeError) as exc:
         raise ManifestError(f"{where} is not a valid manifest: {exc}") from None

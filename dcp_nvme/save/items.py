@@ -210,21 +210,41 @@ def release_for(sources: Sequence) -> WaveRelease | None:
 # What the ranks wrote, as records (pure).
 
 def write_results(plan: SavePlan, resolved: list, layout: ContainerLayout, written: Any,
-             stats: dict[str, Any]) -> list[WriteResult]:
+                  stats: dict[str, Any], copies_from: int | None = None) -> list[WriteResult]:
     """DCP's WriteResults: each item's index row at its place in the container; the first also
-    carries the container's blocks-table record and this rank's figures."""
+    carries the container's blocks-table record, this rank's figures, and its rows encoded --
+    the items from ``copies_from`` on (copies, ``save.copies``) apart from the others."""
     name = stats["file"]
     file_record = FileRecord(name, stats["rank"], written.size, written.data_start,
                              written.checksum_block, written.header_crc, tuple(written.crcs))
     placed = [replace(record, file=name, byte_offset=layout.data_start + layout.offsets[position])
               for position, (_, _, record) in enumerate(resolved)]
+    split = len(placed) if copies_from is None else copies_from
     results = []
     for position, (item, (_, source, _)) in enumerate(zip(plan.items, resolved)):
-        first = position == 0
-        stored = StoredItem(placed[position], file_record if first else None, stats if first else None,
-                            rows_blob(placed) if first else None)
+        stored = StoredItem(placed[position])
+        if position == 0:
+            stored = StoredItem(placed[0], file_record, stats, rows_blob(placed[:split]), len(placed) - split,
+                                rows_blob(placed[split:]) if split < len(placed) else None)
         results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
     return results
+
+
+def without_copies(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
+    """Each rank's results less its copies (the last ``copies`` of them, as its first says)."""
+    out = []
+    for rank_results in results:
+        head = rank_results[0].storage_data if rank_results else None
+        copies = head.copies if isinstance(head, StoredItem) else 0
+        out.append(rank_results[:len(rank_results) - copies] if copies else rank_results)
+    return out
+
+
+def copy_rows(results: list[list[WriteResult]]) -> pa.Table | None:
+    """The copies' index rows of every rank, in rank order; None when no rank wrote a copy."""
+    blobs = [head.copy_rows for rank_results in results if rank_results
+             and isinstance(head := rank_results[0].storage_data, StoredItem) and head.copy_rows]
+    return rows_from_blobs(blobs) if blobs else None
 
 
 def storage_meta_doc(meta: StorageMeta) -> dict[str, Any]:
@@ -243,8 +263,8 @@ def key_from_results(results: list[list[WriteResult]]) -> str:
 
 
 def collect(metadata: Metadata, results: list[list[WriteResult]]):
-    """Chunk records in an order that gives the metadata's tensors, each with its chunks, in the
-    metadata's order; file records by rank; each rank's figures.
+    """Chunk records (copies left out) in an order that gives the metadata's tensors, each with
+    its chunks, in the metadata's order; file records by rank; each rank's figures.
 
     Linear in rows with a small constant: the ranks' order is kept when it already gives that
     (``_same_metadata``, DefaultSavePlanner's case), else items are sorted by ``(fqn, offsets)``
@@ -255,9 +275,11 @@ def collect(metadata: Metadata, results: list[list[WriteResult]]):
     try:
         records, files, stats = [], [], []
         for rank_results in results:
-            for result in rank_results:
+            primary = len(rank_results) - (rank_results[0].storage_data.copies if rank_results else 0)
+            for position, result in enumerate(rank_results):
                 stored: StoredItem = result.storage_data
-                records.append(stored.chunk)
+                if position < primary:  # a copy's row goes to the copies table
+                    records.append(stored.chunk)
                 if stored.file is not None:
                     files.append(stored.file)
                 if stored.stats is not None:
@@ -285,7 +307,7 @@ def collect_rows(metadata: Metadata, results: list[list[WriteResult]]):
     blobs = [head.rows for head in heads if isinstance(head, StoredItem) and head.rows]
     if len(blobs) == len(heads):  # every rank sent its rows
         rows = rows_from_blobs(blobs)
-        if rows.num_rows == sum(len(r) for r in results) and rows_in_metadata_order(rows, metadata):
+        if rows.num_rows == sum(map(len, without_copies(results))) and rows_in_metadata_order(rows, metadata):
             files = sorted((h.file for h in heads if h.file is not None), key=lambda f: f.rank)
             return rows, files, [h.stats for h in heads if h.stats is not None]
     records, files, stats = collect(metadata, results)

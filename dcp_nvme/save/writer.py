@@ -72,6 +72,7 @@ from dcp_nvme.host.job import (
     remove_probe,
     write_probe,
 )
+from dcp_nvme.save import copies
 from dcp_nvme.save.dropin import (
     POINTER,
     exists_message,
@@ -83,6 +84,7 @@ from dcp_nvme.save.dropin import (
 from dcp_nvme.save.items import (
     check_planner_data,
     collect_rows,
+    copy_rows,
     format_summary,
     key_from_results,
     layer_summary,
@@ -123,6 +125,8 @@ class RankPlan:
     """Ranks on this rank's host, counted from the host names in the local plans."""
     node_writer: bool = False
     """This rank commits the metadata on its node, whose directory the coordinator cannot see."""
+    copies_from: int | None = None
+    """Where the copies (``save.copies``) start in this rank's items; None: it writes none."""
 
 
 class NVMeWriter(StorageWriter):
@@ -270,7 +274,7 @@ class NVMeWriter(StorageWriter):
         remove_probe(self._dir, self._probe)
         self._probe = write_probe(self._dir) if _world_size() > 1 and leads_its_node() else None
         # the coordinator counts ranks per host, and finds which nodes share its directory
-        return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe))
+        return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe, plan.items))
 
     def _refuse_existing(self, where: str) -> None:
         if LocalStore(self._dir).has(MANIFEST) and not self.overwrite:
@@ -316,7 +320,12 @@ class NVMeWriter(StorageWriter):
             raise
         writers = set(self._topology.node_writers)
         self._sent_plans = plans
-        return [replace(plan, storage_data=RankPlan(rank, key, counts[rank], rank in writers))
+        primary: list[int | None] = [None] * len(plans)
+        if self._topology.mode == NODE_LOCAL and copies.ENABLED:  # each disk: every item its node's ranks hold
+            plans, counts_primary, _ = copies.add_copies(
+                plans, [tag.items if tag else None for tag in tags], copies.directory_of_each_rank(self._topology))
+            primary = [n if n < len(plan.items) else None for n, plan in zip(counts_primary, plans)]
+        return [replace(plan, storage_data=RankPlan(rank, key, counts[rank], rank in writers, primary[rank]))
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -378,7 +387,7 @@ class NVMeWriter(StorageWriter):
         name = data_file_name(target.rank, target.save_key)
         written, stats = self._write_container(name, layout, data, len(plan.items), target, timer)
         self.last_stats = stats
-        future.set_result(write_results(plan, resolved, layout, written, stats))
+        future.set_result(write_results(plan, resolved, layout, written, stats, target.copies_from))
         return future
 
     def _place_items(self, plan: SavePlan, planner: SavePlanner, target: RankPlan, timer: PhaseTimer):
@@ -491,8 +500,12 @@ class NVMeWriter(StorageWriter):
         index_bytes = index_table_bytes(rows)
         blocks_bytes = files_table(files)
         index_name, blocks_name = table_name("index", key), table_name("blocks", key)
-        write_commit_file(self._dir, index_name, index_bytes, key)
-        write_commit_file(self._dir, blocks_name, blocks_bytes, key)
+        tables = [(index_name, index_bytes), (blocks_name, blocks_bytes)]
+        copied = copy_rows(results)
+        if copied is not None:  # items on several nodes' disks (save.copies)
+            tables.append((table_name("copies", key), index_table_bytes(copied)))
+        for name, data in tables:
+            write_commit_file(self._dir, name, data, key)
         doc = build_manifest_doc(
             save_key=key, files=files,
             index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
@@ -501,7 +514,8 @@ class NVMeWriter(StorageWriter):
             storage_meta=storage_meta_doc(self.storage_meta()),
             extra={"created_unix": time.time(), "config": self.config.to_dict(),
                    **rank_stats_doc(rank_stats, layers),
-                   **({"topology": self._topology.to_doc()} if self._topology is not None else {})},
+                   **({"topology": self._topology.to_doc()} if self._topology is not None else {}),
+                   **({"copies": table_entry(*tables[2])} if copied is not None else {})},
         )
         sealed = seal(doc)  # everything that can fail happens before the commit
         write_pointer(LocalStore(self._dir))
@@ -512,8 +526,7 @@ class NVMeWriter(StorageWriter):
         topology = self._topology
         if topology is not None and topology.mode == NODE_LOCAL:  # every node's own disk
             writers = {rank: topology.rank_nodes[rank] for rank in topology.node_writers}
-            commit_on_every_node(job_store(), self._dir, key, sealed,
-                                 [(index_name, index_bytes), (blocks_name, blocks_bytes)], writers)
+            commit_on_every_node(job_store(), self._dir, key, sealed, tables, writers)
         else:
             write_commit_file(self._dir, MANIFEST, sealed, key)  # the commit
         return doc

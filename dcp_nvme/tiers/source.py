@@ -14,7 +14,7 @@ from typing import Any
 
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format.checksums import check_table
-from dcp_nvme.format.container import MANIFEST
+from dcp_nvme.format.container import MANIFEST, tables_of
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
 from dcp_nvme.format.pieces import Piece, verify_piece
 from dcp_nvme.format.tables import FileRecord
@@ -34,8 +34,7 @@ class DrainSource:
         if self.manifest_bytes != self.store.read(MANIFEST):  # a commit landed between the reads
             raise DrainFault(f"{location} was committed again while the drain started")  # retried
         self.files: dict[str, FileRecord] = read_files(self.store, self.manifest, location)
-        self.tables = [(entry["name"], self._table(entry)) for entry in
-                       (self.manifest.doc["index"], self.manifest.doc["blocks"])]
+        self.tables = [(entry["name"], self._table(entry)) for _, entry in tables_of(self.manifest.doc)]
         self.nodes_here, self.names = self._held_here()
         """The nodes whose files this directory holds, and the data files this drain sends: all
         of them, except of a node-local checkpoint (each node drains its own)."""

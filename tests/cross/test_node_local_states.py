@@ -60,9 +60,11 @@ def _disk(cluster, node):
     rank_nodes = topology.get("rank_nodes", [])
     report["expected_files"] = sorted(f["name"] for f in doc["files"]
                                       if f["rank"] < len(rank_nodes) and rank_nodes[f["rank"]] == node)
-    metadata = NVMeReader(step).read_metadata()  # the manifest alone: reads no data file
+    reader = NVMeReader(step)
+    metadata = reader.read_metadata()  # the manifest and its tables: reads no data file
     here = set(names)
     held = {index.fqn for index, chunk in metadata.storage_data.items() if chunk.file in here}
+    held |= {copy.fqn for copy in reader.manifest().copies if copy.file in here}  # save.copies
     report["items"] = len(metadata.state_dict_metadata)
     report["items_not_here"] = sorted(set(metadata.state_dict_metadata) - held)
     return report
@@ -91,6 +93,7 @@ def test_trainer_state_restarts_on_the_same_nodes_from_their_own_disks(cluster, 
     for rec in records:
         assert rec["host"] == cluster.hostname(rec["rank"] // cluster.ranks_per_node), rec
         assert rec["bitwise"] is True and rec["changed_by_load"] > 0, rec
+        assert rec["read"]["remote_bytes"] == 0 and rec["read"]["bytes"] > 0, rec  # its own disk only
 
     # each node's disk: the manifest, exactly its own ranks' files, and a copy of every item
     for node, disk in disks.items():
@@ -98,3 +101,22 @@ def test_trainer_state_restarts_on_the_same_nodes_from_their_own_disks(cluster, 
         assert disk["topology"].get("mode") == "node-local", (node, disk)
         assert disk["rank_files"] and disk["rank_files"] == disk["expected_files"], (node, disk)
         assert not disk["items_not_here"], f"node{node}'s disk lacks {disk['items_not_here']}"
+
+
+@pytest.mark.parametrize("layout", ["ddp", "hsdp", "fsdp2"])
+def test_a_restart_on_one_node_fewer_reads_what_its_disk_holds(cluster, layout):
+    """World 4 -> 2 on node 0 alone: a DDP or HSDP state is all on node 0's disk (its copies), so
+    it loads bitwise with nothing from elsewhere; an FSDP2 state's other half is on node 1 only,
+    and the load fails naming the file and the node that holds it."""
+    results, records = _run(cluster, "save", layout)
+    assert not _failures(results, records, cluster.nodes * cluster.ranks_per_node)
+    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", nodes=[0], timeout=150, check=False)
+    records = all_records(results)
+    assert sorted(r["rank"] for r in records) == [0, 1], describe(results)
+    for rec in records:
+        if layout == "fsdp2":
+            assert "rank_00002." in rec["error"] or "rank_00003." in rec["error"], rec
+            assert "node 1" in rec["error"], rec
+        else:
+            assert rec.get("error") is None and rec["bitwise"] is True, rec
+            assert rec["read"]["remote_bytes"] == 0, rec

@@ -201,7 +201,7 @@ def do_load(record: dict) -> None:
     finally:
         stats = reader.last_stats
         if stats is not None:
-            record["read"] = {k: stats[k] for k in ("bytes", "bytes_needed", "requests") if k in stats}
+            record["read"] = {k: stats[k] for k in ("bytes", "bytes_needed", "requests", "remote_bytes") if k in stats}
             record["read"]["sources"] = stats.get("sources")  # only with peers/mirror: None here
     if "optim" in state:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -1,0 +1,50 @@
+"""Where a node-local checkpoint's index names a file on another node's disk, the copy of that
+chunk on this node's (``save.copies`` wrote one per node), checked to be that chunk."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from dcp_nvme.errors import ManifestError
+from dcp_nvme.format.manifest import Manifest
+from dcp_nvme.format.tables import ChunkRecord
+
+
+def local_copies(manifest: Manifest, here: set[str], storage_data: Mapping[Any, ChunkRecord],
+                 location: str) -> dict[tuple, ChunkRecord]:
+    """``(fqn, offsets)`` -> the index row moved to its copy in a file ``here``, for each chunk
+    whose index row names a file not here. Empty when no such chunk has a copy here.
+
+    A copy must be the chunk its index row describes -- same kind, dtype, shape and length --
+    else the manifest is refused (its bytes would land in a tensor of another shape)."""
+    absent = set(manifest.file_names) - here
+    if not absent or not manifest.copies:
+        return {}
+    found: dict[tuple, ChunkRecord] = {}
+    for copy in manifest.copies:
+        key = (copy.fqn, copy.offsets if copy.kind == "tensor" else None)
+        if copy.file not in here or key in found:
+            continue
+        primary = _get(storage_data, copy.index)
+        if primary is None:
+            raise ManifestError(f"{location}: the copies table holds {copy.fqn!r} at {list(copy.offsets)} in "
+                                f"{copy.file}, a chunk the index does not have; the checkpoint is damaged")
+        if primary.file not in absent:
+            continue
+        if (copy.kind, copy.dtype, copy.sizes, copy.length) != (primary.kind, primary.dtype, primary.sizes,
+                                                                  primary.length):
+            raise ManifestError(
+                f"{location}: the copy of {copy.fqn!r} in {copy.file} is {copy.kind} {copy.dtype} "
+                f"{list(copy.sizes)} ({copy.length} bytes), the index says {primary.kind} {primary.dtype} "
+                f"{list(primary.sizes)} ({primary.length} bytes); the checkpoint is damaged or forged")
+        found[key] = replace(primary, file=copy.file, byte_offset=copy.byte_offset, key=copy.key)
+    return found
+
+
+def _get(storage_data: Mapping[Any, ChunkRecord], index: Any) -> ChunkRecord | None:
+    try:
+        return storage_data[index]  # DCP's dict, or the index's lazy view
+    except KeyError:
+        return None
