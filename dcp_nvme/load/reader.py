@@ -246,11 +246,11 @@ class NVMeReader(StorageReader):
                 batch = _Batch()
         needed += self._run(batch, stats, timer)
         stats.seconds = time.perf_counter() - started
-        remote = sum(v["bytes"] for k, v in self._sources.taken.items() if k != "local") if self._sources else 0
+        sources = self._sources.stats(stats, timer.phases.get("io", 0.0)) if self._sources is not None else {}
+        remote = sum(v["bytes"] for k, v in sources.items() if k not in ("read", "local", "damaged"))
         self.last_stats = {"bytes_needed": needed, **stats.to_dict(), "remote_bytes": int(remote),
                            "phases": {k: round(v, 6) for k, v in timer.phases.items()},
-                           **({"sources": self._sources.stats(stats, timer.phases.get("io", 0.0))}
-                              if self._sources is not None else {})}
+                           **({"sources": sources} if self._sources is not None else {})}
         log.info("dcp_nvme: read %.3f GB (%.3f GB needed) in %.3f s (%.2f GB/s), %d requests, depth %d",
                  stats.bytes / 1e9, needed / 1e9, stats.seconds, stats.gbps, stats.requests,
                  stats.max_inflight)
