@@ -40,6 +40,7 @@ __getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, _MOVED)
 seams.drain.plug("dcp_nvme.tiers:submit_mirror")
 seams.replicate.plug("dcp_nvme.peers.replicate:start_replication")
 seams.restore_sources.plug("dcp_nvme.peers.sources:restore_sources")
+seams.peer_restore.plug("dcp_nvme.peers.exchange:peer_restore")
 seams.coded_engine.plug("dcp_nvme.tiers.coded:coded_engine")
 seams.decoded_store.plug("dcp_nvme.tiers.coded:decoded_store")
 

@@ -67,6 +67,9 @@ replicate = Seam("replicate", "after a node-local commit, pull this node's files
 restore_sources = Seam("restore_sources", "a load that may take files from peers or a mirror; "
                        "(path, node, mirror, mirror_options, config) -> sources with ensure_metadata, "
                        "ensure_files, replace_damaged, stats")
+peer_restore = Seam("peer_restore", "a load on several ranks that may take byte ranges from other nodes; "
+                    "(path, mirror, mirror_options) -> None in one process, else an object with "
+                    "agree_metadata() and fetch(manifest, needs, problem) -> received ranges")
 coded_engine = Seam("coded_engine", "reads of a compressed mirror; (store, manifest, location, "
                     "config) -> an engine, or None for a plain checkpoint")
 decoded_store = Seam("decoded_store", "a compressed mirror's files as the plain checkpoint they hold; "

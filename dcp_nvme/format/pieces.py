@@ -9,6 +9,27 @@ from dcp_nvme.format.checksums import check_host, checks_within
 from dcp_nvme.format.tables import FileRecord
 
 
+@dataclass(frozen=True, order=True)
+class Span:
+    """Bytes ``[start, end)`` of one container file: what a load asks of another node."""
+
+    file: str
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def span_of(record: FileRecord, start: int, end: int) -> Span:
+    """``[start, end)`` of a container widened to whole checksum blocks of its data region."""
+    block, base = record.checksum_block, record.data_start
+    lo = base + (start - base) // block * block if start >= base else 0
+    hi = min(record.size, base + -(-(end - base) // block) * block) if end > base else base
+    return Span(record.name, lo, hi)
+
+
 @dataclass(frozen=True)
 class Piece:
     """One transfer unit of a file: ``[offset, offset + length)``."""

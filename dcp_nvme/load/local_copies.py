@@ -48,3 +48,22 @@ def _get(storage_data: Mapping[Any, ChunkRecord], index: Any) -> ChunkRecord | N
         return storage_data[index]  # DCP's dict, or the index's lazy view
     except KeyError:
         return None
+
+
+def places_of(manifest: Manifest, storage_data: Mapping[Any, ChunkRecord], keys: set[tuple],
+              location: str) -> dict[tuple, list[ChunkRecord]]:
+    """For each chunk of ``keys``: every place it is stored, the index's row first, then its
+    copies (each checked as ``local_copies`` checks it), as rows a read can use."""
+    places: dict[tuple, list[ChunkRecord]] = {}
+    for copy in manifest.copies:
+        key = (copy.fqn, copy.offsets if copy.kind == "tensor" else None)
+        if key not in keys:
+            continue
+        primary = _get(storage_data, copy.index)
+        if primary is None or (copy.kind, copy.dtype, copy.sizes, copy.length) != (
+                primary.kind, primary.dtype, primary.sizes, primary.length):
+            raise ManifestError(f"{location}: the copy of {copy.fqn!r} in {copy.file} is not the chunk the "
+                                "index describes; the checkpoint is damaged or forged")
+        places.setdefault(key, [primary]).append(
+            replace(primary, file=copy.file, byte_offset=copy.byte_offset, key=copy.key))
+    return places

@@ -42,10 +42,11 @@ from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError, MissingIte
 from dcp_nvme.format.checksums import items_in
 from dcp_nvme.format.container import parse_dtype
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
+from dcp_nvme.format.pieces import Span, plan_pieces, span_of
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import check_container
 from dcp_nvme.host.job import node_identity
-from dcp_nvme.load.local_copies import local_copies
+from dcp_nvme.load.local_copies import local_copies, places_of
 from dcp_nvme.load.node_index import shared_columns
 from dcp_nvme.load.objects import bytes_for_planner, check_destination_kind
 from dcp_nvme.load.planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
@@ -59,6 +60,9 @@ from dcp_nvme.storage.local_dir import (
 )
 
 log = logging.getLogger(__name__)
+
+RESTORE_PIECE = 64 << 20
+"""A replacement node asks for its own ranks' files in pieces of about this many bytes."""
 
 MAX_DIRECT_RUNS = 64
 """Above this many runs a slice is read as the whole rows that cover it, then narrowed."""
@@ -162,6 +166,14 @@ class NVMeReader(StorageReader):
         """Containers whose header was checked against the index in this load."""
         self._moved: dict[tuple, ChunkRecord] | None = None
         """Chunks read from this node's copy instead of the index's file (``local_copies``)."""
+        self._here: set[str] | None = None
+        """The names in this node's directory, where the load looks at them (copies, peers)."""
+        self._exchange: Any = None
+        """``seams.peer_restore`` of the current load: several ranks, ``peers``."""
+        self._fetched: Any = None
+        """What this load received of other nodes' files (``peers.exchange.Fetch``)."""
+        self._came: dict[str, Any] = {}
+        """Bytes this load received, per source kind, and the damaged ranges it was offered."""
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
@@ -187,7 +199,7 @@ class NVMeReader(StorageReader):
             self._store = None
         self._manifest = None
         self._checked = set()
-        self._moved = None
+        self._moved, self._here, self._exchange, self._fetched, self._came = None, None, None, None, {}
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         self._sources = None
@@ -200,9 +212,15 @@ class NVMeReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._dir
         if self.peers and not is_remote_url(path):
-            self._sources = seams.restore_sources(path, node_identity(), self.mirror, self.mirror_options,
-                                                  self.config)
-            self._sources.ensure_metadata()  # a replacement node's empty disk gets it from a peer
+            # many ranks: they agree on the save and exchange byte ranges (peers.exchange); one
+            # process: this disk, its replicas, the mirror (peers.sources)
+            self._exchange = seams.peer_restore(path, self.mirror, self.mirror_options)
+            if self._exchange is not None:
+                self._exchange.agree_metadata()  # a replacement node's empty disk gets it from a peer
+            else:
+                self._sources = seams.restore_sources(path, node_identity(), self.mirror, self.mirror_options,
+                                                      self.config)
+                self._sources.ensure_metadata()
             self._manifest, self._store = None, None
         metadata = self.manifest().to_metadata()
         assert metadata.storage_meta is not None  # to_metadata always makes one
@@ -226,31 +244,46 @@ class NVMeReader(StorageReader):
         started = time.perf_counter()
         stats, timer = IOStats("read"), PhaseTimer()
         needed = 0
-        for item in plan.items:  # refuse before any byte lands in the caller's state_dict
-            if item.type == LoadItemType.BYTE_IO:
-                check_destination_kind(planner, item.dest_index.fqn, str(self.path))
-        if self._moved is None:  # once per load: the copies on this node's disk
-            manifest = self.manifest()
-            here = set(self.store.names()) if manifest.copies and not is_remote_url(self._dir) else set()
-            self._moved = local_copies(manifest, here, self.storage_data, self._dir) if here else {}
-        items = sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
+        try:
+            items = self._planned_items(plan, planner)
+        except Exception as exc:
+            if self._exchange is None:
+                raise
+            self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")  # raises everywhere
+            raise
+        if self._exchange is not None:  # every rank, even one that needs nothing from elsewhere
+            with timer.span("fetch"):
+                self._restore_own_files()
+                asks, where = self._elsewhere(items)
+                self._fetched = self._exchange.fetch(self.manifest(), asks)
+                for places, chosen in zip(where, self._fetched.chosen):  # read each where it came from
+                    place = places[chosen]
+                    assert self._moved is not None  # set by _planned_items
+                    self._moved[(place.fqn, place.offsets if place.kind == "tensor" else None)] = place
         if self._sources is not None:  # each file this rank needs, here or from the nearest copy
             with timer.span("fetch"):
                 self._sources.ensure_files(self.manifest(), {self._chunk(i).file for i in items})
-        batch = _Batch()
-        for item in items:
-            with timer.span("plan"):
-                self._add_item(batch, item, planner)
-            if batch.temp_bytes >= self.memory_budget:
-                needed += self._run(batch, stats, timer)
-                batch = _Batch()
-        needed += self._run(batch, stats, timer)
+        try:
+            batch = _Batch()
+            for item in items:
+                with timer.span("plan"):
+                    self._add_item(batch, item, planner)
+                if batch.temp_bytes >= self.memory_budget:
+                    needed += self._run(batch, stats, timer)
+                    batch = _Batch()
+            needed += self._run(batch, stats, timer)
+        finally:
+            if self._fetched is not None:
+                self._fetched.close()
         stats.seconds = time.perf_counter() - started
         sources = self._sources.stats(stats, timer.phases.get("io", 0.0)) if self._sources is not None else {}
+        if self._fetched is not None:
+            self._report(self._fetched)
+            sources = {"read": {"bytes": int(stats.bytes)}, **self._came}
         remote = sum(v["bytes"] for k, v in sources.items() if k not in ("read", "local", "damaged"))
         self.last_stats = {"bytes_needed": needed, **stats.to_dict(), "remote_bytes": int(remote),
                            "phases": {k: round(v, 6) for k, v in timer.phases.items()},
-                           **({"sources": sources} if self._sources is not None else {})}
+                           **({"sources": sources} if sources else {})}
         log.info("dcp_nvme: read %.3f GB (%.3f GB needed) in %.3f s (%.2f GB/s), %d requests, depth %d",
                  stats.bytes / 1e9, needed / 1e9, stats.seconds, stats.gbps, stats.requests,
                  stats.max_inflight)
@@ -261,6 +294,74 @@ class NVMeReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_local_path(checkpoint_id) or is_remote_url(checkpoint_id)
+
+    def _planned_items(self, plan: LoadPlan, planner: LoadPlanner) -> list[ReadItem]:
+        """The plan's items in file order, once every one is known to be loadable."""
+        for item in plan.items:  # refuse before any byte lands in the caller's state_dict
+            if item.type == LoadItemType.BYTE_IO:
+                check_destination_kind(planner, item.dest_index.fqn, str(self.path))
+        if self._moved is None:  # once per load: what this node's disk holds, and its copies
+            manifest = self.manifest()
+            local = not is_remote_url(self._dir) and (manifest.copies or self._exchange is not None)
+            self._here = set(self.store.names()) if local else None
+            self._moved = local_copies(manifest, self._here, self.storage_data, self._dir) if self._here else {}
+            if self._exchange is not None:  # a chunk whose file no node holds: a copy some node holds
+                anywhere = local_copies(manifest, self._exchange.held_anywhere(), self.storage_data, self._dir)
+                self._moved = {**anywhere, **self._moved}
+        return sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
+
+    def _restore_own_files(self) -> None:
+        """A node that lacks its own ranks' files (a replacement node) gets them whole from a
+        node that holds them (a replica) or the mirror, and keeps them: asked by the node's
+        first rank, in pieces of whole checksum blocks; a file no one holds is left out (its
+        chunks are then asked one by one, from their copies)."""
+        assert self._here is not None and self._exchange is not None
+        files = read_files(self.store, self.manifest(), self._dir)
+        ranks = self._exchange.node_ranks()
+        lacking = [record for record in files.values() if record.name not in self._here
+                   and self.manifest().node_of(record.rank) == node_identity()]
+        asks = [(Span(record.name, piece.offset, piece.offset + piece.length),) for record in lacking
+                for piece in plan_pieces(record.size, record.data_start, record.checksum_block, RESTORE_PIECE)
+                ] if torch.distributed.get_rank() == min(ranks) else []
+        fetched = self._exchange.fetch(self.manifest(), asks, optional=True)
+        try:
+            came: dict[str, int] = {}
+            for rank in ranks:
+                for span in fetched.arrived[rank]:
+                    came[span.file] = came.get(span.file, 0) + span.length
+            whole = {name for name, nbytes in came.items() if nbytes == files[name].size}
+            if torch.distributed.get_rank() == min(ranks):
+                for name in sorted(whole):
+                    fetched.adopt(name)
+            self._here |= whole
+        finally:
+            fetched.close()
+        self._report(fetched)
+
+    def _report(self, fetched: Any) -> None:
+        """What came from elsewhere, per source kind, and what was damaged there (last_stats)."""
+        for kind, entry in fetched.taken.items():
+            mine = self._came.setdefault(kind, {"files": 0, "bytes": 0, "seconds": 0.0})
+            mine["bytes"] += entry["bytes"]
+        if fetched.damaged:
+            self._came.setdefault("damaged", []).extend(fetched.damaged)
+
+    def _elsewhere(self, items: list[ReadItem]) -> tuple[list[tuple], list[list[ChunkRecord]]]:
+        """The chunks ``items`` need that this node's disk lacks: each as its places (the
+        index's row, then its copies) and their spans of whole checksum blocks, to ask of
+        other nodes."""
+        if self._here is None:
+            return [], []
+        files = read_files(self.store, self.manifest(), self._dir)
+        lacking: dict[tuple, ChunkRecord] = {}
+        for item in items:
+            chunk = self._chunk(item)
+            if chunk.file not in self._here:
+                lacking.setdefault((chunk.fqn, chunk.offsets if chunk.kind == "tensor" else None), chunk)
+        places = places_of(self.manifest(), self.storage_data, set(lacking), self._dir)
+        where = [places.get(key, [chunk]) for key, chunk in lacking.items()]
+        asks = [tuple(span_of(files[p.file], p.byte_offset, p.byte_offset + p.length) for p in ps) for ps in where]
+        return asks, where
 
     # ------------------------------------------------------------------ planning
 
@@ -368,12 +469,15 @@ class NVMeReader(StorageReader):
                 granule = record.checksum_block
                 max_request = max(granule, max_request // granule * granule)
                 largest = max(largest, max_request)
-            requests += plan_reads(self.store.path(name), needs, max_request=max_request, blocks=blocks)
+            fetched = self._fetched.path(name) if self._fetched is not None else None
+            requests += plan_reads(fetched or self.store.path(name), needs, max_request=max_request, blocks=blocks)
         return requests, largest
 
     def _check_container(self, record: FileRecord) -> None:
         """Before reading a container: it is here (an absent one, another node's or lost, is
         told apart from a damaged one), and its own header agrees with the index (once per load)."""
+        if self._fetched is not None and self._fetched.path(record.name) is not None:
+            return  # only ranges came, without the header: every byte read is checked against its blocks
         if record.name not in self._checked:
             view = self._plain_view()
             try:

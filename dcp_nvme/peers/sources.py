@@ -112,24 +112,9 @@ class RestoreSources:
     # ------------------------------------------------------------------ the sources
 
     def mirror(self) -> MirrorSource | None:
-        """The mirror as a source: ``mirror`` itself when it holds a manifest, else
-        ``mirror/<this checkpoint's directory name>`` (a run's mirror root)."""
+        """The mirror as a source (``mirror_source``), looked up once."""
         if self._mirror is None:
-            self._mirror = False
-            for url in (self.mirror_url, _join(self.mirror_url, os.path.basename(os.path.normpath(self.path)))):
-                try:
-                    store = open_store(url, self.mirror_options)
-                    if not store.has(MANIFEST):
-                        continue
-                    if b'"compression"' in store.read(MANIFEST, 1 << 26):
-                        log.warning("dcp_nvme: the mirror %s is compressed: a restore takes no files from it; "
-                                    "load it with NVMeReader(%r) instead", url, url)
-                        break
-                    self._mirror = MirrorSource(store)
-                    break
-                except Exception as exc:  # noqa: BLE001  an unreachable mirror is one source fewer
-                    log.warning("dcp_nvme: the mirror %s cannot be read: %s", url, exc)
-                    break
+            self._mirror = mirror_source(self.path, self.mirror_url, self.mirror_options) or False
         return self._mirror or None
 
     def _local_replicas(self, owner: str | None) -> list[LocalSource]:
@@ -225,7 +210,7 @@ class RestoreSources:
             if size == record.size:
                 self._took("local", record.size, 0.0)
                 continue
-            with _node_turn(self.path, name):  # one rank of the node copies it, the others wait
+            with node_turn(self.path, name):  # one rank of the node copies it, the others wait
                 try:
                     size = local.size(name)
                 except (OSError, ManifestError):
@@ -287,7 +272,7 @@ class RestoreSources:
 
 
 @contextlib.contextmanager
-def _node_turn(path: str, name: str) -> Iterator[None]:
+def node_turn(path: str, name: str) -> Iterator[None]:
     """An exclusive flock per (directory, file) in this node's temp directory: the ranks of a
     node that need one file copy it once. The lock files are a few bytes each, outside the
     checkpoint, reused by later restores."""
@@ -298,6 +283,28 @@ def _node_turn(path: str, name: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # drops the lock
+
+
+def mirror_source(path: str, url: str | None, options: dict[str, Any] | None) -> MirrorSource | None:
+    """The mirror of checkpoint ``path`` as a source: ``url`` itself when it holds a manifest,
+    else ``url/<the checkpoint's directory name>`` (a run's mirror root); None when neither
+    does, or the mirror is compressed (a restore takes no files from it), or cannot be read."""
+    for candidate in (url, _join(url, os.path.basename(os.path.normpath(path)))):
+        if candidate is None:
+            return None
+        try:
+            store = open_store(candidate, options)
+            if not store.has(MANIFEST):
+                continue
+            if b'"compression"' in store.read(MANIFEST, 1 << 26):
+                log.warning("dcp_nvme: the mirror %s is compressed: a restore takes no files from it; "
+                            "load it with NVMeReader(%r) instead", candidate, candidate)
+                return None
+            return MirrorSource(store)
+        except Exception as exc:  # noqa: BLE001  an unreachable mirror is one source fewer
+            log.warning("dcp_nvme: the mirror %s cannot be read: %s", candidate, exc)
+            return None
+    return None
 
 
 def _join(root: str | None, name: str) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from multinode import SCRIPTS, all_records, describe
@@ -120,3 +121,47 @@ def test_a_restart_on_one_node_fewer_reads_what_its_disk_holds(cluster, layout):
         else:
             assert rec.get("error") is None and rec["bitwise"] is True, rec
             assert rec["read"]["remote_bytes"] == 0, rec
+
+
+def _wipe(cluster, node):
+    shutil.rmtree(cluster.node_disk(node) / "run")
+    (cluster.node_disk(node) / "run").mkdir()
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
+def test_a_wiped_node_restores_each_item_from_a_node_that_holds_it(cluster, layout):
+    """A replacement node (empty disk), no replicas, no mirror: every item its ranks need is on
+    the other node (data-parallel replicas, and its copies), so ``peers=True`` restores it there
+    over the ranks' own gloo group, bitwise, and the node keeps the manifest for its next start."""
+    results, records = _run(cluster, "save", layout)
+    assert not _failures(results, records, 4)
+    _wipe(cluster, 1)
+    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
+                          timeout=150, check=False)
+    records = all_records(results)
+    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
+    for rec in records:
+        assert rec["bitwise"] is True, rec
+        node = rec["rank"] // 2
+        remote = rec["read"]["remote_bytes"]
+        assert (remote > 0) if node == 1 else (remote == 0), rec
+    assert (cluster.node_disk(1) / "run" / STEP / "manifest.json").exists()
+    assert not list((cluster.node_disk(1) / "run" / STEP).glob(".fetched-*"))  # nothing left of the load
+
+
+def test_a_range_that_arrives_damaged_comes_from_the_next_holder(cluster3):
+    """HSDP on 3 nodes; node 2 wiped; node 0 flips a byte of everything it sends: node 2's ranks
+    find it on arrival, say which node sent it, and take those ranges from node 1: bitwise."""
+    run = dict(ranks_per_node=2, timeout=180, check=False)
+    results = cluster3.run(SCRIPT, "save", "hsdp", f"{cluster3.mount}/run", **run)
+    assert not _failures(results, all_records(results), 6)
+    _wipe(cluster3, 2)
+    results = cluster3.run(SCRIPT, "load", "hsdp", f"{cluster3.mount}/run",
+                           env={"READER_PEERS": "1", "CORRUPT_SENDS_ON_NODE": "0"}, **run)
+    records = all_records(results)
+    assert not _failures(results, records, 6), "\n".join(_failures(results, records, 6))
+    assert all(rec["bitwise"] is True for rec in records), records
+    on_node2 = [rec for rec in records if rec["rank"] >= 4]
+    assert all(rec["read"]["remote_bytes"] > 0 for rec in on_node2), on_node2
+    named = [w for rec in on_node2 for w in rec["warnings"] if "node 0 sent a damaged" in w]
+    assert named, [rec["warnings"] for rec in on_node2]

@@ -19,7 +19,9 @@ except the control:
 ACTION:
   save    train, save to RUN_DIR/step_1 with a plain ``NVMeWriter(path)``, and keep the state this
           rank saved (flattened, to plain tensors) in its node's TMPDIR for the restart to compare
-  load    build the same model and optimizer fresh (another seed, untrained), ``dcp.load`` with a
+  load    ($READER_PEERS=1: ``peers=True``, the ranks exchange what a node lacks; with
+          $CORRUPT_SENDS_ON_NODE=<node rank> that node flips a byte of every range it sends)
+          build the same model and optimizer fresh (another seed, untrained), ``dcp.load`` with a
           plain ``NVMeReader(path)`` into its ``get_state_dict``, ``set_state_dict``, and compare
           ``get_state_dict`` then, and the extra items, bitwise with what this rank saved
 
@@ -30,6 +32,7 @@ reader's ``last_stats`` (bytes read, by source where the reader has sources).
 
 import io
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -171,6 +174,21 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()[:800]}"
 
 
+def corrupt_what_this_node_sends() -> None:
+    """A fault of this test: every range this node sends has one byte flipped after the holder's
+    own check (a bad link, or a disk that returned other bytes the second time)."""
+    from dcp_nvme.peers import exchange
+
+    checked = exchange._read_checked
+
+    def flipped(*args, **kwargs):
+        data = checked(*args, **kwargs)
+        data[len(data) // 2] ^= 0xFF
+        return data
+
+    exchange._read_checked = flipped
+
+
 def do_save(record: dict) -> None:
     model, optim, data_seed = build(TRAINED_SEED)
     train(model, optim, data_seed)
@@ -195,10 +213,19 @@ def do_load(record: dict) -> None:
         state["step"], state["note"] = 0, io.BytesIO(b"")
     before = flatten(state)
     record["placements"] = placements(state)
-    reader = NVMeReader(os.path.join(run_dir, "step_1"))
+    reader = NVMeReader(os.path.join(run_dir, "step_1"), peers=os.environ.get("READER_PEERS") == "1")
+    if os.environ.get("CORRUPT_SENDS_ON_NODE") == os.environ.get("GROUP_RANK"):
+        corrupt_what_this_node_sends()
+    caught = logging.getLogger("dcp_nvme")
+    warnings_seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda rec: warnings_seen.append(rec.getMessage())  # type: ignore[method-assign]
+    caught.addHandler(handler)
     try:
         dcp.load(state, storage_reader=reader)
     finally:
+        caught.removeHandler(handler)
+        record["warnings"] = warnings_seen
         stats = reader.last_stats
         if stats is not None:
             record["read"] = {k: stats[k] for k in ("bytes", "bytes_needed", "requests", "remote_bytes") if k in stats}

@@ -1,0 +1,472 @@
+"""Bytes between nodes over the job's own distributed engine: no server of ours, no socket.
+
+A restore runs inside ``dcp.load`` on every rank, so the ranks agree, with collectives on a gloo
+group of their own, on what each node's disk holds and who sends what to whom:
+
+- ``agree_metadata`` (in ``read_metadata``): every rank says its node, the save its node's
+  manifest commits and the data files there (``NodeView``). The ranks agree on one save: nodes
+  that hold different saves at one path are refused (a restart never loads one model from two
+  steps). A node without a valid manifest gets it and its tables from the lowest rank that has
+  one, checks them like any other, and keeps them.
+- ``fetch`` (in ``read_data``): every rank names the chunks its items need that its node lacks,
+  each with its places -- the index's, then its copies' -- as spans of whole checksum blocks.
+  Each is asked of a rank of another node that holds the first place any node holds, the least
+  loaded first, in waves of at most ``WAVE_BYTES`` a rank. The holder reads the range and checks
+  it against the blocks table before it sends; the receiver checks it again; a range that fails
+  either check goes to the next holder, then to the next place, and a warning names the node
+  that had it damaged. What no node holds comes from the mirror, if the load has one, else the
+  load fails naming the file, the range and the node that wrote it. Received ranges land at
+  their own offsets in a sparse file of this load (``.fetched-<id>/`` in the checkpoint
+  directory, removed after the load), so the reader reads and verifies them like any local
+  container.
+
+The group is its own (made once per process, by every rank at the same point of its first
+restore): the transfers never interleave with the training group's collectives, and a peer that
+dies fails the collective, as it would fail the training group, and the job restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcp_nvme.errors import CheckpointNotFoundError, ChecksumMismatchError, DCPNVMeError, ManifestError
+from dcp_nvme.format.container import MANIFEST, REPLICAS_DIR, save_key_of, tables_of
+from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
+from dcp_nvme.format.pieces import Span, verify_piece
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.host.files import create_no_follow, fsync_dir, open_regular, pwrite_all
+from dcp_nvme.host.job import node_identity
+from dcp_nvme.peers.client import MemoryStore, MirrorSource, fetch_metadata, write_metadata
+from dcp_nvme.peers.server import replica_files
+from dcp_nvme.peers.sources import mirror_source, node_turn
+from dcp_nvme.storage.local_dir import LocalStore
+
+log = logging.getLogger(__name__)
+
+WAVE_BYTES = 256 << 20
+"""At most this many bytes a rank sends, and receives, in one wave (what it holds in memory)."""
+
+_group: Any = None
+
+
+def active() -> bool:
+    """Whether this load runs on several ranks of an initialised process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _exchange_group() -> Any:
+    global _group
+    if _group is None:
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What one rank tells the others of its node's disk."""
+
+    node: str
+    save_key: str | None
+    files: frozenset[str]
+    problem: str | None = None
+
+
+def _gather(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value, group=_exchange_group())
+    return out
+
+
+def _held_here(path: str) -> dict[str, str]:
+    """The data files this node holds, name -> where: its own directory's, then those of the
+    complete replicas it keeps of other nodes (``.replicas/<node>/``, marker written)."""
+    found: dict[str, str] = {}
+    try:
+        names = LocalStore(path).names()
+    except FileNotFoundError:
+        return found
+    for name in names:
+        if name.startswith("rank_") and save_key_of(name):
+            found[name] = os.path.join(path, name)
+    try:
+        holders = sorted(os.listdir(os.path.join(path, REPLICAS_DIR)))
+    except OSError:
+        holders = []
+    for holder in holders:
+        for name in replica_files(path, holder) or {}:
+            if name.startswith("rank_"):
+                found.setdefault(name, os.path.join(path, REPLICAS_DIR, holder, name))
+    return found
+
+
+def agree_metadata(path: str, mirror: MirrorSource | None = None) -> list[NodeView]:
+    """Collective: every rank calls it once per load. Returns each rank's view (its files those
+    of the agreed save); this node's directory then holds that save's manifest and tables --
+    from a node that has them, else from the mirror."""
+    local = LocalStore(path)
+    key, problem = None, None
+    try:
+        manifest = read_manifest(local, path)
+        read_files(local, manifest, path)
+        key = manifest.save_key
+    except (DCPNVMeError, OSError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    views: list[NodeView] = _gather(NodeView(node_identity(), key, frozenset(_held_here(path)), problem))
+    keys = sorted({v.save_key for v in views if v.save_key})
+    if len(keys) > 1:
+        held = "; ".join(f"save {k} on node(s) {', '.join(sorted({v.node for v in views if v.save_key == k}))}"
+                         for k in keys)
+        raise ManifestError(f"{path}: the nodes hold different saves ({held}); a restart loads one step on "
+                            "every rank: load a step every node committed, or remove the newer one")
+    if not keys:
+        why = None
+        if mirror is None:
+            why = f"no node holds a committed manifest of it and the load has no mirror ({views[0].problem})"
+        else:
+            try:
+                manifest_bytes, tables, manifest = fetch_metadata(mirror, mirror.describe())
+                _keep_metadata(path, (manifest_bytes, tables), manifest.save_key, mirror.describe(), problem)
+                key = manifest.save_key
+            except (DCPNVMeError, OSError) as exc:
+                why = f"no node holds a committed manifest of it, nor does the mirror ({exc})"
+        agreed = _gather((key, why))
+        _raise_first(path, [w for _, w in agreed])
+        keys = sorted({k for k, _ in agreed if k})
+        if len(keys) != 1:
+            raise ManifestError(f"{path}: the ranks read different saves from the mirror: {keys}")
+        return [replace(v, save_key=keys[0], files=frozenset(f for f in v.files if save_key_of(f) == keys[0]))
+                for v in views]
+    if any(v.save_key is None for v in views):
+        source = min(rank for rank, v in enumerate(views) if v.save_key)
+        payload: list[Any] = [_metadata_payload(local) if dist.get_rank() == source else None]
+        dist.broadcast_object_list(payload, src=source, group=_exchange_group())
+        if key is None:
+            _keep_metadata(path, payload[0], keys[0], views[source].node, problem)
+    return [replace(v, files=frozenset(f for f in v.files if save_key_of(f) == keys[0])) for v in views]
+
+
+def _metadata_payload(store: LocalStore) -> tuple[bytes, list[tuple[str, bytes]]]:
+    manifest_bytes = store.read(MANIFEST)
+    import json
+
+    doc = json.loads(manifest_bytes)
+    return manifest_bytes, [(entry["name"], store.read(entry["name"])) for _, entry in tables_of(doc)]
+
+
+def _keep_metadata(path: str, payload: Any, key: str, node: str, problem: str | None) -> None:
+    """Check what ``node`` (a node, or the mirror) sent as a whole, then write it here (once a node)."""
+    try:
+        manifest_bytes, tables = payload
+        files = {MANIFEST: bytes(manifest_bytes), **{str(n): bytes(d) for n, d in tables}}
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(f"{path}: the metadata node {node} sent is malformed: {exc}") from None
+    store = MemoryStore(files, f"{path} (from node {node})")
+    manifest = read_manifest(store, store.location)
+    read_files(store, manifest, store.location)
+    if manifest.save_key != key:
+        raise ManifestError(f"{path}: node {node} sent save {manifest.save_key}, the nodes agreed on {key}")
+    os.makedirs(path, exist_ok=True)
+    with node_turn(path, MANIFEST):
+        local = LocalStore(path)
+        try:
+            if read_manifest(local, path).save_key == key:
+                return  # another rank of this node kept it meanwhile
+        except (DCPNVMeError, OSError):
+            pass
+        write_metadata(path, manifest_bytes, [(n, files[n]) for n in files if n != MANIFEST])
+    log.warning("dcp_nvme: %s: this node's manifest was %s; it came from %s", path,
+                problem or "missing", node if "/" in node else f"node {node}")
+
+
+def _waves(assigned: list[tuple[int, int, Span, int]], world: int) -> list[list[tuple[int, int, Span, int]]]:
+    """The transfers in waves: no rank sends or receives more than ``WAVE_BYTES`` in one
+    (a larger single span goes alone)."""
+    waves: list[list[tuple[int, int, Span, int]]] = []
+    sent, got = [0] * world, [0] * world
+    current: list[tuple[int, int, Span, int]] = []
+    for needer, index, span, holder in assigned:
+        if current and (sent[holder] + span.length > WAVE_BYTES or got[needer] + span.length > WAVE_BYTES):
+            waves.append(current)
+            current, sent, got = [], [0] * world, [0] * world
+        current.append((needer, index, span, holder))
+        sent[holder] += span.length
+        got[needer] += span.length
+    if current:
+        waves.append(current)
+    return waves
+
+
+class Fetch:
+    """One load's received ranges: ``path(name)`` of each file that came, in part, from elsewhere."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.join(directory, f".fetched-{secrets.token_hex(6)}")
+        self.files: dict[str, str] = {}
+        self.taken: dict[str, dict[str, float]] = {}
+        self.chosen: list[int] = []
+        """For each of this rank's asks, which of its places came (0: the index's)."""
+        self.arrived: list[list[Span]] = []
+        """For every rank, the spans that came to it (the same on every rank)."""
+        self.damaged: list[str] = []
+        """The ranges a holder could not send intact to this rank, and which node held them."""
+
+    def path(self, name: str) -> str | None:
+        return self.files.get(name)
+
+    def store(self) -> LocalStore:
+        return LocalStore(self.directory)
+
+    def keep(self, record: FileRecord, start: int, data: memoryview, kind: str) -> None:
+        if not self.files:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        target = self.files.get(record.name)
+        if target is None:
+            target = os.path.join(self.directory, record.name)
+            fd = create_no_follow(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, record.size)  # sparse: only the received ranges hold bytes
+            finally:
+                os.close(fd)
+            self.files[record.name] = target
+        fd = open_regular(target, os.O_WRONLY)
+        try:
+            pwrite_all(fd, data, start)
+        finally:
+            os.close(fd)
+        entry = self.taken.setdefault(kind, {"files": 0, "bytes": 0, "seconds": 0.0})
+        entry["bytes"] += len(data)
+
+    def adopt(self, name: str) -> None:
+        """Move a received file into the checkpoint directory: the caller asked for all of it,
+        so every byte arrived and was checked (this node keeps its own ranks' files)."""
+        target = os.path.join(os.path.dirname(self.directory), name)
+        fd = open_regular(self.files.pop(name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(os.path.join(self.directory, name), target)
+        fsync_dir(os.path.dirname(target))
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[tuple[Span, ...]],
+          mirror: MirrorSource | None = None, problem: str | None = None, optional: bool = False) -> Fetch:
+    """Collective: every rank calls it in ``read_data``, with what its node lacks ([] when
+    none) and any error it hit before (then every rank raises, none waits for it).
+
+    An ask is one chunk's places, the index's first, then its copies: each a span of whole
+    checksum blocks. The first place some other node holds is asked of its least-loaded
+    holder; a transfer that fails its check goes to the next holder, then to the next place;
+    what no node holds comes from the mirror. ``Fetch.chosen`` says, for each of this rank's
+    asks, which place came; ``Fetch.arrived``, for every rank, the spans that came to it. With
+    ``optional``, an ask nothing can serve is left out instead of failing the load."""
+    records = read_files(LocalStore(path), manifest, path)
+    me, world = dist.get_rank(), dist.get_world_size()
+    out = Fetch(path)
+    try:
+        asked: list[tuple[list[tuple[Span, ...]], str | None]] = _gather((list(asks) if problem is None else [],
+                                                                          problem))
+        _raise_first(path, [why for _, why in asked])
+        out.chosen = [0] * len(asks)
+        out.arrived = [[] for _ in range(world)]
+        pending = [(needer, index) for needer, (own, _) in enumerate(asked) for index in range(len(own))]
+        refused: set[tuple[int, Span, int]] = set()
+        here = _held_here(path)
+        while pending:
+            assigned, nowhere, load = [], [], [0] * world
+            for needer, index in pending:
+                picked = _holder(asked[needer][0][index], needer, views, refused, load)
+                if picked is None:
+                    nowhere.append((needer, index))
+                    continue
+                place, holder = picked
+                span = asked[needer][0][index][place]
+                load[holder] += span.length
+                assigned.append((needer, index, span, holder))
+                if needer == me:
+                    out.chosen[index] = place
+            if nowhere:
+                _nowhere(path, manifest, records, asked, nowhere, mirror, optional, out)
+            bad: list[tuple[int, int, Span, int, str]] = []
+            for wave in _waves(assigned, world):
+                bad += _run_wave(path, wave, records, views, here, out)
+            failed = {(needer, index) for needer, index, _, _, _ in bad}
+            for needer, index, span, _ in assigned:
+                if (needer, index) not in failed:
+                    out.arrived[needer].append(span)
+            refused.update((needer, span, holder) for needer, _, span, holder, _ in bad)
+            for needer, _, span, holder, why in bad:
+                if needer == me:
+                    out.damaged.append(f"{span.file} [{span.start}, {span.end}) from node {views[holder].node}: {why}")
+                    log.warning("dcp_nvme: %s: node %s could not send %s [%d, %d) intact (%s); asking the "
+                                "next holder", path, views[holder].node, span.file, span.start, span.end, why)
+            pending = [(needer, index) for needer, index, _, _, _ in bad]
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def _nowhere(path: str, manifest: Manifest, records: dict[str, FileRecord], asked: list, nowhere: list[tuple[int, int]],
+             mirror: MirrorSource | None, optional: bool, out: Fetch) -> None:
+    """The asks no node can serve (every rank knows which): their needers read the mirror,
+    then every rank hears how it went (an optional ask that fails is left out)."""
+    me = dist.get_rank()
+    why, got = None, []
+    for needer, index in nowhere:
+        if needer != me or (optional and mirror is None):
+            continue
+        span = asked[needer][0][index][0]  # the mirror holds every file: the index's place
+        try:
+            _from_mirror(path, manifest, records[span.file], span, mirror, out)
+            out.chosen[index] = 0
+            got.append(span)
+        except (DCPNVMeError, OSError) as exc:
+            if not optional:
+                why = f"{type(exc).__name__}: {exc}"
+                break
+    reports = _gather((why, got))
+    _raise_first(path, [w for w, _ in reports])
+    for rank, (_, spans) in enumerate(reports):
+        out.arrived[rank] += spans
+
+
+def _holder(places: tuple[Span, ...], needer: int, views: list[NodeView], refused: set[tuple[int, Span, int]],
+            load: list[int]) -> tuple[int, int] | None:
+    """(place, holder rank) for one ask: the first place a node other than the needer's holds,
+    not yet refused, on its least-loaded holder; None when no node holds any."""
+    for place, span in enumerate(places):
+        holders = [r for r, v in enumerate(views) if span.file in v.files
+                   and v.node != views[needer].node and (needer, span, r) not in refused]
+        if holders:
+            return place, min(holders, key=lambda r: (load[r], r))
+    return None
+
+
+def _raise_first(path: str, problems: Sequence[str | None]) -> None:
+    """Every rank raises the first rank's problem, so that none waits in a later collective."""
+    for rank, why in enumerate(problems):
+        if why:
+            raise DCPNVMeError(f"{path}: the restore stopped on rank {rank}: {why}")
+
+
+def _run_wave(path: str, wave: list[tuple[int, int, Span, int]], records: dict[str, FileRecord],
+              views: list[NodeView], here: dict[str, str], out: Fetch) -> list[tuple[int, int, Span, int, str]]:
+    """One wave: the holders read and check what they send and say which they cannot; the rest
+    is sent, checked again on arrival and kept. Every rank returns the same failed transfers."""
+    me = dist.get_rank()
+    outgoing: dict[int, bytearray] = {}
+    refusals: list[tuple[int, str]] = []
+    for slot, (_, _, span, holder) in enumerate(wave):
+        if holder != me:
+            continue
+        try:
+            outgoing[slot] = _read_checked(here[span.file], records[span.file], span, views[me].node)
+        except (OSError, KeyError, DCPNVMeError) as exc:
+            refusals.append((slot, f"{type(exc).__name__}: {exc}"))
+    refused = {slot: why for per_rank in _gather(refusals) for slot, why in per_rank}
+    ops, incoming = [], {}
+    group = _exchange_group()
+    for slot, (needer, _, span, holder) in enumerate(wave):
+        if slot in refused:
+            continue
+        if holder == me:
+            ops.append(dist.P2POp(dist.isend, torch.frombuffer(outgoing[slot], dtype=torch.uint8), needer,
+                                  group=group, tag=slot))
+        elif needer == me:
+            incoming[slot] = torch.empty(span.length, dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.irecv, incoming[slot], holder, group=group, tag=slot))
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+    damaged: list[tuple[int, str]] = []
+    fatal = None
+    for slot, tensor in incoming.items():
+        _, _, span, holder = wave[slot]
+        data = memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's buffer stub before 3.12
+        try:
+            verify_piece(records[span.file], span.start, data, f"{span.file} from node {views[holder].node}")
+        except ChecksumMismatchError as exc:
+            damaged.append((slot, str(exc)))
+            continue
+        try:
+            out.keep(records[span.file], span.start, data, "peer")
+        except OSError as exc:
+            fatal = fatal or f"cannot keep what came of {span.file}: {exc}"
+    reports = _gather((damaged, fatal))
+    _raise_first(path, [f for _, f in reports])
+    for per_rank, _ in reports:
+        for slot, why in per_rank:
+            refused[slot] = why
+    return [(*wave[slot], why) for slot, why in sorted(refused.items())]
+
+
+def _read_checked(local: str, record: FileRecord, span: Span, node: str) -> bytearray:
+    """``span`` of this node's copy of the file at ``local``, checked against the blocks table."""
+    data = bytearray(span.length)
+    fd = open_regular(local)
+    try:
+        got = os.preadv(fd, [data], span.start)
+    finally:
+        os.close(fd)
+    if got != span.length:
+        raise OSError(f"{local}: read {got} of {span.length} bytes at {span.start}")
+    verify_piece(record, span.start, memoryview(data), f"{local} on node {node}")
+    return data
+
+
+def _from_mirror(path: str, manifest: Manifest, record: FileRecord, span: Span,
+                 mirror: MirrorSource | None, out: Fetch) -> None:
+    """A range no node holds: from the mirror, checked, or the error that names it."""
+    if mirror is None:
+        writer = manifest.node_of(record.rank)
+        raise CheckpointNotFoundError(
+            f"{span.file} bytes [{span.start}, {span.end}) (rank {record.rank}'s data, written on node "
+            f"{writer}) are on no node of this job and the load has no mirror that holds them: restart "
+            f"with node {writer} in the job, or give NVMeReader(mirror=...) where the checkpoint drained")
+    data = mirror.read_range(span.file, span.start, span.length)
+    verify_piece(record, span.start, memoryview(data), mirror.describe(span.file))
+    out.keep(record, span.start, memoryview(data), "mirror")
+
+
+class PeerRestore:
+    """A load's restore over the exchange group: ``agree_metadata`` in ``read_metadata``,
+    ``fetch`` in ``read_data``, on every rank (``seams.peer_restore``)."""
+
+    def __init__(self, path: str, mirror: str | None, mirror_options: dict[str, Any] | None) -> None:
+        self.path = path
+        self.mirror = mirror_source(path, mirror, mirror_options) if mirror is not None else None
+        self.views: list[NodeView] = []
+
+    def agree_metadata(self) -> None:
+        self.views = agree_metadata(self.path, self.mirror)
+
+    def held_anywhere(self) -> set[str]:
+        """The data files some node of this job holds (its own, or a replica)."""
+        return set().union(*(v.files for v in self.views))
+
+    def fetch(self, manifest: Manifest, asks: Sequence[tuple[Span, ...]], problem: str | None = None,
+              optional: bool = False) -> Fetch:
+        return fetch(self.path, self.views, manifest, asks, self.mirror, problem, optional)
+
+    def node_ranks(self) -> list[int]:
+        """The ranks of this node (by the views: one node name each)."""
+        mine = self.views[dist.get_rank()].node
+        return [rank for rank, view in enumerate(self.views) if view.node == mine]
+
+
+def peer_restore(path: str, mirror: str | None = None,
+                 mirror_options: dict[str, Any] | None = None) -> PeerRestore | None:
+    """The restore of a load on several ranks; None in a single process (nothing to exchange)."""
+    return PeerRestore(path, mirror, mirror_options) if active() else None
