@@ -33,6 +33,7 @@ from dcp_nvme.format.container import (
     REPLICAS_DIR,
     REPLICATION_RECORD,
     check_node_name,
+    rank_of,
 )
 from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
 from dcp_nvme.host.files import make_private_dir, read_regular
@@ -133,6 +134,30 @@ def replication_state(directory: str) -> dict[str, Any]:
         if marker is not None and marker.get("save_key") == key:
             out["holds"].append(name)
     return out
+
+
+def protection(directory: str, replicated_on: list[str]) -> dict[str, Any] | None:
+    """How many nodes hold each chunk of the committed node-local save in ``directory``: the
+    node of its index place, the nodes of its copies (``save.copies``), and, for the chunks in
+    this node's files, the nodes that hold this node's replica. ``{"items", "min_nodes",
+    "on_one_node"}``; None for a shared-directory or unreadable checkpoint."""
+    try:
+        manifest = read_manifest(LocalStore(directory), directory)
+        names = set(LocalStore(directory).names())
+    except Exception:  # noqa: BLE001  nothing to say of what does not read back
+        return None
+    if not manifest.node_local:
+        return None
+    mine = {node for node, files in manifest.files_by_node().items() if files and set(files) <= names}
+    holders: dict[tuple, set[str]] = {}
+    for chunk in [*manifest.chunks, *manifest.copies]:
+        node = manifest.node_of(rank_of(chunk.file)) or "?"
+        nodes = holders.setdefault((chunk.fqn, chunk.offsets if chunk.kind == "tensor" else None), set())
+        nodes.add(node)
+        if node in mine:
+            nodes.update(replicated_on)
+    counts = [len(nodes) for nodes in holders.values()]
+    return {"items": len(counts), "min_nodes": min(counts, default=0), "on_one_node": sum(c == 1 for c in counts)}
 
 
 def _marker(directory: str, node: str) -> dict[str, Any] | None:

@@ -127,7 +127,7 @@ def _local_bytes(path: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from dcp_nvme.peers.replicate import replication_state
+    from dcp_nvme.peers.replicate import protection, replication_state
 
     path = args.path
     if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
@@ -139,10 +139,12 @@ def _status(args: argparse.Namespace) -> int:
         state = drain_state(p)
         coded = (load_journal(p) or {}).get("compression") if state.state == "mirrored" else None
         replication = replication_state(p)
+        held = protection(p, replication["replicated_on"])
         rows.append({"checkpoint": p, "path": p, **state.to_dict(),
                      "compression": coded if isinstance(coded, dict) else None,
-                     "topology": _topology(p), "replication": replication,
-                     "protected": state.state == "mirrored" or bool(replication["replicated_on"])})
+                     "topology": _topology(p), "replication": replication, "held": held,
+                     "protected": state.state == "mirrored" or bool(replication["replicated_on"])
+                     or bool(held and held["min_nodes"] >= 2)})
     if args.json:  # one checkpoint: its object; a run directory: a list, one per checkpoint
         print_json(rows[0] if paths == [path] else rows)
         return 0
@@ -163,7 +165,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _replicas(row: dict) -> str:
-    """`` [replicated on node(s) 1; holds replicas of node(s) 2; protected]`` for a node-local step."""
+    """`` [replicated on node(s) 1; holds replicas of node(s) 2; every item on 2 nodes; protected]``
+    for a node-local step."""
     rep = row["replication"]
     parts = []
     if rep["replicated_on"]:
@@ -174,9 +177,13 @@ def _replicas(row: dict) -> str:
         parts.append(f"replica on node {node} failed: {why}")
     if rep["holds"]:
         parts.append(f"holds replicas of node(s) {', '.join(rep['holds'])}")
-    if not parts:  # never replicated: the drain state says it all
+    held = row.get("held")
+    if held and held["items"]:
+        parts.append(f"every item on {held['min_nodes']} nodes" if not held["on_one_node"] else
+                     f"{held['on_one_node']} of {held['items']} items on one node only")
+    if not parts:  # never replicated, not node-local: the drain state says it all
         return ""
-    parts.append("protected" if row["protected"] else "unprotected: only on this node's disk")
+    parts.append("protected" if row["protected"] else "unprotected: a node loss before the drain loses it")
     return f" [{'; '.join(parts)}]"
 
 
