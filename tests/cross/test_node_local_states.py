@@ -174,3 +174,23 @@ def test_a_range_that_arrives_damaged_comes_from_the_next_holder(cluster3):
     assert all(rec["read"]["remote_bytes"] > 0 for rec in on_node2), on_node2
     named = [w for rec in on_node2 for w in rec["warnings"] if "node 0 could not send" in w]
     assert named, [rec["warnings"] for rec in on_node2]
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
+def test_a_new_empty_node_joins_the_restart(cluster3, layout):
+    """Saved on 2 nodes x 2 ranks, restarted on 3 (world 4 -> 6): the new node's disk is empty,
+    so its ranks get the manifest and every chunk they need from the others (``peers=True``);
+    a data-parallel state is the same on every node, so each rank compares bitwise with what
+    the rank of its local index saved."""
+    run = dict(ranks_per_node=2, timeout=180, check=False)
+    results = cluster3.run(SCRIPT, "save", layout, f"{cluster3.mount}/run", nodes=[0, 1], **run)
+    assert not _failures(results, all_records(results), 4)
+    for local in (0, 1):  # what rank 4 + local of the new node must hold: what rank `local` saved
+        saved = cluster3._tmp(0) / f"train_states-{layout}-rank{local:05d}.pt"
+        shutil.copy(saved, cluster3._tmp(2) / f"train_states-{layout}-rank{4 + local:05d}.pt")
+    results = cluster3.run(SCRIPT, "load", layout, f"{cluster3.mount}/run", env={"READER_PEERS": "1"}, **run)
+    records = all_records(results)
+    assert not _failures(results, records, 6), "\n".join(_failures(results, records, 6))
+    assert all(rec["bitwise"] is True for rec in records), records
+    assert all((rec["read"]["remote_bytes"] > 0) == (rec["rank"] >= 4) for rec in records), records
+    assert (cluster3.node_disk(2) / "run" / STEP / "manifest.json").exists()
