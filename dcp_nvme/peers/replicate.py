@@ -136,27 +136,38 @@ def replication_state(directory: str) -> dict[str, Any]:
     return out
 
 
-def protection(directory: str, replicated_on: list[str]) -> dict[str, Any] | None:
-    """How many nodes hold each chunk of the committed node-local save in ``directory``: the
-    node of its index place, the nodes of its copies (``save.copies``), and, for the chunks in
-    this node's files, the nodes that hold this node's replica. ``{"items", "min_nodes",
-    "on_one_node"}``; None for a shared-directory or unreadable checkpoint."""
+def _holders(manifest: Any) -> tuple[dict[tuple, set[str]], dict[str, set[tuple]]]:
+    """Per chunk, the nodes whose files hold it (its index place and its copies); per node, the
+    chunks in its files."""
+    holders: dict[tuple, set[str]] = {}
+    by_node: dict[str, set[tuple]] = {}
+    for chunk in [*manifest.chunks, *manifest.copies]:
+        node = manifest.node_of(rank_of(chunk.file)) or "?"
+        key = (chunk.fqn, chunk.offsets if chunk.kind == "tensor" else None)
+        holders.setdefault(key, set()).add(node)
+        by_node.setdefault(node, set()).add(key)
+    return holders, by_node
+
+
+def held_enough(manifest: Any, copies: int) -> set[str]:
+    """The nodes each of whose chunks some ``copies`` other nodes already hold (data-parallel
+    replicas, kept once a node by ``save.copies``): replicating their files adds nothing."""
+    holders, by_node = _holders(manifest)
+    return {node for node, keys in by_node.items() if all(len(holders[k]) > copies for k in keys)}
+
+
+def protection(directory: str) -> dict[str, Any] | None:
+    """How many nodes' disks hold each chunk of the committed node-local save in ``directory``:
+    the node of its index place and the nodes of its copies (``save.copies``), before any
+    replica. ``{"items", "min_nodes", "on_one_node"}``; None for a shared-directory or
+    unreadable checkpoint."""
     try:
         manifest = read_manifest(LocalStore(directory), directory)
-        names = set(LocalStore(directory).names())
     except Exception:  # noqa: BLE001  nothing to say of what does not read back
         return None
     if not manifest.node_local:
         return None
-    mine = {node for node, files in manifest.files_by_node().items() if files and set(files) <= names}
-    holders: dict[tuple, set[str]] = {}
-    for chunk in [*manifest.chunks, *manifest.copies]:
-        node = manifest.node_of(rank_of(chunk.file)) or "?"
-        nodes = holders.setdefault((chunk.fqn, chunk.offsets if chunk.kind == "tensor" else None), set())
-        nodes.add(node)
-        if node in mine:
-            nodes.update(replicated_on)
-    counts = [len(nodes) for nodes in holders.values()]
+    counts = [len(nodes) for nodes in _holders(manifest)[0].values()]
     return {"items": len(counts), "min_nodes": min(counts, default=0), "on_one_node": sum(c == 1 for c in counts)}
 
 
@@ -245,6 +256,20 @@ class ReplicationResult:
     bytes: int = 0
     seconds: float = 0.0
     warning: str | None = None
+    already_held: bool = False
+    """Every item of this node's files was on ``replicas`` other nodes already: none was made."""
+
+
+def _serve(store: Any, directory: str, node: str, key: str) -> None:
+    try:
+        server = process_server(server_address())
+        server.register(directory)
+        store.set(f"peers/{node}", json.dumps(server.info()).encode())
+        store.set(f"{key}/served/{node}", b"ok")
+    except Exception as exc:  # noqa: BLE001  its pullers are told at once, not left waiting
+        why = f"node {node} cannot serve its files: {type(exc).__name__}: {exc}"[:500]
+        log.warning("dcp_nvme: %s", why)
+        store.set(f"{key}/served/{node}", why.encode())
 
 
 def _wait(store: Any, key: str, deadline: float) -> bytes | None:
@@ -291,15 +316,20 @@ def _replicate(store: Any, directory: str, node: str, copies: int, queue_depth: 
     targets, sources, result.warning = placement(list(nodes), node, copies, stride)
     if result.warning:
         log.warning("dcp_nvme: %s", result.warning)
-    try:  # this node's copy served to the nodes that pull it
-        server = process_server(server_address())
-        server.register(directory)
-        store.set(f"peers/{node}", json.dumps(server.info()).encode())
-        store.set(f"{key}/served/{node}", b"ok")
-    except Exception as exc:  # noqa: BLE001  its pullers are told at once, not left waiting
-        why = f"node {node} cannot serve its files: {type(exc).__name__}: {exc}"[:500]
-        log.warning("dcp_nvme: %s", why)
-        store.set(f"{key}/served/{node}", why.encode())
+    enough = held_enough(manifest, copies)  # the same on every node: the manifest's
+    targets = [] if node in enough else targets
+    sources = [owner for owner in sources if owner not in enough]
+    if node in enough:
+        result.already_held = True
+        log.info("dcp_nvme: %s: every item of node %s's files is on %d other node(s) already: no replica "
+                 "of them is made", directory, node, copies)
+    if not sources and not targets:
+        _write_record(directory, {"save_key": key, "state": "held", "targets": [], "replicated_on": [],
+                                  "failed": {}})
+        result.seconds = time.perf_counter() - began
+        return result  # nothing to pull, nobody pulls from here: no server started
+    if targets:  # this node's copy served to the nodes that pull it (none: no server at all)
+        _serve(store, directory, node, key)
     record = {"save_key": key, "state": "replicating", "targets": targets, "replicated_on": [], "failed": {}}
     _write_record(directory, record)
     deadline = time.monotonic() + timeout

@@ -139,7 +139,7 @@ def _status(args: argparse.Namespace) -> int:
         state = drain_state(p)
         coded = (load_journal(p) or {}).get("compression") if state.state == "mirrored" else None
         replication = replication_state(p)
-        held = protection(p, replication["replicated_on"])
+        held = protection(p)
         rows.append({"checkpoint": p, "path": p, **state.to_dict(),
                      "compression": coded if isinstance(coded, dict) else None,
                      "topology": _topology(p), "replication": replication, "held": held,
@@ -177,11 +177,12 @@ def _replicas(row: dict) -> str:
         parts.append(f"replica on node {node} failed: {why}")
     if rep["holds"]:
         parts.append(f"holds replicas of node(s) {', '.join(rep['holds'])}")
-    held = row.get("held")
-    if held and held["items"]:
-        parts.append(f"every item on {held['min_nodes']} nodes" if not held["on_one_node"] else
-                     f"{held['on_one_node']} of {held['items']} items on one node only")
-    if not parts:  # never replicated, not node-local: the drain state says it all
+    held = row.get("held")  # data-parallel replicas: the manifest's copies, before any replica
+    if held and held["items"] and not held["on_one_node"]:
+        parts.append(f"every item on {held['min_nodes']} nodes")
+    elif held and held["items"] and not parts:
+        parts.append(f"{held['on_one_node']} of {held['items']} items on one node only")
+    if not parts:  # not node-local: the drain state says it all
         return ""
     parts.append("protected" if row["protected"] else "unprotected: a node loss before the drain loses it")
     return f" [{'; '.join(parts)}]"

@@ -91,7 +91,7 @@ def test_trainer_state_restarts_on_the_same_nodes_from_their_own_disks(cluster, 
     if layout in ("ddp", "hsdp"):
         assert "every item on 2 nodes; protected" in status, status
     else:
-        assert "items on one node only; unprotected" in status, status
+        assert "items on one node only; unprotected" in status, status  # never replicated
 
     # the restart: the same 2 nodes x 2 ranks, each rank reading its own node's disk
     results, records = _run(cluster, "load", layout)
@@ -194,3 +194,17 @@ def test_a_new_empty_node_joins_the_restart(cluster3, layout):
     assert all(rec["bitwise"] is True for rec in records), records
     assert all((rec["read"]["remote_bytes"] > 0) == (rec["rank"] >= 4) for rec in records), records
     assert (cluster3.node_disk(2) / "run" / STEP / "manifest.json").exists()
+
+
+def test_replicas_of_a_data_parallel_state_need_no_transfer_and_no_server(cluster):
+    """HSDP with ``replicas=1``: every item is on both nodes already (each keeps what its ranks
+    hold), so no node pulls or serves anything: no bytes, no listening server of ours."""
+    results = cluster.run(SCRIPT, "save", "hsdp", f"{cluster.mount}/run", env={"WRITER_REPLICAS": "1"},
+                          timeout=150, check=False)
+    records = all_records(results)
+    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
+    writers = [rec for rec in records if "replication" in rec]
+    assert len(writers) == 2, records  # one node writer per node
+    for rec in writers:
+        assert rec["replication"]["already_held"] is True and rec["replication"]["bytes"] == 0, rec
+    assert not any(rec["peer_server"] for rec in records), records

@@ -200,9 +200,22 @@ def do_save(record: dict) -> None:
         if got != {want}:
             raise AssertionError(f"hsdp parameters are {sorted(got)}, expected {want}")
     torch.save(flatten(state), expected_path())
-    writer = NVMeWriter(os.path.join(run_dir, "step_1"))
+    replicas = int(os.environ.get("WRITER_REPLICAS", "0"))
+    writer = NVMeWriter(os.path.join(run_dir, "step_1"), replicas=replicas)
     dcp.save(state, storage_writer=writer)
     record["items"] = len(flatten(state))
+    future = getattr(writer, "replication_future", None)
+    if replicas and future is not None:  # a node's writer: what its replication did
+        done = future.result(timeout=120)
+        record["replication"] = {"already_held": done.already_held, "bytes": done.bytes,
+                                 "pulled": done.pulled, "replicated_on": done.replicated_on}
+    record["peer_server"] = peer_server_started()
+
+
+def peer_server_started() -> bool:
+    """Whether this process started dcp_nvme's TCP peer server (replication's transport)."""
+    server = sys.modules.get("dcp_nvme.peers.server")
+    return server is not None and server._server is not None
 
 
 def do_load(record: dict) -> None:
