@@ -1,6 +1,7 @@
 """Worker of benchmarks/node_local_states.py: one layout, both variants, on simulated nodes.
 
-    torchrun ... node_local_states_worker.py LAYOUT RUN_DIR [--hidden H] [--layers L] [--reps N]
+    torchrun ... node_local_states_worker.py LAYOUT RUN_DIR [--hidden H] [--layers L] [--reps N] [--expected]
+    torchrun ... node_local_states_worker.py LAYOUT RUN_DIR --action restore --restore-dir DIR [--hidden H] [--layers L]
 
 LAYOUT as in tests/multinode_scripts/train_states.py (ddp, fsdp2, hsdp; tpdp too), built the same
 way but on a bigger MLP: L x Linear(H, H) with ReLUs, AdamW stepped once, so the state
@@ -18,9 +19,21 @@ durable. Then the restart: a fresh model and optimizer (another seed) ``dcp.load
 ``NVMeReader`` from each variant's kept directory, at the same world size, in the same processes
 (the page cache holds the files: this times the reader, not the disk).
 
+With ``--expected`` the bench also keeps what each rank saved (its tensor leaves, DTensors as
+local shards) in its node's TMPDIR, for a later ``--action restore`` launch to compare with.
+
+``--action restore`` (a fresh launch, on the same nodes, after the host wiped a node's copy of
+DIR): builds the fresh model and optimizer as the restart does and ``dcp.load`` s from DIR with
+``NVMeReader(DIR, peers=True)`` (what a node's disk lacks comes from the other nodes over a gloo
+group, see dcp_nvme/peers/exchange.py), then compares bitwise with the state the bench kept. For
+DDP and HSDP a rank's state depends only on its local rank (and the same ranks land on the same
+nodes), so the expected state saved by rank r in the bench is rank r's in the restore. Its
+seconds include what a restart pays once: the exchange's gloo group, the first load's imports.
+
 Times are the slowest rank's, each save started after a barrier. Every rank prints one
 ``RESULT {json}`` line: its rank, host, restart read figures (or error); rank 0's also carries
-``summary`` (every figure of the layout).
+``summary`` (every figure of the layout). After ``--action restore``, each rank's line carries
+``restore`` (its seconds, bytes, remote bytes, sources, bitwise) instead.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import json
 import os
 import shutil
 import statistics
+import tempfile
 import time
 import traceback
 
@@ -53,6 +67,9 @@ parser.add_argument("run_dir")
 parser.add_argument("--hidden", type=int, default=1792)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--reps", type=int, default=3)
+parser.add_argument("--action", choices=("bench", "restore"), default="bench")
+parser.add_argument("--expected", action="store_true", help="bench: keep each rank's saved state in TMPDIR")
+parser.add_argument("--restore-dir", help="restore: the checkpoint directory to load with peers=True")
 args = parser.parse_args()
 layout = args.layout
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -217,11 +234,16 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:400]
 
 
-def restart(path: str, expected: dict) -> dict:
+def expected_path() -> str:
+    """Where this rank keeps the state it saved: its node's TMPDIR (each node its own)."""
+    return os.path.join(tempfile.gettempdir(), f"node_local_states-{layout}-rank{rank:05d}.pt")
+
+
+def restart(path: str, expected: dict, peers: bool = False) -> dict:
     model, optim, _ = build(1234)
     state = make_state(model, optim)
     state["step"] = 0
-    reader = NVMeReader(path)
+    reader = NVMeReader(path, peers=peers)
     out: dict = {}
     dist.barrier()
     t0 = time.perf_counter()
@@ -235,6 +257,8 @@ def restart(path: str, expected: dict) -> dict:
         out["error"] = first_line(exc).replace(path, "DIR")
     stats = reader.last_stats or {}
     out["bytes"], out["remote_bytes"] = stats.get("bytes"), stats.get("remote_bytes")
+    if peers:
+        out["sources"], out["phases"] = stats.get("sources"), stats.get("phases")
     out["seconds"] = slowest(out.get("seconds_rank", float("nan")))[0]
     return out
 
@@ -244,6 +268,8 @@ def main(record: dict) -> None:
     train(model, optim, data_seed)
     state = make_state(model, optim)
     expected = {k: v.detach().clone() for k, v in leaves(state).items()}
+    if args.expected:  # for a later restore launch (fresh processes) to compare with
+        torch.save(expected, expected_path())
     local = sum(v.numel() * v.element_size() for v in expected.values())
     summary = {"layout": layout, "hidden": args.hidden, "layers": args.layers, "reps": args.reps,
                "world": world, "nodes": nodes, "logical_bytes": logical_bytes(state),
@@ -299,9 +325,22 @@ def main(record: dict) -> None:
         record["summary"] = summary
 
 
-record = {"rank": rank, "host": os.uname().nodename, "layout": layout}
+def restore(record: dict) -> None:
+    """A fresh launch: every rank loads ``--restore-dir`` with peers=True (a node's disk may lack
+    the step) and compares with the state this rank saved in the bench launch."""
+    expected = torch.load(expected_path(), weights_only=True)
+    out = restart(args.restore_dir, expected, peers=True)
+    if out.get("error"):
+        out["error"] = out["error"].replace(args.restore_dir, "DIR")
+    record["restore"] = {k: out.get(k) for k in ("seconds_rank", "seconds", "bytes", "remote_bytes", "sources",
+                                                   "phases", "bitwise", "error")}
+    if out.get("error"):
+        raise RuntimeError(out["error"])
+
+
+record = {"rank": rank, "host": os.uname().nodename, "layout": layout, "action": args.action}
 try:
-    main(record)
+    (restore if args.action == "restore" else main)(record)
 except BaseException as exc:  # noqa: BLE001
     traceback.print_exc()
     record["error"] = first_line(exc)

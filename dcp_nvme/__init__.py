@@ -39,6 +39,7 @@ __getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, _MOVED)
 # The optional systems, plugged into the core's seams by name: imported at their first use only.
 seams.drain.plug("dcp_nvme.tiers:submit_mirror")
 seams.replicate.plug("dcp_nvme.peers.replicate:start_replication")
+seams.replication_group.plug("dcp_nvme.peers.replicate:replication_group")
 seams.restore_sources.plug("dcp_nvme.peers.sources:restore_sources")
 seams.peer_restore.plug("dcp_nvme.peers.exchange:peer_restore")
 seams.coded_engine.plug("dcp_nvme.tiers.coded:coded_engine")

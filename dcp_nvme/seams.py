@@ -64,6 +64,8 @@ drain = Seam("drain", "after a commit, copy the checkpoint to its mirror in the 
              "(path, url, storage_options, compress) -> Future of a DrainResult")
 replicate = Seam("replicate", "after a node-local commit, pull this node's files onto other nodes; "
                  "(path, node, replicas, queue_depth, block_size, bandwidth, stride) -> Future")
+replication_group = Seam("replication_group", "with replicas, on every rank of a node-local save: make "
+                         "(once) the gloo group of the ranks that replicate; (ranks) -> None")
 restore_sources = Seam("restore_sources", "a load that may take files from peers or a mirror; "
                        "(path, node, mirror, mirror_options, config) -> sources with ensure_metadata, "
                        "ensure_files, replace_damaged, stats")

@@ -1,24 +1,31 @@
-"""A second copy of each node's files on a peer's NVMe, pulled in the background after the commit.
+"""A second copy of each node's files on a peer's NVMe, sent in the background after the commit.
 
-After a node-local save commits on node i (``save.node_commit``), node i's node writer
-serves the checkpoint (``peers.server``, address and token in the job's store), and
-its *replication* thread pulls, from each node whose replica it holds (``placement``), that
-node's rank files, tables and manifest into ``<checkpoint>/.replicas/<node>/``: every piece
-checked against the blocks table as it arrives (a damaged byte is never written), each file
-fsynced under a temp name and renamed, and the marker ``replica.json`` written last. A replica
-without its marker is never used and is removed by the next pull. Then the thread waits for the
-nodes that hold *its* replicas to say they committed, and records them in
+After a node-local save commits on each node (``save.node_commit``), the ranks that committed a
+node's copy (the coordinator and the node writers) replicate over a gloo group of their own
+(``replication_group``, made by every rank in ``write_data``), on a background thread each,
+one replication at a time per process. Every one computes the same plan from the manifest:
+node i's files go to the nodes ``placement`` names, unless every chunk in them is already on
+more than ``replicas`` nodes (data-parallel replicas, kept once per node: ``held_enough``).
+Then each (owner, holder) pair in one order: the owner sends its rank files in pieces of whole
+checksum blocks, each checked before it goes; the holder checks each again, writes the files
+under temp names, fsyncs and renames them into ``<checkpoint>/.replicas/<node>/``, adds its own
+copy of the tables and manifest (the same bytes on every node) and writes the marker
+``replica.json`` last. A replica without its marker is never used and is emptied by the next.
+Then every rank hears which replicas were made and records its own in
 ``<checkpoint>/.replication.json`` (``replication_state``; ``dcp-nvme status``).
 
-The thread never raises into the save: every failure ends as a line in the record and a
-warning; ``NVMeWriter.replication_future`` resolves to a ``ReplicationResult`` either way.
+No server, no socket of ours: the group's own connections carry it, apart from training's
+collectives. The thread never raises into the save: every failure ends as a line in the record
+and a warning; ``NVMeWriter.replication_future`` resolves to a ``ReplicationResult`` either way.
+``pull_replica`` (over ``peers.server``) is the earlier transport, kept for the single-process
+tools and tests until they move too.
 """
-
 from __future__ import annotations
 
 import json
 import logging
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -26,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_nvme.errors import InvalidInputError, ManifestError
+from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError, ManifestError
 from dcp_nvme.format.container import (
     MANIFEST,
     REPLICA_MARKER,
@@ -34,27 +41,25 @@ from dcp_nvme.format.container import (
     REPLICATION_RECORD,
     check_node_name,
     rank_of,
+    tables_of,
 )
 from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
-from dcp_nvme.host.files import make_private_dir, read_regular
-from dcp_nvme.host.job import job_store
+from dcp_nvme.format.pieces import plan_pieces, verify_piece
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.host.files import create_no_follow, make_private_dir, open_regular, pwrite_all, read_regular
 from dcp_nvme.peers.client import (
     Limiter,
     PeerSource,
     fetch_file,
     fetch_metadata,
-    server_address,
     write_metadata,
     write_small,
 )
-from dcp_nvme.peers.server import process_server, replica_files
+from dcp_nvme.peers.server import replica_files
 from dcp_nvme.storage.local_dir import LocalStore
 
 log = logging.getLogger(__name__)
 
-TIMEOUT = 1800.0
-"""Seconds a pull waits for its peer to serve, and a node for its replicas to be confirmed."""
-_POLL_MAX = 0.2
 
 
 # --------------------------------------------------------------------------- placement (pure)
@@ -260,39 +265,36 @@ class ReplicationResult:
     """Every item of this node's files was on ``replicas`` other nodes already: none was made."""
 
 
-def _serve(store: Any, directory: str, node: str, key: str) -> None:
-    try:
-        server = process_server(server_address())
-        server.register(directory)
-        store.set(f"peers/{node}", json.dumps(server.info()).encode())
-        store.set(f"{key}/served/{node}", b"ok")
-    except Exception as exc:  # noqa: BLE001  its pullers are told at once, not left waiting
-        why = f"node {node} cannot serve its files: {type(exc).__name__}: {exc}"[:500]
-        log.warning("dcp_nvme: %s", why)
-        store.set(f"{key}/served/{node}", why.encode())
+_groups: dict[tuple[int, ...], Any] = {}
+_current: Any = None
+_one_at_a_time = threading.Lock()
+PIECE = 64 << 20
+"""A replica moves in pieces of about this many bytes (whole checksum blocks)."""
 
 
-def _wait(store: Any, key: str, deadline: float) -> bytes | None:
-    pause = 0.005
-    while True:
-        if store.check([key]):
-            return store.get(key)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_MAX)
+def replication_group(ranks: tuple[int, ...]) -> None:
+    """Every rank of a node-local save with ``replicas`` calls this at the same point of
+    ``write_data``: the gloo group of the ranks that commit a node's copy, made once per set."""
+    global _current
+    import torch.distributed as dist
+
+    if ranks not in _groups:
+        _groups[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
+    _current = _groups[ranks]
 
 
 def start_replication(directory: str, node: str, copies: int, *, queue_depth: int = 8,
                       block_size: int = 8 << 20, bandwidth: float | None = None, stride: int = 1,
-                      timeout: float = TIMEOUT, store: Any = None) -> Future:
-    """Serve this node's committed copy and start its replication thread; returns its Future."""
+                      group: Any = None) -> Future:
+    """Start this node's replication on a background thread; returns its Future. Replications
+    run one at a time per process, in commit order (the group's operations must match)."""
     future: Future = Future()
+    group = group if group is not None else _current
 
     def run() -> None:
         try:
-            future.set_result(_replicate(store, directory, node, copies, queue_depth,
-                                         block_size, bandwidth, stride, timeout))
+            with _one_at_a_time:
+                future.set_result(_replicate(group, directory, node, copies, bandwidth, stride))
         except BaseException as exc:  # noqa: BLE001  never into the save: logged, and in the Future
             log.warning("dcp_nvme: node %s: replication of %s failed: %s", node, directory, exc)
             future.set_exception(exc)
@@ -301,65 +303,153 @@ def start_replication(directory: str, node: str, copies: int, *, queue_depth: in
     return future
 
 
-def _replicate(store: Any, directory: str, node: str, copies: int, queue_depth: int, block_size: int,
-               bandwidth: float | None, stride: int, timeout: float) -> ReplicationResult:
+def _replicate(group: Any, directory: str, node: str, copies: int, bandwidth: float | None,
+               stride: int) -> ReplicationResult:
+    """Every replicating rank, on its own thread and the replication group: the same plan from
+    the manifest, then each (owner, holder) pair in one order: the owner sends its files'
+    pieces, each checked before it goes; the holder checks each again and commits the replica
+    (marker last); then every rank hears which replicas were made."""
+    import torch.distributed as dist
+
     began = time.perf_counter()
     manifest = read_manifest(LocalStore(directory), directory)
     key = manifest.save_key
     result = ReplicationResult(node, key)
-    nodes = (manifest.doc.get("topology") or {}).get("nodes") or []
     if not manifest.node_local:
         result.warning = "the checkpoint is in one shared directory: there is no node's disk to replicate"
         log.info("dcp_nvme: %s: %s", directory, result.warning)
         return result
-    store = store if store is not None else job_store()
-    targets, sources, result.warning = placement(list(nodes), node, copies, stride)
+    if group is None:
+        raise InvalidInputError("replicas: no replication group (the save did not plan through NVMeWriter)")
+    members: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(members, (node, dist.get_rank()), group=group)
+    rank_of = dict(members)
+    nodes = list((manifest.doc.get("topology") or {}).get("nodes") or [])
+    enough = held_enough(manifest, copies)  # the same on every node: the manifest's
+    pairs = [(owner, holder) for owner in nodes if owner not in enough
+             for holder in placement(nodes, owner, copies, stride)[0]]
+    targets = [holder for owner, holder in pairs if owner == node]
+    result.warning = placement(nodes, node, copies, stride)[2] if node not in enough else None
+    result.already_held = node in enough
     if result.warning:
         log.warning("dcp_nvme: %s", result.warning)
-    enough = held_enough(manifest, copies)  # the same on every node: the manifest's
-    targets = [] if node in enough else targets
-    sources = [owner for owner in sources if owner not in enough]
-    if node in enough:
-        result.already_held = True
-        log.info("dcp_nvme: %s: every item of node %s's files is on %d other node(s) already: no replica "
-                 "of them is made", directory, node, copies)
-    if not sources and not targets:
-        _write_record(directory, {"save_key": key, "state": "held", "targets": [], "replicated_on": [],
-                                  "failed": {}})
-        result.seconds = time.perf_counter() - began
-        return result  # nothing to pull, nobody pulls from here: no server started
-    if targets:  # this node's copy served to the nodes that pull it (none: no server at all)
-        _serve(store, directory, node, key)
     record = {"save_key": key, "state": "replicating", "targets": targets, "replicated_on": [], "failed": {}}
     _write_record(directory, record)
-    deadline = time.monotonic() + timeout
-    for owner in sources:
-        why = "ok"
-        try:
-            served = _wait(store, f"{key}/served/{owner}", deadline)
-            if served is None:
-                raise TimeoutError(f"node {owner} did not serve save {key} within {timeout:.0f} s")
-            if served != b"ok":
-                raise ConnectionError(served.decode(errors="replace"))
-            info = json.loads(store.get(f"peers/{owner}"))
-            result.bytes += pull_replica(PeerSource(info, directory, "", owner), directory, owner, key,
-                                         queue_depth=queue_depth, block_size=block_size, bandwidth=bandwidth)
-            log.info("dcp_nvme: node %s holds a verified replica of node %s's files of %s", node, owner, directory)
-        except Exception as exc:  # noqa: BLE001  recorded, and told to the owner
-            why = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("dcp_nvme: node %s: replica of node %s's files of %s not made: %s", node, owner,
-                        directory, why)
-        result.pulled[owner] = why
-        store.set(f"{key}/replicated/{owner}/{node}", why.encode())
-    for holder in targets:
-        said = _wait(store, f"{key}/replicated/{node}/{holder}", deadline)
-        if said == b"ok":
-            result.replicated_on.append(holder)
-        else:
-            result.failed[holder] = "no answer" if said is None else said.decode(errors="replace")
-        record.update(replicated_on=result.replicated_on, failed=result.failed)
-        _write_record(directory, record)
-    record["state"] = "replicated" if result.replicated_on else ("failed" if targets else "none")
+    files = read_files(LocalStore(directory), manifest, directory)
+    limiter = Limiter(bandwidth)
+    for owner, holder in pairs:
+        names = manifest.files_by_node().get(owner, [])
+        if owner == node:
+            _send(group, rank_of[holder], directory, [files[n] for n in names], limiter)
+        elif holder == node:
+            try:
+                result.bytes += _receive(group, rank_of[owner], directory, manifest, [files[n] for n in names],
+                                         owner, key)
+                result.pulled[owner] = "ok"
+                log.info("dcp_nvme: node %s holds a verified replica of node %s's files of %s", node, owner,
+                         directory)
+            except Exception as exc:  # noqa: BLE001  recorded, and told to the owner
+                result.pulled[owner] = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("dcp_nvme: node %s: replica of node %s's files of %s not made: %s", node, owner,
+                            directory, result.pulled[owner])
+    said: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, (node, result.pulled), group=group)
+    for holder, pulled in said:
+        if holder in targets:
+            why = pulled.get(node, "no answer")
+            if why == "ok":
+                result.replicated_on.append(holder)
+            else:
+                result.failed[holder] = why
+    record.update(replicated_on=result.replicated_on, failed=result.failed,
+                  state="replicated" if result.replicated_on else ("failed" if targets else "held"))
     _write_record(directory, record)
     result.seconds = time.perf_counter() - began
     return result
+
+
+def _send(group: Any, holder: int, directory: str, records: list[FileRecord], limiter: Limiter) -> None:
+    """The owner's side of one pair: each piece read and checked, then a status (1: it follows,
+    0: damaged here, nothing follows) and the piece."""
+    import torch
+    import torch.distributed as dist
+
+    for record in records:
+        fd = open_regular(os.path.join(directory, record.name))
+        try:
+            for piece in plan_pieces(record.size, record.data_start, record.checksum_block, PIECE):
+                data = _read_piece(fd, record, piece, os.path.join(directory, record.name))
+                dist.send(torch.tensor([int(data is not None)]), holder, group=group)
+                if data is not None:
+                    limiter.take(piece.length)
+                    dist.send(torch.frombuffer(data, dtype=torch.uint8), holder, group=group)
+        finally:
+            os.close(fd)
+
+
+def _read_piece(fd: int, record: FileRecord, piece: Any, path: str) -> bytearray | None:
+    """One piece of this node's file, checked against the blocks table; None when damaged."""
+    data = bytearray(piece.length)
+    try:
+        if os.preadv(fd, [data], piece.offset) != piece.length:
+            raise OSError(f"{path}: short read at {piece.offset}")
+        verify_piece(record, piece.offset, memoryview(data), path)
+    except (ChecksumMismatchError, OSError) as exc:
+        log.warning("dcp_nvme: %s: not sent to its replica: %s", record.name, exc)
+        return None
+    return data
+
+
+def _receive(group: Any, owner_rank: int, directory: str, manifest: Any, records: list[FileRecord],
+             owner: str, key: str) -> int:
+    """The holder's side of one pair: every piece is received (so the pair stays in step),
+    checked and written under a temp name; the replica is committed (tables, manifest, marker
+    last) only if all of it came intact, else emptied and the reason raised."""
+    import torch
+    import torch.distributed as dist
+
+    owner = check_node_name(owner, directory)
+    make_private_dir(os.path.join(directory, REPLICAS_DIR))
+    replica_dir = make_private_dir(os.path.join(directory, REPLICAS_DIR, owner))
+    clear_replica(replica_dir)
+    problem, copied = None, 0
+    for record in records:
+        temp = os.path.join(replica_dir, f".{record.name}.fetch-{secrets.token_hex(4)}")
+        fd = create_no_follow(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for piece in plan_pieces(record.size, record.data_start, record.checksum_block, PIECE):
+                status = torch.zeros(1, dtype=torch.int64)
+                dist.recv(status, owner_rank, group=group)
+                if not status.item():
+                    problem = problem or f"node {owner} holds a damaged {record.name} [{piece.offset}, " \
+                                         f"{piece.offset + piece.length})"
+                    continue
+                buffer = torch.empty(piece.length, dtype=torch.uint8)
+                dist.recv(buffer, owner_rank, group=group)
+                if problem is None:
+                    data = memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stub
+                    try:
+                        verify_piece(record, piece.offset, data, f"{record.name} from node {owner}")
+                        pwrite_all(fd, data, piece.offset)
+                        copied += piece.length
+                    except (ChecksumMismatchError, OSError) as exc:
+                        problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if problem is None:
+            os.replace(temp, os.path.join(replica_dir, record.name))
+    if problem is not None:
+        clear_replica(replica_dir)
+        raise ManifestError(problem)
+    local = LocalStore(directory)
+    manifest_bytes = local.read(MANIFEST, MAX_MANIFEST)
+    tables = [(entry["name"], local.read(entry["name"])) for _, entry in tables_of(manifest.doc)]
+    write_metadata(replica_dir, manifest_bytes, tables)
+    listed = {record.name: record.size for record in records}
+    listed.update({name: len(data) for name, data in tables})
+    write_small(replica_dir, REPLICA_MARKER, json.dumps({
+        "node": owner, "save_key": key, "files": listed, "from": f"node {owner}",
+        "committed_unix": time.time()}).encode())  # the commit: written last
+    return copied

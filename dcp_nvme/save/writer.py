@@ -127,6 +127,9 @@ class RankPlan:
     """This rank commits the metadata on its node, whose directory the coordinator cannot see."""
     copies_from: int | None = None
     """Where the copies (``save.copies``) start in this rank's items; None: it writes none."""
+    replicators: tuple[int, ...] = ()
+    """With ``replicas`` in a node-local save: the ranks that commit a node's copy (the
+    coordinator and the node writers), which replicate over a group of their own."""
 
 
 class NVMeWriter(StorageWriter):
@@ -325,12 +328,16 @@ class NVMeWriter(StorageWriter):
             plans, counts_primary, _ = copies.add_copies(
                 plans, [tag.items if tag else None for tag in tags], copies.directory_of_each_rank(self._topology))
             primary = [n if n < len(plan.items) else None for n, plan in zip(counts_primary, plans)]
-        return [replace(plan, storage_data=RankPlan(rank, key, counts[rank], rank in writers, primary[rank]))
+        replicators = tuple(sorted(writers | {self._rank})) if self.replicas and writers else ()
+        return [replace(plan, storage_data=RankPlan(rank, key, counts[rank], rank in writers, primary[rank],
+                                                    replicators))
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         remove_probe(self._dir, self._probe)  # the coordinator has looked
         self._probe, self._committer = None, None
+        if plan.storage_data.replicators:  # every rank, at the same point: the group is made collectively
+            seams.replication_group(plan.storage_data.replicators)
         try:
             if plan.storage_data.node_writer:
                 self._start_node_copy(plan.storage_data)

@@ -47,7 +47,25 @@ def saved(step: int, saved_world: int) -> torch.Tensor:
                       for r in range(saved_world)])
 
 
+def flip_what_this_node_replicates() -> None:
+    """A fault of this test ($FLIP_REPLICA_SENDS=1): each piece this node sends to its replica
+    has a byte flipped after its own check, as a bad link would."""
+    from dcp_nvme.peers import replicate
+
+    checked = replicate._read_piece
+
+    def flipped(*args, **kwargs):
+        data = checked(*args, **kwargs)
+        if data is not None:
+            data[len(data) // 2] ^= 0xFF
+        return data
+
+    replicate._read_piece = flipped
+
+
 def do_save(record: dict) -> None:
+    if os.environ.get("FLIP_REPLICA_SENDS") == "1":
+        flip_what_this_node_replicates()
     keep = int(os.environ.get("KEEP", "0")) or None
     set_default_drainer(Drainer(DrainOptions(backoff=0.1, retries=2, node_wait=120), keep_last=keep))
     writer = NVMeWriter(os.path.join(run_dir, "step_0"), mirror_root=mirror_root,
