@@ -254,7 +254,11 @@ class NVMeReader(StorageReader):
         if self._exchange is not None:  # every rank, even one that needs nothing from elsewhere
             with timer.span("fetch"):
                 self._restore_own_files()
-                asks, where = self._elsewhere(items)
+                try:
+                    asks, where = self._elsewhere(items)
+                except Exception as exc:
+                    self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")
+                    raise
                 self._fetched = self._exchange.fetch(self.manifest(), asks)
                 for places, chosen in zip(where, self._fetched.chosen):  # read each where it came from
                     place = places[chosen]

@@ -27,6 +27,7 @@ dies fails the collective, as it would fail the training group, and the job rest
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -149,15 +150,18 @@ def agree_metadata(path: str, mirror: MirrorSource | None = None) -> list[NodeVi
         source = min(rank for rank, v in enumerate(views) if v.save_key)
         payload: list[Any] = [_metadata_payload(local) if dist.get_rank() == source else None]
         dist.broadcast_object_list(payload, src=source, group=_exchange_group())
+        why = None
         if key is None:
-            _keep_metadata(path, payload[0], keys[0], views[source].node, problem)
+            try:
+                _keep_metadata(path, payload[0], keys[0], views[source].node, problem)
+            except (DCPNVMeError, OSError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+        _raise_first(path, _gather(why))  # every rank hears it: none waits in read_data for this one
     return [replace(v, files=frozenset(f for f in v.files if save_key_of(f) == keys[0])) for v in views]
 
 
 def _metadata_payload(store: LocalStore) -> tuple[bytes, list[tuple[str, bytes]]]:
     manifest_bytes = store.read(MANIFEST)
-    import json
-
     doc = json.loads(manifest_bytes)
     return manifest_bytes, [(entry["name"], store.read(entry["name"])) for _, entry in tables_of(doc)]
 
