@@ -119,15 +119,9 @@ def wiped_restore(cluster: Cluster, summary: dict, args) -> dict:
     wiped_bytes = sum(p.stat().st_size for p in wiped.rglob("*") if p.is_file())
     shutil.rmtree(wiped)
     t0 = time.monotonic()
-    results = cluster.run(WORKER, layout, f"{cluster.mount}/{layout}", "--action", "restore", "--restore-dir", path,
-                          "--hidden", args.hidden, "--layers", args.layers, timeout=args.timeout, check=False)
+    per_rank = restore_launch(cluster, layout, path, args)
     wall = round(time.monotonic() - t0, 1)
-    records = [r for r in all_records(results) if "rank" in r]
-    errors = [r.get("error") for r in records if r.get("error")]
-    if errors or len(records) != cluster.nodes * cluster.ranks_per_node or not all(r.ok for r in results):
-        raise SystemExit(f"{layout} wiped restore failed: {errors}\n{describe(results)}")
-    per_rank = [{"rank": r["rank"], "host": r["host"], **r["restore"]} for r in records]
-    node_of = {r["rank"]: int(r["host"].removeprefix("node")) for r in records}
+    node_of = {p["rank"]: int(p["host"].removeprefix("node")) for p in per_rank}
     by_node = {n: [p for p in per_rank if node_of[p["rank"]] == n] for n in range(cluster.nodes)}
     fetched = sum(p["remote_bytes"] for p in by_node[1])
     after = sorted(p.name for p in wiped.iterdir()) if wiped.exists() else []
@@ -135,6 +129,8 @@ def wiped_restore(cluster: Cluster, summary: dict, args) -> dict:
     copy = copy_bytes(sources, cluster.node_disk(1) / "copy_scratch" / layout, fetched)
     shutil.rmtree(cluster.node_disk(1) / "copy_scratch")
     restore_s = max(p["seconds_rank"] for p in by_node[1])
+    again = restore_launch(cluster, layout, path, args)  # the healed node's next start: its own disk
+    again_node1 = [p for p in again if node_of[p["rank"]] == 1]
     return {"layout": layout, "variant": "per-node", "dir": path, "wiped_node": 1, "wiped_bytes": wiped_bytes,
             "launch_wall_s": wall, "per_rank": per_rank,
             "node1_restore_max_s": restore_s, "node0_restore_max_s": max(p["seconds_rank"] for p in by_node[0]),
@@ -142,21 +138,37 @@ def wiped_restore(cluster: Cluster, summary: dict, args) -> dict:
             "bitwise": all(p["bitwise"] for p in per_rank), "node1_files_after": after,
             "copy": {**copy, "sources": [p.name for p in sources],
                      "source_bytes": sum(p.stat().st_size for p in sources)},
+            "next_restart": {"per_rank": again, "node1_max_s": max(p["seconds_rank"] for p in again_node1),
+                             "remote_bytes": sum(p["remote_bytes"] for p in again),
+                             "bitwise": all(p["bitwise"] for p in again)},
             "restore_over_copy_durable": round(restore_s / copy["durable_s"], 2),
             "restore_over_copy_written": round(restore_s / copy["written_s"], 2)}
 
 
+def restore_launch(cluster: Cluster, layout: str, path: str, args) -> list[dict]:
+    """One fresh launch that loads ``path`` on every rank with peers=True: each rank's figures."""
+    results = cluster.run(WORKER, layout, f"{cluster.mount}/{layout}", "--action", "restore", "--restore-dir", path,
+                          "--hidden", args.hidden, "--layers", args.layers, timeout=args.timeout, check=False)
+    records = [r for r in all_records(results) if "rank" in r]
+    errors = [r.get("error") for r in records if r.get("error")]
+    if errors or len(records) != cluster.nodes * cluster.ranks_per_node or not all(r.ok for r in results):
+        raise SystemExit(f"{layout} restore failed: {errors}\n{describe(results)}")
+    return [{"rank": r["rank"], "host": r["host"], **r["restore"]} for r in records]
+
+
 def wiped_table(rows: list[dict]) -> str:
     head = ("| layout | node1 fetched MB (per rank) | restore s node1 / node0 (max) | bitwise | copy MB (files) "
-            "| copy s written / +fsync | restore / copy (written, +fsync) |")
+            "| copy s written / +fsync | restore / copy (written, +fsync) | next restart s node1 (remote MB) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for w in rows:
         mine = [p for p in w["per_rank"] if p["host"] == "node1"]
         c, each = w["copy"], ", ".join(f"{p['remote_bytes'] / MB:.1f}" for p in mine)
+        nxt = w.get("next_restart") or {"node1_max_s": float("nan"), "remote_bytes": float("nan")}
         lines.append(f"| {w['layout']} | {w['node1_remote_bytes'] / MB:.1f} ({each}) "
                      f"| {w['node1_restore_max_s']:.2f} / {w['node0_restore_max_s']:.2f} | {w['bitwise']} "
                      f"| {c['bytes'] / MB:.1f} ({c['files']}) | {c['written_s']:.2f} / {c['durable_s']:.2f} "
-                     f"| {w['restore_over_copy_written']:.1f}x, {w['restore_over_copy_durable']:.1f}x |")
+                     f"| {w['restore_over_copy_written']:.1f}x, {w['restore_over_copy_durable']:.1f}x "
+                     f"| {nxt['node1_max_s']:.2f} ({nxt['remote_bytes'] / MB:.1f}) |")
     return "\n".join(lines)
 
 

@@ -1,19 +1,22 @@
-"""Surviving a node loss, measured in one run on one machine (loopback stands in for the network).
+"""Surviving a node loss in one process: restores from this node's disk and from a mirror.
+
+A directory and a loopback S3 server (moto) stand in for the mirror; one run on one machine.
 
     python benchmarks/node_loss.py --size 512MiB --json node_loss.json
 
 Saves one rank's checkpoint of --size bytes, marks it as node 1's copy of a node-local save,
 and times, on the same bytes:
 
-  replication     pull_replica over the peer byte server (verified, fsynced, marker last)
-  socket copy     the same file sent over one plain TCP socket (sendfile) and written + fsynced
   restore local   dcp.load from this node's own directory
-  restore peer    dcp.load on a "replacement node" (an empty directory): every byte from the peer server
-  restore mirror  the same, from a directory mirror, and from a loopback S3 server (moto)
+  drain           the drain to a directory mirror at --drain-bandwidth (replicas=0: until it ends,
+                  the step has one copy)
+  restore mirror  dcp.load on a "replacement node" (an empty directory), every file from the
+                  directory mirror, and from a loopback S3 server (moto)
   plain read      the rank file read sequentially (buffered, 8 MiB reads; page cache dropped first
                   where allowed); one-stream vs ranged S3 GETs of the same object
-  loss window     after the local commit, the seconds until a second copy exists: the drain to the
-                  mirror at --drain-bandwidth (replicas=0) vs the replica (replicas=1)
+
+Replication and restores between nodes go over gloo groups of several processes:
+benchmarks/node_local_states.py measures a wiped node's restore that way.
 
 Prints its configuration and a table; writes every figure to --json.
 """
@@ -24,10 +27,8 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,10 +41,6 @@ from dcp_nvme import NVMeReader, NVMeWriter  # noqa: E402
 from dcp_nvme.config import parse_size  # noqa: E402
 from dcp_nvme.format.manifest import read_manifest, seal  # noqa: E402
 from dcp_nvme.observe.machine import evict_from_page_cache  # noqa: E402
-from dcp_nvme.peers import sources
-from dcp_nvme.peers.client import PeerSource
-from dcp_nvme.peers.replicate import pull_replica
-from dcp_nvme.peers.server import PeerServer
 from dcp_nvme.storage.local_dir import LocalStore  # noqa: E402
 from dcp_nvme.tiers import DrainOptions, drain  # noqa: E402
 
@@ -79,34 +76,6 @@ def as_node_local(path: str, node: str = "1") -> None:
     read_manifest(store, path)
 
 
-def socket_copy(src: str, dest: str) -> float:
-    """One TCP stream: sendfile on one side, recv + write + fsync on the other."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def send() -> None:
-        conn, _ = listener.accept()
-        with conn, open(src, "rb") as f:
-            conn.sendfile(f)
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    began = time.perf_counter()
-    buffer = memoryview(bytearray(8 << 20))
-    with socket.create_connection(("127.0.0.1", port)) as sock, open(dest, "wb") as out:
-        while True:
-            n = sock.recv_into(buffer)
-            if not n:
-                break
-            out.write(buffer[:n])
-        out.flush()
-        os.fsync(out.fileno())
-    seconds = time.perf_counter() - began
-    thread.join()
-    listener.close()
-    return seconds
-
-
 def plain_read(path: str, block: int = 8 << 20) -> float:
     evict_from_page_cache([path])
     began = time.perf_counter()
@@ -131,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(root, exist_ok=True)
     config = {"size_bytes": size, "queue_depth": args.queue_depth, "block_size": block,
               "drain_bandwidth": parse_size(args.drain_bandwidth), "dir": root, "cpus": os.cpu_count(),
-              "torch": torch.__version__, "transport": "loopback TCP"}
+              "torch": torch.__version__}
     print(json.dumps(config, indent=1))
     rows: dict[str, dict] = {}
 
@@ -141,31 +110,15 @@ def main(argv: list[str] | None = None) -> int:
 
     state = make_state(size)
     owner = os.path.join(root, "node1", "step_1")
-    servers: list[PeerServer] = []
     try:
         save_s, _ = timed(lambda: dcp.save(state, storage_writer=NVMeWriter(owner, block_size=block), no_dist=True))
         as_node_local(owner)
         manifest = read_manifest(LocalStore(owner), owner)
-        rank_file, key = manifest.file_names[0], manifest.save_key
+        rank_file = manifest.file_names[0]
         nbytes = os.path.getsize(os.path.join(owner, rank_file))
         row("local commit (save)", save_s, nbytes)
 
-        # --- replication beside a plain socket copy of the same bytes
-        holder = os.path.join(root, "node2", "step_1")
-        os.makedirs(holder)
-        server = PeerServer()
-        servers.append(server)
-        server.register(owner, served_as=holder)
-        drop_dir(owner)
-        seconds, copied = timed(lambda: pull_replica(PeerSource(server.info(), holder, "", "1"), holder, "1", key,
-                                                     queue_depth=args.queue_depth, block_size=block))
-        row("replication (peer server, verified)", seconds, copied)
-        drop_dir(owner)
-        row("socket copy (1 stream, sendfile)", socket_copy(os.path.join(owner, rank_file),
-                                                             os.path.join(root, "socket.copy")), nbytes)
-        os.unlink(os.path.join(root, "socket.copy"))
-
-        # --- restores: local, peer, mirror directory, mirror S3; beside a plain read
+        # --- restores: local, mirror directory, mirror S3; beside a plain read
         drop_dir(owner)
         row("plain read (buffered, 8 MiB)", plain_read(os.path.join(owner, rank_file)), nbytes)
         drop_dir(owner)
@@ -173,17 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         seconds, _ = timed(lambda: dcp.load(out, storage_reader=NVMeReader(owner), no_dist=True))
         assert all(torch.equal(out[k], state[k]) for k in state)
         row("restore local", seconds, nbytes)
-
-        replacement = os.path.join(root, "node3", "step_1")
-        server.register(owner, served_as=replacement)
-        sources.join_peers = lambda p, node: [{**server.info(), "node": "1"}]  # the job's store, in one process
-        drop_dir(owner)
-        out = empty_like(state)
-        reader = NVMeReader(replacement, peers=True, block_size=block, queue_depth=args.queue_depth)
-        seconds, _ = timed(lambda: dcp.load(out, storage_reader=reader, no_dist=True))
-        assert all(torch.equal(out[k], state[k]) for k in state)
-        row("restore peer (replacement node)", seconds, nbytes, sources=reader.last_stats["sources"])
-        sources.join_peers = lambda p, node: []
 
         mirror_root = os.path.join(root, "mirror")
         options = DrainOptions(bandwidth=parse_size(args.drain_bandwidth))
@@ -197,15 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         assert all(torch.equal(out[k], state[k]) for k in state)
         row("restore mirror dir", seconds, nbytes, sources=reader.last_stats["sources"])
 
-        # --- the loss window after the local commit: until a second copy exists
-        rows["loss window"] = {"replicas=0 (until mirrored)": round(drain_s, 3),
-                               "replicas=1 (until the replica commits)": rows["replication (peer server, verified)"]["seconds"]}
-
         if not args.no_s3:
             s3_rows(args, root, owner, rank_file, nbytes, state, block, row)
     finally:
-        for server in servers:
-            server.close()
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     print(f"{'row':<44} {'seconds':>9} {'s/GiB':>8} {'GB/s':>7}")

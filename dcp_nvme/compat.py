@@ -26,7 +26,7 @@ PRIVATE_NAMES: dict[str, str] = {
         "the state_dict type of AsyncStager.stage (save/stager.py)",
     "torch.distributed.distributed_c10d._get_default_store":
         "the process group's key-value store, how the node-local commit tells every node "
-        "(host/job.py job_store, for save/node_commit.py and peers/); torch's own checkpoint code "
+        "(host/job.py job_store, for save/node_commit.py); torch's own checkpoint code "
         "reaches it the same way",
     "torch.distributed.PrefixStore":
         "a namespace of our own in that store (host/job.py)",

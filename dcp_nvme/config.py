@@ -300,9 +300,8 @@ OUTSIDE_OPTIONS = ("replica_stride",)
 """The options outside IOConfig read through ``option_or_env``, each as ``DCP_NVME_<NAME>``
 (how the nodes are racked: replicas go to nodes i+k*stride)."""
 
-OTHER_ENV = ("DCP_NVME_TUNE_FILE", "DCP_NVME_PEER_ADDR")
-"""The other ``DCP_NVME_*`` variables read: where the tune file is, and the address the node's
-peer server listens on (``peers.client``)."""
+OTHER_ENV = ("DCP_NVME_TUNE_FILE",)
+"""The other ``DCP_NVME_*`` variable read: where the tune file is."""
 
 REMOVED_ENV = {
     "DCP_NVME_VERIFY": "pass verify=... to NVMeReader",
@@ -319,6 +318,8 @@ REMOVED_ENV = {
                            "decodes it itself where they cannot",
     "DCP_NVME_DEMO_DIR": "pass --dir DIR to `scripts/dev.sh demo`",
     "DCP_NVME_S3_BENCH": "set S3_BENCH=1 to run the S3 bench test",
+    "DCP_NVME_PEER_ADDR": "nothing: no dcp_nvme server listens; bytes between nodes go over the job's own "
+                          "gloo group",
 }
 """Variables earlier versions read, each with what to use instead: set, they are warned about."""
 

@@ -148,4 +148,5 @@ class BenchError(DCPNVMeError, RuntimeError):
 
 
 class PeerError(DCPNVMeError, OSError):
-    """A peer node's byte server refused a request, or could not be reached."""
+    """A copy of a file from another source (a replica on this node, the mirror) was not made:
+    the source could not give it, or the copy was cancelled."""

@@ -460,6 +460,9 @@ def temp_of(name: str) -> tuple[str, str] | None:
 
 REPLICAS_DIR = ".replicas"
 """``<checkpoint>/.replicas/<node>/``: another node's files of this save, pulled from it."""
+RANGES_DIR = ".ranges"
+"""``<checkpoint>/.ranges/<file>``: the ranges of another node's file a restore fetched for this
+node's ranks, kept (``load.local_copies.KeptRanges``); ``<file>.spans`` says which."""
 REPLICA_MARKER = "replica.json"
 """Written last into a replica's directory: a replica without it is never used."""
 REPLICATION_RECORD = ".replication.json"

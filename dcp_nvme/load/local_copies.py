@@ -1,15 +1,27 @@
-"""Where a node-local checkpoint's index names a file on another node's disk, the copy of that
-chunk on this node's (``save.copies`` wrote one per node), checked to be that chunk."""
+"""Where a node-local checkpoint's index names a file on another node's disk, what this node's
+disk holds of that chunk: the copy ``save.copies`` wrote on each node, checked to be that chunk,
+or the ranges a restore fetched and kept (``KeptRanges``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import json
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from dcp_nvme.errors import ManifestError
+from dcp_nvme.format.container import RANGES_DIR
 from dcp_nvme.format.manifest import Manifest
-from dcp_nvme.format.tables import ChunkRecord
+from dcp_nvme.format.pieces import Span
+from dcp_nvme.format.tables import ChunkRecord, FileRecord
+from dcp_nvme.host.files import create_no_follow, fsync_dir, open_regular, read_regular, write_file_fresh
+
+log = logging.getLogger(__name__)
 
 
 def local_copies(manifest: Manifest, here: set[str], storage_data: Mapping[Any, ChunkRecord],
@@ -67,3 +79,117 @@ def places_of(manifest: Manifest, storage_data: Mapping[Any, ChunkRecord], keys:
         places.setdefault(key, [primary]).append(
             replace(primary, file=copy.file, byte_offset=copy.byte_offset, key=copy.key))
     return places
+
+
+SPANS_SUFFIX = ".spans"
+MAX_SPANS_RECORD = 16 << 20
+"""A ranges record larger than this is not read (it would be damaged or planted)."""
+
+
+class KeptRanges:
+    """The ranges of other nodes' files this node keeps, read once per load.
+
+    A restore keeps what it fetched for this node's ranks (``peers.exchange``): ``.ranges/<file>``
+    is a sparse file at the container's size that holds only those ranges, and ``<file>.spans``
+    lists them, written after the data is fsynced. The next load on this node reads a chunk
+    there when one of its places lies inside a kept range, so a replacement node fetches once.
+    Every byte read there is still checked against the blocks table; a record that does not
+    fit its file (another save's, damaged, planted) is ignored with a warning."""
+
+    def __init__(self, directory: str, files: Mapping[str, FileRecord]) -> None:
+        self.root = os.path.join(directory, RANGES_DIR)
+        self.spans: dict[str, list[tuple[int, int]]] = {}
+        try:
+            entries = os.listdir(self.root) if stat.S_ISDIR(os.lstat(self.root).st_mode) else []
+        except OSError:
+            entries = []
+        for entry in sorted(entries):
+            record = files.get(entry[: -len(SPANS_SUFFIX)]) if entry.endswith(SPANS_SUFFIX) else None
+            if record is None:
+                continue
+            try:
+                self.spans[record.name] = read_spans(self.root, record)
+            except (ManifestError, OSError) as exc:
+                log.warning("dcp_nvme: %s: the kept ranges of %s are not used: %s", directory, record.name, exc)
+
+    def path(self, name: str) -> str | None:
+        """Where the kept ranges of ``name`` are, if this node keeps any."""
+        return os.path.join(self.root, name) if self.spans.get(name) else None
+
+    def covers(self, span: Span) -> bool:
+        return any(start <= span.start and span.end <= end for start, end in self.spans.get(span.file, ()))
+
+
+def read_spans(root: str, record: FileRecord) -> list[tuple[int, int]]:
+    """The kept ranges of ``record``'s file, checked as input: the data file is a regular file of
+    the container's size, the spans lie inside it, sorted, apart."""
+    where = os.path.join(root, record.name + SPANS_SUFFIX)
+    try:
+        doc = json.loads(read_regular(where, MAX_SPANS_RECORD))
+    except ValueError as exc:
+        raise ManifestError(f"{where} is not JSON: {exc}") from None
+    if os.lstat(os.path.join(root, record.name)).st_size != record.size or not isinstance(doc, dict) \
+            or doc.get("size") != record.size or not isinstance(doc.get("spans"), list):
+        raise ManifestError(f"{where} does not describe {record.name} ({record.size} bytes)")
+    out: list[tuple[int, int]] = []
+    for pair in doc["spans"]:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
+                and (out[-1][1] if out else 0) <= pair[0] < pair[1] <= record.size):
+            raise ManifestError(f"{where}: span {pair!r} is not a sorted range inside the file")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def keep_spans(directory: str, record: FileRecord, spans: Iterable[tuple[int, int]]) -> None:
+    """Record that ``spans`` of ``record``'s file arrived checked in ``.ranges/`` (merged with
+    what is kept already): the data is fsynced first, the record renamed into place after."""
+    root = os.path.join(directory, RANGES_DIR)
+    try:
+        held = read_spans(root, record)
+    except (ManifestError, OSError):
+        held = []
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted([*held, *spans]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    fd = open_regular(os.path.join(root, record.name))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    temp = os.path.join(root, f".{record.name}{SPANS_SUFFIX}.tmp-{secrets.token_hex(4)}")
+    write_file_fresh(temp, json.dumps({"size": record.size, "spans": [list(s) for s in merged]}).encode())
+    os.replace(temp, os.path.join(root, record.name + SPANS_SUFFIX))
+    fsync_dir(root)
+
+
+def kept_file(directory: str, record: FileRecord) -> str:
+    """``.ranges/<file>``, made when absent: a sparse file at the container's size."""
+    root = os.path.join(directory, RANGES_DIR)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    if not stat.S_ISDIR(os.lstat(root).st_mode):
+        raise ManifestError(f"{root} is not a directory; remove it")
+    target = os.path.join(root, record.name)
+    fd = create_no_follow(target, os.O_WRONLY, 0o600)
+    try:
+        if os.fstat(fd).st_size != record.size:
+            os.ftruncate(fd, record.size)
+    finally:
+        os.close(fd)
+    return target
+
+
+def drop_kept(directory: str, keep: Callable[[str], bool]) -> None:
+    """Remove the kept ranges whose file name ``keep`` refuses (those of another save)."""
+    root = os.path.join(directory, RANGES_DIR)
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for entry in entries:
+        name = entry[: -len(SPANS_SUFFIX)] if entry.endswith(SPANS_SUFFIX) else entry
+        if not keep(name):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(root, entry))

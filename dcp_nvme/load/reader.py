@@ -38,7 +38,13 @@ from dcp_nvme.engines import shared_engine
 from dcp_nvme.engines.fsspec import FsspecEngine
 from dcp_nvme.engines.host_io import tensor_bytes
 from dcp_nvme.engines.requests import IOStats, PhaseTimer
-from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError, MissingItemError, ShapeMismatchError
+from dcp_nvme.errors import (
+    ChecksumMismatchError,
+    InvalidInputError,
+    ManifestError,
+    MissingItemError,
+    ShapeMismatchError,
+)
 from dcp_nvme.format.checksums import items_in
 from dcp_nvme.format.container import parse_dtype
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
@@ -46,7 +52,7 @@ from dcp_nvme.format.pieces import Span, plan_pieces, span_of
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import check_container
 from dcp_nvme.host.job import node_identity
-from dcp_nvme.load.local_copies import local_copies, places_of
+from dcp_nvme.load.local_copies import KeptRanges, local_copies, places_of
 from dcp_nvme.load.node_index import shared_columns
 from dcp_nvme.load.objects import bytes_for_planner, check_destination_kind
 from dcp_nvme.load.planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
@@ -100,6 +106,22 @@ class _Batch:
         self.needs.setdefault(chunk.file, []).append(Need(chunk.byte_offset + start, length, dest, dest_offset))
         self.owners.setdefault(chunk.file, []).append(
             (chunk.byte_offset, chunk.byte_offset + chunk.length, chunk.key))
+
+
+def check_one_save(plans: list[LoadPlan]) -> None:
+    """The coordinator: every rank loads the same save (a restart that took each node's newest
+    step would load one model from two steps); else an error naming what each rank read."""
+    ranks: dict[tuple[str, str], list[str]] = {}
+    for rank, tag in enumerate(plan.storage_data for plan in plans):
+        if isinstance(tag, tuple) and len(tag) == 3:
+            ranks.setdefault((tag[0], tag[1]), []).append(f"{rank} (node {tag[2]})")
+    if len({key for key, _ in ranks}) <= 1:
+        return
+    held = "; ".join(f"{path} (save {key}) on ranks {', '.join(who[:8])}{' ...' if len(who) > 8 else ''}"
+                     for (key, path), who in ranks.items())
+    raise ManifestError(f"the ranks are loading different saves, which would make one model of several steps: "
+                        f"{held}. Load one step on every rank: dcp_nvme.latest(run, agree=True) on every rank "
+                        "picks the newest step every node can load")
 
 
 class NVMeReader(StorageReader):
@@ -170,8 +192,8 @@ class NVMeReader(StorageReader):
         """The names in this node's directory, where the load looks at them (copies, peers)."""
         self._exchange: Any = None
         """``seams.peer_restore`` of the current load: several ranks, ``peers``."""
-        self._fetched: Any = None
-        """What this load received of other nodes' files (``peers.exchange.Fetch``)."""
+        self._kept: KeptRanges | None = None
+        """The ranges of other nodes' files this node keeps: earlier restores', this one's."""
         self._came: dict[str, Any] = {}
         """Bytes this load received, per source kind, and the damaged ranges it was offered."""
         self.storage_data: dict[Any, ChunkRecord] = {}
@@ -199,7 +221,7 @@ class NVMeReader(StorageReader):
             self._store = None
         self._manifest = None
         self._checked = set()
-        self._moved, self._here, self._exchange, self._fetched, self._came = None, None, None, None, {}
+        self._moved, self._here, self._exchange, self._kept, self._came = None, None, None, None, {}
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         self._sources = None
@@ -235,9 +257,13 @@ class NVMeReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        if plan.storage_data is not None:  # a planner's own: left as it is
+            return plan
+        # which save this rank loads, so that the coordinator refuses a load of several
+        return replace(plan, storage_data=(self.manifest().save_key, str(self.path), node_identity()))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        check_one_save(plans)
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -259,30 +285,27 @@ class NVMeReader(StorageReader):
                 except Exception as exc:
                     self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")
                     raise
-                self._fetched = self._exchange.fetch(self.manifest(), asks)
-                for places, chosen in zip(where, self._fetched.chosen):  # read each where it came from
+                fetched = self._exchange.fetch(self.manifest(), asks)
+                for places, chosen in zip(where, fetched.chosen):  # read each where it came from
                     place = places[chosen]
                     assert self._moved is not None  # set by _planned_items
                     self._moved[(place.fqn, place.offsets if place.kind == "tensor" else None)] = place
+                self._kept = KeptRanges(self._dir, read_files(self.store, self.manifest(), self._dir))
+                self._report(fetched)
         if self._sources is not None:  # each file this rank needs, here or from the nearest copy
             with timer.span("fetch"):
                 self._sources.ensure_files(self.manifest(), {self._chunk(i).file for i in items})
-        try:
-            batch = _Batch()
-            for item in items:
-                with timer.span("plan"):
-                    self._add_item(batch, item, planner)
-                if batch.temp_bytes >= self.memory_budget:
-                    needed += self._run(batch, stats, timer)
-                    batch = _Batch()
-            needed += self._run(batch, stats, timer)
-        finally:
-            if self._fetched is not None:
-                self._fetched.close()
+        batch = _Batch()
+        for item in items:
+            with timer.span("plan"):
+                self._add_item(batch, item, planner)
+            if batch.temp_bytes >= self.memory_budget:
+                needed += self._run(batch, stats, timer)
+                batch = _Batch()
+        needed += self._run(batch, stats, timer)
         stats.seconds = time.perf_counter() - started
         sources = self._sources.stats(stats, timer.phases.get("io", 0.0)) if self._sources is not None else {}
-        if self._fetched is not None:
-            self._report(self._fetched)
+        if self._exchange is not None:
             sources = {"read": {"bytes": int(stats.bytes)}, **self._came}
         remote = sum(v["bytes"] for k, v in sources.items() if k not in ("read", "local", "damaged"))
         self.last_stats = {"bytes_needed": needed, **stats.to_dict(), "remote_bytes": int(remote),
@@ -328,18 +351,15 @@ class NVMeReader(StorageReader):
                 for piece in plan_pieces(record.size, record.data_start, record.checksum_block, RESTORE_PIECE)
                 ] if torch.distributed.get_rank() == min(ranks) else []
         fetched = self._exchange.fetch(self.manifest(), asks, optional=True)
-        try:
-            came: dict[str, int] = {}
-            for rank in ranks:
-                for span in fetched.arrived[rank]:
-                    came[span.file] = came.get(span.file, 0) + span.length
-            whole = {name for name, nbytes in came.items() if nbytes == files[name].size}
-            if torch.distributed.get_rank() == min(ranks):
-                for name in sorted(whole):
-                    fetched.adopt(name)
-            self._here |= whole
-        finally:
-            fetched.close()
+        came: dict[str, int] = {}
+        for rank in ranks:
+            for span in fetched.arrived[rank]:
+                came[span.file] = came.get(span.file, 0) + span.length
+        whole = {name for name, nbytes in came.items() if nbytes == files[name].size}
+        if torch.distributed.get_rank() == min(ranks):
+            for name in sorted(whole):
+                fetched.adopt(name)
+        self._here |= whole
         self._report(fetched)
 
     def _report(self, fetched: Any) -> None:
@@ -357,14 +377,23 @@ class NVMeReader(StorageReader):
         if self._here is None:
             return [], []
         files = read_files(self.store, self.manifest(), self._dir)
+        self._kept = kept = KeptRanges(self._dir, files)
         lacking: dict[tuple, ChunkRecord] = {}
         for item in items:
             chunk = self._chunk(item)
             if chunk.file not in self._here:
                 lacking.setdefault((chunk.fqn, chunk.offsets if chunk.kind == "tensor" else None), chunk)
         places = places_of(self.manifest(), self.storage_data, set(lacking), self._dir)
-        where = [places.get(key, [chunk]) for key, chunk in lacking.items()]
-        asks = [tuple(span_of(files[p.file], p.byte_offset, p.byte_offset + p.length) for p in ps) for ps in where]
+        asks, where = [], []
+        for key, chunk in lacking.items():
+            spans = [(p, span_of(files[p.file], p.byte_offset, p.byte_offset + p.length)) for p in places.get(key, [chunk])]
+            kept_place = next((p for p, span in spans if kept.covers(span)), None)
+            if kept_place is not None:  # an earlier restore fetched it for this node
+                assert self._moved is not None  # set by _planned_items
+                self._moved[key] = kept_place
+                continue
+            asks.append(tuple(span for _, span in spans))
+            where.append([p for p, _ in spans])
         return asks, where
 
     # ------------------------------------------------------------------ planning
@@ -473,15 +502,15 @@ class NVMeReader(StorageReader):
                 granule = record.checksum_block
                 max_request = max(granule, max_request // granule * granule)
                 largest = max(largest, max_request)
-            fetched = self._fetched.path(name) if self._fetched is not None else None
-            requests += plan_reads(fetched or self.store.path(name), needs, max_request=max_request, blocks=blocks)
+            requests += plan_reads(self._kept_path(name) or self.store.path(name), needs, max_request=max_request,
+                                   blocks=blocks)
         return requests, largest
 
     def _check_container(self, record: FileRecord) -> None:
         """Before reading a container: it is here (an absent one, another node's or lost, is
         told apart from a damaged one), and its own header agrees with the index (once per load)."""
-        if self._fetched is not None and self._fetched.path(record.name) is not None:
-            return  # only ranges came, without the header: every byte read is checked against its blocks
+        if self._kept_path(record.name) is not None:
+            return  # only ranges are kept, without the header: every byte read is checked against its blocks
         if record.name not in self._checked:
             view = self._plain_view()
             try:
@@ -490,6 +519,12 @@ class NVMeReader(StorageReader):
                 raise self.manifest().missing_file_error(record.name, record.rank, self._dir) from None
             check_container(view, record, self.manifest(), self._dir, self.config.verify)
             self._checked.add(record.name)
+
+    def _kept_path(self, name: str) -> str | None:
+        """Where this node keeps ranges of ``name``, when it lacks the whole file."""
+        if self._kept is None or (self._here is not None and name in self._here):
+            return None
+        return self._kept.path(name)
 
     def _plain_view(self) -> Any:
         """The store as the plain checkpoint it holds: a compressed mirror's rank files are

@@ -15,10 +15,11 @@ group of their own, on what each node's disk holds and who sends what to whom:
   it against the blocks table before it sends; the receiver checks it again; a range that fails
   either check goes to the next holder, then to the next place, and a warning names the node
   that had it damaged. What no node holds comes from the mirror, if the load has one, else the
-  load fails naming the file, the range and the node that wrote it. Received ranges land at
-  their own offsets in a sparse file of this load (``.fetched-<id>/`` in the checkpoint
-  directory, removed after the load), so the reader reads and verifies them like any local
-  container.
+  load fails naming the file, the range and the node that wrote it. A chunk that several ranks
+  of one node need comes once, to the first of them. Received ranges land at their own offsets
+  in a sparse file in the checkpoint's ``.ranges/``, which the node keeps, with a record of
+  them written once they are on disk (``load.local_copies.KeptRanges``): the reader reads and
+  verifies them like any local container, and the next restart on this node reads them there.
 
 The group is its own (made once per process, by every rank at the same point of its first
 restore): the transfers never interleave with the training group's collectives, and a peer that
@@ -30,8 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,14 +39,21 @@ import torch
 import torch.distributed as dist
 
 from dcp_nvme.errors import CheckpointNotFoundError, ChecksumMismatchError, DCPNVMeError, ManifestError
-from dcp_nvme.format.container import MANIFEST, REPLICAS_DIR, save_key_of, tables_of
+from dcp_nvme.format.container import MANIFEST, RANGES_DIR, REPLICAS_DIR, save_key_of, tables_of
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
 from dcp_nvme.format.pieces import Span, verify_piece
 from dcp_nvme.format.tables import FileRecord
-from dcp_nvme.host.files import create_no_follow, fsync_dir, open_regular, pwrite_all
+from dcp_nvme.host.files import fsync_dir, open_regular, pwrite_all
 from dcp_nvme.host.job import node_identity
-from dcp_nvme.peers.client import MemoryStore, MirrorSource, fetch_metadata, write_metadata
-from dcp_nvme.peers.server import replica_files
+from dcp_nvme.load.local_copies import drop_kept, keep_spans, kept_file
+from dcp_nvme.peers.fetching import (
+    MemoryStore,
+    MirrorSource,
+    check_this_checkpoint,
+    fetch_metadata,
+    replica_files,
+    write_metadata,
+)
 from dcp_nvme.peers.sources import mirror_source, node_turn
 from dcp_nvme.storage.local_dir import LocalStore
 
@@ -135,6 +141,8 @@ def agree_metadata(path: str, mirror: MirrorSource | None = None) -> list[NodeVi
         else:
             try:
                 manifest_bytes, tables, manifest = fetch_metadata(mirror, mirror.describe())
+                held = {k for v in views for name in v.files if (k := save_key_of(name))}
+                check_this_checkpoint(manifest, path, held, mirror.describe(MANIFEST))
                 _keep_metadata(path, (manifest_bytes, tables), manifest.save_key, mirror.describe(), problem)
                 key = manifest.save_key
             except (DCPNVMeError, OSError) as exc:
@@ -210,38 +218,21 @@ def _waves(assigned: list[tuple[int, int, Span, int]], world: int) -> list[list[
 
 
 class Fetch:
-    """One load's received ranges: ``path(name)`` of each file that came, in part, from elsewhere."""
+    """One load's received ranges, kept in this node's ``.ranges/`` (``load.local_copies``)."""
 
     def __init__(self, directory: str) -> None:
-        self.directory = os.path.join(directory, f".fetched-{secrets.token_hex(6)}")
-        self.files: dict[str, str] = {}
+        self.checkpoint = directory
         self.taken: dict[str, dict[str, float]] = {}
         self.chosen: list[int] = []
         """For each of this rank's asks, which of its places came (0: the index's)."""
         self.arrived: list[list[Span]] = []
-        """For every rank, the spans that came to it (the same on every rank)."""
+        """For every rank, the spans that came to it (the same on every rank); an ask another
+        rank of its node made too came once, to the first of them."""
         self.damaged: list[str] = []
         """The ranges a holder could not send intact to this rank, and which node held them."""
 
-    def path(self, name: str) -> str | None:
-        return self.files.get(name)
-
-    def store(self) -> LocalStore:
-        return LocalStore(self.directory)
-
     def keep(self, record: FileRecord, start: int, data: memoryview, kind: str) -> None:
-        if not self.files:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        target = self.files.get(record.name)
-        if target is None:
-            target = os.path.join(self.directory, record.name)
-            fd = create_no_follow(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, record.size)  # sparse: only the received ranges hold bytes
-            finally:
-                os.close(fd)
-            self.files[record.name] = target
-        fd = open_regular(target, os.O_WRONLY)
+        fd = open_regular(kept_file(self.checkpoint, record), os.O_WRONLY)
         try:
             pwrite_all(fd, data, start)
         finally:
@@ -252,17 +243,15 @@ class Fetch:
     def adopt(self, name: str) -> None:
         """Move a received file into the checkpoint directory: the caller asked for all of it,
         so every byte arrived and was checked (this node keeps its own ranks' files)."""
-        target = os.path.join(os.path.dirname(self.directory), name)
-        fd = open_regular(self.files.pop(name), os.O_RDONLY)
+        kept = os.path.join(self.checkpoint, RANGES_DIR, name)
+        fd = open_regular(kept, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(os.path.join(self.directory, name), target)
-        fsync_dir(os.path.dirname(target))
-
-    def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        os.replace(kept, os.path.join(self.checkpoint, name))
+        fsync_dir(self.checkpoint)
+        drop_kept(self.checkpoint, lambda kept_name: kept_name != name)
 
 
 def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[tuple[Span, ...]],
@@ -279,48 +268,87 @@ def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[t
     records = read_files(LocalStore(path), manifest, path)
     me, world = dist.get_rank(), dist.get_world_size()
     out = Fetch(path)
-    try:
-        asked: list[tuple[list[tuple[Span, ...]], str | None]] = _gather((list(asks) if problem is None else [],
-                                                                          problem))
-        _raise_first(path, [why for _, why in asked])
-        out.chosen = [0] * len(asks)
-        out.arrived = [[] for _ in range(world)]
-        pending = [(needer, index) for needer, (own, _) in enumerate(asked) for index in range(len(own))]
-        refused: set[tuple[int, Span, int]] = set()
-        here = _held_here(path)
-        while pending:
-            assigned, nowhere, load = [], [], [0] * world
-            for needer, index in pending:
-                picked = _holder(asked[needer][0][index], needer, views, refused, load)
-                if picked is None:
-                    nowhere.append((needer, index))
-                    continue
-                place, holder = picked
-                span = asked[needer][0][index][place]
-                load[holder] += span.length
-                assigned.append((needer, index, span, holder))
-                if needer == me:
-                    out.chosen[index] = place
-            if nowhere:
-                _nowhere(path, manifest, records, asked, nowhere, mirror, optional, out)
-            bad: list[tuple[int, int, Span, int, str]] = []
-            for wave in _waves(assigned, world):
-                bad += _run_wave(path, wave, records, views, here, out)
-            failed = {(needer, index) for needer, index, _, _, _ in bad}
-            for needer, index, span, _ in assigned:
-                if (needer, index) not in failed:
-                    out.arrived[needer].append(span)
-            refused.update((needer, span, holder) for needer, _, span, holder, _ in bad)
-            for needer, _, span, holder, why in bad:
-                if needer == me:
-                    out.damaged.append(f"{span.file} [{span.start}, {span.end}) from node {views[holder].node}: {why}")
-                    log.warning("dcp_nvme: %s: node %s could not send %s [%d, %d) intact (%s); asking the "
-                                "next holder", path, views[holder].node, span.file, span.start, span.end, why)
-            pending = [(needer, index) for needer, index, _, _, _ in bad]
-    except BaseException:
-        out.close()
-        raise
+    asked: list[tuple[list[tuple[Span, ...]], str | None]] = _gather((list(asks) if problem is None else [],
+                                                                      problem))
+    _raise_first(path, [why for _, why in asked])
+    out.chosen = [0] * len(asks)
+    out.arrived = [[] for _ in range(world)]
+    pending, follows = _first_asks(asked, views)
+    placed: dict[tuple[int, int], int] = {}
+    refused: set[tuple[int, Span, int]] = set()
+    here = _held_here(path)
+    while pending:
+        assigned, nowhere, load = [], [], [0] * world
+        for needer, index in pending:
+            picked = _holder(asked[needer][0][index], needer, views, refused, load)
+            if picked is None:
+                nowhere.append((needer, index))
+                placed[(needer, index)] = 0  # the mirror holds every file: the index's place
+                continue
+            place, holder = picked
+            span = asked[needer][0][index][place]
+            load[holder] += span.length
+            assigned.append((needer, index, span, holder))
+            placed[(needer, index)] = place
+        if nowhere:
+            _nowhere(path, manifest, records, asked, nowhere, mirror, optional, out)
+        bad: list[tuple[int, int, Span, int, str]] = []
+        for wave in _waves(assigned, world):
+            bad += _run_wave(path, wave, records, views, here, out)
+        failed = {(needer, index) for needer, index, _, _, _ in bad}
+        for needer, index, span, _ in assigned:
+            if (needer, index) not in failed:
+                out.arrived[needer].append(span)
+        refused.update((needer, span, holder) for needer, _, span, holder, _ in bad)
+        for needer, _, span, holder, why in bad:
+            if needer == me:
+                out.damaged.append(f"{span.file} [{span.start}, {span.end}) from node {views[holder].node}: {why}")
+                log.warning("dcp_nvme: %s: node %s could not send %s [%d, %d) intact (%s); asking the "
+                            "next holder", path, views[holder].node, span.file, span.start, span.end, why)
+        pending = [(needer, index) for needer, index, _, _, _ in bad]
+    for (needer, index), first in list(placed.items()) + [(ask, placed.get(lead, 0))
+                                                          for ask, lead in follows.items()]:
+        if needer == me:
+            out.chosen[index] = first
+    _keep_record(path, views, records, out, manifest.save_key)
     return out
+
+
+def _first_asks(asked: list, views: list[NodeView]) -> tuple[list[tuple[int, int]], dict[tuple[int, int], tuple[int, int]]]:
+    """The asks to serve -- each chunk once per node, for the first of its ranks that asks it
+    (the others read what came to their node's disk) -- and, for each other ask, that first one."""
+    first: dict[tuple[str, tuple[Span, ...]], tuple[int, int]] = {}
+    pending, follows = [], {}
+    for needer, (own, _) in enumerate(asked):
+        for index, places in enumerate(own):
+            lead = first.setdefault((views[needer].node, tuple(places)), (needer, index))
+            if lead == (needer, index):
+                pending.append(lead)
+            else:
+                follows[(needer, index)] = lead
+    return pending, follows
+
+
+def _keep_record(path: str, views: list[NodeView], records: dict[str, FileRecord], out: Fetch,
+                 key: str) -> None:
+    """The first rank of each node records the ranges its node's ranks received, once they are
+    on disk (a later load reads them there), and drops those another save left; every rank
+    hears how it went."""
+    me = dist.get_rank()
+    mine = [rank for rank, view in enumerate(views) if view.node == views[me].node]
+    why = None
+    if me == min(mine):
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for rank in mine:
+            for span in out.arrived[rank]:
+                spans.setdefault(span.file, []).append((span.start, span.end))
+        try:
+            drop_kept(path, lambda name: save_key_of(name) == key)
+            for name, ranges in sorted(spans.items()):
+                keep_spans(path, records[name], ranges)
+        except (OSError, DCPNVMeError) as exc:
+            why = f"cannot keep the ranges that came to node {views[me].node}: {type(exc).__name__}: {exc}"
+    _raise_first(path, _gather(why))
 
 
 def _nowhere(path: str, manifest: Manifest, records: dict[str, FileRecord], asked: list, nowhere: list[tuple[int, int]],

@@ -17,8 +17,6 @@ Then every rank hears which replicas were made and records its own in
 No server, no socket of ours: the group's own connections carry it, apart from training's
 collectives. The thread never raises into the save: every failure ends as a line in the record
 and a warning; ``NVMeWriter.replication_future`` resolves to a ``ReplicationResult`` either way.
-``pull_replica`` (over ``peers.server``) is the earlier transport, kept for the single-process
-tools and tests until they move too.
 """
 from __future__ import annotations
 
@@ -47,15 +45,7 @@ from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
 from dcp_nvme.format.pieces import plan_pieces, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import create_no_follow, make_private_dir, open_regular, pwrite_all, read_regular
-from dcp_nvme.peers.client import (
-    Limiter,
-    PeerSource,
-    fetch_file,
-    fetch_metadata,
-    write_metadata,
-    write_small,
-)
-from dcp_nvme.peers.server import replica_files
+from dcp_nvme.peers.fetching import Limiter, replica_files, write_metadata, write_small
 from dcp_nvme.storage.local_dir import LocalStore
 
 log = logging.getLogger(__name__)
@@ -187,7 +177,7 @@ def _marker(directory: str, node: str) -> dict[str, Any] | None:
         return None
 
 
-# --------------------------------------------------------------------------- one pull
+# --------------------------------------------------------------------------- a replica's directory
 
 
 def clear_replica(replica_dir: str) -> None:
@@ -209,41 +199,6 @@ def clear_replica(replica_dir: str) -> None:
                 os.unlink(path)
         except OSError:
             pass
-
-
-def pull_replica(source: PeerSource, directory: str, owner: str, key: str, *, queue_depth: int = 8,
-                 block_size: int = 8 << 20, bandwidth: float | None = None) -> int:
-    """Copy node ``owner``'s files of save ``key`` from ``source`` into
-    ``directory/.replicas/<owner>/`` and commit them there (marker last). Returns the bytes
-    copied; on any failure the directory is left without a marker and emptied, and it raises."""
-    owner = check_node_name(owner, directory)
-    make_private_dir(os.path.join(directory, REPLICAS_DIR))
-    replica_dir = make_private_dir(os.path.join(directory, REPLICAS_DIR, owner))
-    clear_replica(replica_dir)
-    try:
-        manifest_bytes, tables, manifest = fetch_metadata(source, replica_dir)
-        if manifest.save_key != key:
-            raise ManifestError(f"{source.describe(MANIFEST)} holds save {manifest.save_key}, not {key}")
-        names = manifest.files_by_node().get(owner, [])
-        if not names:
-            raise ManifestError(f"the manifest of save {key} names no files of node {owner}")
-        records = read_files(None, manifest, replica_dir)  # already read and checked
-        limiter, copied = Limiter(bandwidth), 0
-        for name in names:
-            copied += fetch_file(source, records[name], replica_dir, queue_depth=queue_depth,
-                                 block_size=block_size, limiter=limiter)
-        write_metadata(replica_dir, manifest_bytes, tables)
-        listed = {name: records[name].size for name in names}
-        listed.update({name: len(data) for name, data in tables})
-        write_small(replica_dir, REPLICA_MARKER, json.dumps({
-            "node": owner, "save_key": key, "files": listed, "from": source.describe(),
-            "committed_unix": time.time()}).encode())  # the commit: written last
-        return copied
-    except BaseException:
-        clear_replica(replica_dir)
-        raise
-    finally:
-        source.close()
 
 
 # --------------------------------------------------------------------------- the background thread

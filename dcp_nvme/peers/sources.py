@@ -1,16 +1,18 @@
-"""Where a restoring rank finds each file: this node's disk, a replica here, a peer, the mirror.
+"""Where a one-process restore finds each file: this node's disk, a replica here, the mirror.
 
-A node that lost its disk (a replacement node), or a rank that needs another node's files
-(a restart at another world size), gets each file from the nearest copy that verifies:
+A load in one process (``NVMeReader(mirror=...)`` or ``peers=True`` without several ranks) whose
+node lost its disk (a replacement node), or that needs another node's files, gets each file
+from the nearest copy that verifies:
 
   1. this node's checkpoint directory (a data file at its manifest size; its blocks are
      checked as they are read, and a block that fails makes the file come from the next source);
-  2. a complete replica on this node (``.replicas/<node>/``, marker written);
-  3. a peer: every node's first reader serves its directory (``peers.server``) and
-     publishes the address in the job's store; the node that wrote the file first, then the
-     others, each asked for its own copy and for its replica of the writer's node;
-  4. the mirror (``NVMeReader(mirror=...)``): ranged reads, ``queue_depth`` x ``block_size`` in
+  2. a complete replica on this node (``.replicas/<node>/``, marker written): of the node that
+     wrote the file (for the manifest and tables, any);
+  3. the mirror (``NVMeReader(mirror=...)``): ranged reads, ``queue_depth`` x ``block_size`` in
      flight.
+
+A load on several ranks takes other nodes' bytes over a gloo group instead
+(``peers.exchange``); this module gives it ``mirror_source`` and ``node_turn``.
 
 Each copy is checked against the blocks table piece by piece as it arrives (``fetch_file``)
 and written into this node's directory under a temp name, fsynced and renamed: the node keeps
@@ -25,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -38,70 +39,28 @@ from dcp_nvme.errors import ChecksumMismatchError, DCPNVMeError, ManifestError, 
 from dcp_nvme.format.container import MANIFEST, REPLICAS_DIR, check_node_name
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
 from dcp_nvme.host.files import create_no_follow
-from dcp_nvme.host.job import job_store, leads_its_node
-from dcp_nvme.peers.client import (
+from dcp_nvme.peers.fetching import (
     LocalSource,
     MirrorSource,
-    PeerSource,
+    OtherCheckpointError,
+    check_this_checkpoint,
+    data_keys,
     fetch_file,
     fetch_metadata,
-    server_address,
+    replica_files,
     write_metadata,
 )
-from dcp_nvme.peers.server import process_server, replica_files
 from dcp_nvme.storage.fsspec_dir import open_store
 from dcp_nvme.storage.local_dir import LocalStore
 
 log = logging.getLogger(__name__)
 
-JOIN_TIMEOUT = 600.0
-"""Seconds the ranks of a restore wait for each other to publish their servers."""
-_generations: dict[str, int] = {}
-
-
-def _wait_count(store: Any, key: str, count: int, deadline: float) -> None:
-    pause = 0.005
-    while store.add(key, 0) < count:
-        if time.monotonic() >= deadline:
-            raise PeerError(f"not every rank of the restore joined within {JOIN_TIMEOUT:.0f} s "
-                            f"({store.add(key, 0)} of {count}); pass mirror= (or peers=True) on every rank")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.2)
-
-
-def join_peers(path: str, node: str) -> list[dict[str, Any]]:
-    """Every rank of the job: the node's first rank serves ``path`` and publishes its server;
-    all wait for all; returns the servers of the other nodes. Only with ``torch.distributed``
-    initialized and more than one rank (else no peers)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
-        return []
-    store, world = job_store(), dist.get_world_size()
-    path = os.path.abspath(path)
-    _generations[path] = generation = _generations.get(path, 0) + 1  # the same on every rank
-    scope = f"restore/{path}/{generation}"
-    if leads_its_node():
-        server = process_server(server_address())
-        server.register(path)
-        index = store.add(f"{scope}/servers", 1) - 1
-        store.set(f"{scope}/server/{index}", json.dumps({**server.info(), "node": node}).encode())
-    store.add(f"{scope}/arrived", 1)
-    _wait_count(store, f"{scope}/arrived", world, time.monotonic() + JOIN_TIMEOUT)
-    found = []
-    for index in range(store.add(f"{scope}/servers", 0)):
-        info = json.loads(store.get(f"{scope}/server/{index}"))
-        if isinstance(info, dict) and info.get("node") != node:
-            found.append(info)
-    return found
-
-
 class RestoreSources:
     """The copies one reader may use, in order of nearness, and what it took from each."""
 
-    def __init__(self, path: str, node: str, peers: list[dict[str, Any]], mirror: str | None,
-                 mirror_options: dict[str, Any] | None, config: IOConfig) -> None:
-        self.path, self.node, self.peers, self.config = path, node, peers, config
+    def __init__(self, path: str, node: str, mirror: str | None, mirror_options: dict[str, Any] | None,
+                 config: IOConfig) -> None:
+        self.path, self.node, self.config = path, node, config
         self.mirror_url = mirror
         self.mirror_options = mirror_options
         self._mirror: MirrorSource | None | bool = None if mirror else False
@@ -135,22 +94,9 @@ class RestoreSources:
                 out.append(LocalSource(os.path.join(root, name)))
         return out
 
-    def _peer_sources(self, owner: str | None) -> list[PeerSource]:
-        ordered = sorted(self.peers, key=lambda info: info.get("node") != owner)  # the writer's node first
-        out = []
-        for info in ordered:
-            node = str(info.get("node", "?"))
-            try:
-                out.append(PeerSource(info, self.path, "", node))
-                if owner is not None and owner != node:
-                    out.append(PeerSource(info, self.path, check_node_name(owner, "manifest"), node))
-            except (PeerError, ManifestError) as exc:
-                log.warning("dcp_nvme: %s", exc)
-        return out
-
     def _candidates(self, owner: str | None) -> list[Any]:
         mirror = self.mirror()
-        return [*self._local_replicas(owner), *self._peer_sources(owner), *([mirror] if mirror else [])]
+        return [*self._local_replicas(owner), *([mirror] if mirror else [])]
 
     def _took(self, kind: str, nbytes: int, seconds: float) -> None:
         entry = self.taken.setdefault(kind, {"files": 0, "bytes": 0, "seconds": 0.0})
@@ -175,11 +121,17 @@ class RestoreSources:
             if local.has(MANIFEST):
                 self._damaged(local.path(MANIFEST), exc)
             problem: BaseException = exc
+        keys_here = data_keys(self.path)
         for source in self._candidates(None):
             began = time.perf_counter()
             try:
-                manifest_bytes, tables, _ = fetch_metadata(source, self.path)
+                manifest_bytes, tables, manifest = fetch_metadata(source, self.path)
+                check_this_checkpoint(manifest, self.path, keys_here, source.describe(MANIFEST))
             except (FileNotFoundError, PeerError) as exc:
+                problem = exc
+                continue
+            except OtherCheckpointError as exc:
+                log.warning("dcp_nvme: %s", exc)
                 problem = exc
                 continue
             except (DCPNVMeError, OSError, ValueError) as exc:
@@ -315,6 +267,6 @@ def _join(root: str | None, name: str) -> str | None:
 
 def restore_sources(path: str, node: str, mirror: str | None, mirror_options: dict[str, Any] | None,
                     config: IOConfig) -> RestoreSources:
-    """The sources of a load that may take files from this node's replicas, peers or a mirror
-    (``seams.restore_sources``): every rank of the job joins the peers here."""
-    return RestoreSources(path, node, join_peers(path, node), mirror, mirror_options, config)
+    """The sources of a one-process load that may take files from this node's replicas or a
+    mirror (``seams.restore_sources``)."""
+    return RestoreSources(path, node, mirror, mirror_options, config)

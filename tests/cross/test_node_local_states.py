@@ -149,13 +149,19 @@ def test_a_wiped_node_restores_each_item_from_a_node_that_holds_it(cluster, layo
                           timeout=150, check=False)
     records = all_records(results)
     assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
-    for rec in records:
-        assert rec["bitwise"] is True, rec
-        node = rec["rank"] // 2
-        remote = rec["read"]["remote_bytes"]
-        assert (remote > 0) if node == 1 else (remote == 0), rec
-    assert (cluster.node_disk(1) / "run" / STEP / "manifest.json").exists()
-    assert not list((cluster.node_disk(1) / "run" / STEP).glob(".fetched-*"))  # nothing left of the load
+    remote = {rec["rank"]: rec["read"]["remote_bytes"] for rec in records}
+    assert all(rec["bitwise"] is True for rec in records), records
+    assert remote[0] == remote[1] == 0 and remote[2] + remote[3] > 0, remote
+    if layout == "ddp":  # both ranks of node 1 need every parameter: it came to the node once
+        assert min(remote[2], remote[3]) == 0, remote
+    step = cluster.node_disk(1) / "run" / STEP
+    assert (step / "manifest.json").exists()
+    assert list((step / ".ranges").glob("*.spans")), sorted(os.listdir(step))  # what came is kept
+    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
+                          timeout=150, check=False)  # the healed node's next restart: its own disk
+    records = all_records(results)
+    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
+    assert all(rec["bitwise"] is True and rec["read"]["remote_bytes"] == 0 for rec in records), records
 
 
 def test_a_range_that_arrives_damaged_comes_from_the_next_holder(cluster3):
@@ -171,7 +177,7 @@ def test_a_range_that_arrives_damaged_comes_from_the_next_holder(cluster3):
     assert not _failures(results, records, 6), "\n".join(_failures(results, records, 6))
     assert all(rec["bitwise"] is True for rec in records), records
     on_node2 = [rec for rec in records if rec["rank"] >= 4]
-    assert all(rec["read"]["remote_bytes"] > 0 for rec in on_node2), on_node2
+    assert sum(rec["read"]["remote_bytes"] for rec in on_node2) > 0, on_node2
     named = [w for rec in on_node2 for w in rec["warnings"] if "node 0 could not send" in w]
     assert named, [rec["warnings"] for rec in on_node2]
 
@@ -192,13 +198,17 @@ def test_a_new_empty_node_joins_the_restart(cluster3, layout):
     records = all_records(results)
     assert not _failures(results, records, 6), "\n".join(_failures(results, records, 6))
     assert all(rec["bitwise"] is True for rec in records), records
-    assert all((rec["read"]["remote_bytes"] > 0) == (rec["rank"] >= 4) for rec in records), records
+    remote = {rec["rank"]: rec["read"]["remote_bytes"] for rec in records}
+    assert not any(remote[rank] for rank in range(4)) and remote[4] + remote[5] > 0, remote
+    if layout == "ddp":  # the new node's two ranks need the same items: they came to it once
+        assert min(remote[4], remote[5]) == 0, remote
     assert (cluster3.node_disk(2) / "run" / STEP / "manifest.json").exists()
 
 
-def test_replicas_of_a_data_parallel_state_need_no_transfer_and_no_server(cluster):
+def test_replicas_of_a_data_parallel_state_need_no_transfer(cluster):
     """HSDP with ``replicas=1``: every item is on both nodes already (each keeps what its ranks
-    hold), so no node pulls or serves anything: no bytes, no listening server of ours."""
+    hold), so no node sends or receives anything: no bytes. (That no module of ours listens on a
+    socket is checked statically: tests/cross/test_package_layout.py.)"""
     results = cluster.run(SCRIPT, "save", "hsdp", f"{cluster.mount}/run", env={"WRITER_REPLICAS": "1"},
                           timeout=150, check=False)
     records = all_records(results)
@@ -207,4 +217,3 @@ def test_replicas_of_a_data_parallel_state_need_no_transfer_and_no_server(cluste
     assert len(writers) == 2, records  # one node writer per node
     for rec in writers:
         assert rec["replication"]["already_held"] is True and rec["replication"]["bytes"] == 0, rec
-    assert not any(rec["peer_server"] for rec in records), records

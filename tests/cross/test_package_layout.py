@@ -2,7 +2,8 @@
 core never imports the optional systems (they plug into ``dcp_nvme.seams``), no module imports
 itself back through another -- imports made only for type checking count as imports here, so no
 cycle hides behind ``TYPE_CHECKING`` -- and no module grows past one screenful of concerns (600
-lines). Static: read from the source, nothing imported."""
+lines). No module listens on a socket: bytes between nodes go over the job's own gloo groups.
+Static: read from the source, nothing imported."""
 
 from __future__ import annotations
 
@@ -141,3 +142,45 @@ def test_no_module_over_600_lines_and_few_at_the_top():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, f"modules directly in dcp_nvme/: {top}"
+
+
+SERVING_CALLS = {"listen", "bind", "accept", "create_server", "start_server", "start_unix_server", "serve_forever"}
+"""Attribute calls that make or run a listening endpoint (``sock.listen(``, ``asyncio.start_server(``...)."""
+SOCKET_CALLS = {"socket", "create_server", "create_connection", "socketpair", "fromfd"}
+"""``socket.<name>(``: a socket of our own, of any kind."""
+SERVER_MODULES = {"socketserver", "http.server", "xmlrpc.server", "wsgiref.simple_server", "asyncio.start_server"}
+ALLOWED_SOCKET_USES = {
+    # free_port(): binds port 0 on loopback only to learn a free port for the bench's own
+    # torch.distributed rendezvous (MASTER_PORT), and closes the socket at once: it never listens
+    "bench/group.py": {"socket.socket", ".bind"},
+}
+
+
+def _socket_uses(path: Path) -> set[str]:
+    """What ``path`` does with sockets and servers: ``socket.<name>``, ``.<serving call>``, ``import <module>``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id == "socket" and node.func.attr in SOCKET_CALLS:
+                found.add(f"socket.{node.func.attr}")
+            elif node.func.attr in SERVING_CALLS:
+                found.add(f".{node.func.attr}")
+        elif isinstance(node, ast.Import):
+            found.update(f"import {a.name}" for a in node.names if a.name in SERVER_MODULES)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            found.update(f"import {n}" for n in names & SERVER_MODULES)
+            if node.module == "socket":
+                found.update(f"socket.{a.name}" for a in node.names if a.name != "gethostname")
+    return found
+
+
+def test_no_module_listens_on_a_socket():
+    """No server of ours: restores and replication move bytes over the job's gloo groups
+    (peers/exchange.py, peers/replicate.py). The one socket is the bench's free-port probe."""
+    uses = {str(p.relative_to(PACKAGE)): u for p in PACKAGE.rglob("*.py") if (u := _socket_uses(p))}
+    extra = {name: sorted(u - ALLOWED_SOCKET_USES.get(name, set())) for name, u in uses.items()
+             if u - ALLOWED_SOCKET_USES.get(name, set())}
+    assert not extra, f"sockets or servers of our own: {extra}"
+    assert uses == ALLOWED_SOCKET_USES, "the allowed uses changed: update ALLOWED_SOCKET_USES"

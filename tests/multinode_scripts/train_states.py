@@ -209,13 +209,6 @@ def do_save(record: dict) -> None:
         done = future.result(timeout=120)
         record["replication"] = {"already_held": done.already_held, "bytes": done.bytes,
                                  "pulled": done.pulled, "replicated_on": done.replicated_on}
-    record["peer_server"] = peer_server_started()
-
-
-def peer_server_started() -> bool:
-    """Whether this process started dcp_nvme's TCP peer server (replication's transport)."""
-    server = sys.modules.get("dcp_nvme.peers.server")
-    return server is not None and server._server is not None
 
 
 def do_load(record: dict) -> None:

@@ -1,32 +1,26 @@
-"""The peer byte server, replicas and the restore's choice of source, in one process: real
-sockets on loopback, real checkpoint files. The many-node behaviour is tests/peers/test_node_loss.py."""
+"""Replicas and the restore's choice of source, in one process: placement, the verified copy of a
+file (``peers.fetching``), a one-process load that takes a lost file from a replica on this node
+and then from the mirror, real checkpoint files. The many-node behaviour (replication and
+restores over gloo) is tests/peers/test_node_loss.py."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
+import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeReader, NVMeWriter
-from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError, ManifestError, PeerError
-from dcp_nvme.format.container import MANIFEST, REPLICA_MARKER, REPLICAS_DIR
-from dcp_nvme.format.manifest import read_manifest
-from dcp_nvme.peers import sources
-from dcp_nvme.peers.client import PeerSource
-from dcp_nvme.peers.replicate import placement, pull_replica
-from dcp_nvme.peers.server import PeerServer
+from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError
+from dcp_nvme.format.container import REPLICA_MARKER, REPLICAS_DIR, is_served_name
+from dcp_nvme.format.manifest import read_files, read_manifest
+from dcp_nvme.peers.fetching import LocalSource, fetch_file, replica_files
+from dcp_nvme.peers.replicate import placement
 from dcp_nvme.storage.local_dir import LocalStore
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _state(n: int = 300_000) -> dict:
@@ -46,56 +40,9 @@ def saved(tmp_path_factory):
 
 def _pristine(path, tmp_path):
     """A private copy of the checkpoint to damage."""
-    import shutil
-
     copy = tmp_path / "own"
     shutil.copytree(path, copy)
     return str(copy)
-
-
-def test_server_serves_only_registered_checked_names_with_the_token(saved, tmp_path):
-    path, _, rank_file, _ = saved
-    server = PeerServer()
-    server.register(path)
-    os.symlink("/etc/hostname", os.path.join(tmp_path, "link"))
-    try:
-        good = PeerSource(server.info(), path, "", "0")
-        assert good.read_range(rank_file, 0, 8) == open(os.path.join(path, rank_file), "rb").read(8)
-        assert good.size(MANIFEST) == os.path.getsize(os.path.join(path, MANIFEST))
-        for name in ("../step_1/manifest.json", "/etc/passwd", ".save.lock", "rank_1.safetensors"):
-            with pytest.raises(PeerError, match="not a checkpoint file name"):
-                good.size(name)
-        with pytest.raises(PeerError, match="past its end"):
-            good.read_range(rank_file, os.path.getsize(os.path.join(path, rank_file)) - 4, 8)
-        with pytest.raises(PeerError, match="not one this node serves"):
-            good._ask({"op": "read", "name": rank_file, "offset": 0, "length": 1 << 30})
-        with pytest.raises(PeerError, match="not a checkpoint directory this node serves"):
-            PeerSource(server.info(), str(tmp_path), "", "0").size(MANIFEST)
-        with pytest.raises(FileNotFoundError, match="no complete replica of node 7"):  # no marker: not served
-            PeerSource(server.info(), path, "7", "0").size(MANIFEST)
-        with pytest.raises(PeerError, match="node name '../x' is not"):
-            PeerSource(server.info(), path, "../x", "0").size(MANIFEST)
-        forged = PeerSource({**server.info(), "token": "0" * 32}, path, "", "0")
-        with pytest.raises(PeerError, match="went away"):  # no answer at all without the token
-            forged.size(MANIFEST)
-    finally:
-        server.close()
-
-
-def test_a_pull_of_a_node_with_no_files_in_the_save_is_refused_and_leaves_nothing(saved, tmp_path):
-    path, _, _, key = saved
-    holder = str(tmp_path / "holder")
-    os.makedirs(holder)
-    server = PeerServer()
-    server.register(path, served_as=holder)  # the same path on "another node"
-    try:
-        with pytest.raises(ManifestError, match="names no files of node 5"):
-            pull_replica(PeerSource(server.info(), holder, "", "0"), holder, "5", key)
-        with pytest.raises(ManifestError, match="holds save"):
-            pull_replica(PeerSource(server.info(), holder, "", "0"), holder, "5", "feed")
-        assert os.listdir(os.path.join(holder, REPLICAS_DIR, "5")) == []  # nothing that looks like a replica
-    finally:
-        server.close()
 
 
 def test_placement_is_the_next_nodes_never_itself():
@@ -110,143 +57,80 @@ def test_placement_is_the_next_nodes_never_itself():
         placement(nodes, "9", 1)
 
 
-def _node_local_copy(path, tmp_path, nodes=("1",)):
-    """The checkpoint at ``path`` rewritten as if rank 0 ran on node 1 of a 2-node save (the
-    manifest's topology), so that a pull of node 1's files has something to copy."""
-    import shutil
-
-    from dcp_nvme.format.manifest import seal
-
-    own = tmp_path / "owner"
-    shutil.copytree(path, own)
-    doc = json.loads((own / MANIFEST).read_text())
-    doc.pop("manifest_crc32c", None)
-    doc["topology"] = {"mode": "node-local", "nodes": list(nodes), "rank_nodes": [0]}
-    (own / MANIFEST).write_bytes(seal(doc))
-    read_manifest(LocalStore(str(own)), str(own))  # still valid
-    return str(own)
+def _damage(path):
+    with open(path, "r+b") as f:  # the last checksum block goes bad
+        f.seek(-10, 2)
+        f.write(b"\x00\x01\x02\x03")
 
 
-def test_pull_of_a_node_local_save_is_byte_equal_and_a_damaged_piece_is_never_written(saved, tmp_path):
-    path, _, rank_file, key = saved
-    owner = _node_local_copy(path, tmp_path)
-    holder = str(tmp_path / "holder")
-    os.makedirs(holder)
-    server = PeerServer()
-    server.register(owner, served_as=holder)
-    try:
-        copied = pull_replica(PeerSource(server.info(), holder, "", "1"), holder, "1", key, queue_depth=4,
-                              block_size=64 << 10)
-        replica = os.path.join(holder, REPLICAS_DIR, "1")
-        assert copied == os.path.getsize(os.path.join(owner, rank_file))
-        assert open(os.path.join(replica, rank_file), "rb").read() == open(os.path.join(owner, rank_file), "rb").read()
-        marker = json.loads(open(os.path.join(replica, REPLICA_MARKER)).read())
-        assert marker["save_key"] == key and rank_file in marker["files"]
-        second = PeerServer()  # the holder's own server serves the replica, once complete
-        second.register(holder)
-        assert PeerSource(second.info(), holder, "1", "0").size(rank_file) == copied
-        second.close()
+def test_a_verified_copy_is_byte_equal_and_a_damaged_piece_is_never_written(saved, tmp_path):
+    path, _, rank_file, _ = saved
+    source_dir = _pristine(path, tmp_path)
+    record = read_files(LocalStore(source_dir), read_manifest(LocalStore(source_dir), source_dir), source_dir)[rank_file]
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    copied = fetch_file(LocalSource(source_dir), record, str(good), queue_depth=4, block_size=64 << 10)
+    assert copied == os.path.getsize(os.path.join(source_dir, rank_file))
+    assert (good / rank_file).read_bytes() == open(os.path.join(source_dir, rank_file), "rb").read()
 
-        with open(os.path.join(owner, rank_file), "r+b") as f:  # the owner's copy goes bad
-            f.seek(-10, 2)
-            f.write(b"\xff" * 4)
-        with pytest.raises(ChecksumMismatchError, match=rank_file):
-            pull_replica(PeerSource(server.info(), holder, "", "1"), holder, "1", key, block_size=64 << 10)
-        assert os.listdir(replica) == []  # the old replica uncommitted, the partial one gone
-    finally:
-        server.close()
+    _damage(os.path.join(source_dir, rank_file))
+    with pytest.raises(ChecksumMismatchError, match=rank_file):
+        fetch_file(LocalSource(source_dir), record, str(bad), queue_depth=4, block_size=64 << 10)
+    assert os.listdir(bad) == []  # nothing under the name, no temp left
 
 
-_SERVE = textwrap.dedent("""
-    import sys, json, time
-    from dcp_nvme.peers.server import PeerServer
-    server = PeerServer()
-    server.register(sys.argv[1], served_as=sys.argv[2])
-    print(json.dumps(server.info()), flush=True)
-    time.sleep(600)
-""")
+def _hold_replica(path, here, node):
+    """``here``/.replicas/<node>/: a complete replica of the checkpoint at ``path`` (marker last)."""
+    replica = os.path.join(here, REPLICAS_DIR, node)
+    os.makedirs(replica)
+    listed = {}
+    for name in os.listdir(path):
+        if is_served_name(name):
+            shutil.copyfile(os.path.join(path, name), os.path.join(replica, name))
+            listed[name] = os.path.getsize(os.path.join(path, name))
+    with open(os.path.join(replica, REPLICA_MARKER), "w") as f:
+        json.dump({"node": node, "files": listed}, f)
+    assert replica_files(here, node) == listed
+    return replica
 
 
-def test_a_peer_killed_mid_pull_leaves_no_complete_looking_replica(saved, tmp_path):
-    path, _, rank_file, key = saved
-    owner = _node_local_copy(path, tmp_path)
-    holder = str(tmp_path / "holder")
-    os.makedirs(holder)
-    env = {**os.environ, "PYTHONPATH": REPO}
-    peer = subprocess.Popen([sys.executable, "-c", _SERVE, owner, holder], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        info = json.loads(peer.stdout.readline())
-        replica = os.path.join(holder, REPLICAS_DIR, "1")
-
-        def kill_when_started():
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if os.path.isdir(replica) and any(".fetch-" in n for n in os.listdir(replica)):
-                    os.kill(peer.pid, signal.SIGKILL)  # the peer node loses power mid-transfer
-                    return
-                time.sleep(0.01)
-
-        import threading
-
-        killer = threading.Thread(target=kill_when_started)
-        killer.start()
-        with pytest.raises(PeerError, match="node 1"):  # 1.2 MB at 1 MB/s: well over a second
-            pull_replica(PeerSource(info, holder, "", "1"), holder, "1", key, queue_depth=2,
-                         block_size=64 << 10, bandwidth=1 << 20)
-        killer.join()
-        assert peer.wait(10) == -signal.SIGKILL
-        assert os.listdir(replica) == []  # no marker, no partial file
-    finally:
-        peer.kill()
-        peer.wait()
-
-
-def test_a_replacement_node_restores_bitwise_from_a_peer_then_from_the_mirror(saved, tmp_path, monkeypatch, caplog):
-    path, state, rank_file, key = saved
+def test_a_lost_file_comes_from_a_replica_here_then_from_the_mirror(saved, tmp_path, caplog):
+    path, state, rank_file, _ = saved
     mirror_root = tmp_path / "mirror"
-    import shutil
-
     shutil.copytree(path, mirror_root / "step_1")  # the run's mirror root
-    empty = str(tmp_path / "replacement" / "step_1")
-    server = PeerServer()
-    server.register(path, served_as=empty)
-    monkeypatch.setattr(sources, "join_peers", lambda p, node: [{**server.info(), "node": "0"}])
-    try:
-        out = {"w": torch.empty(300_000), "b": torch.empty(1000, dtype=torch.int64)}
-        reader = NVMeReader(empty, peers=True)
+    here = str(tmp_path / "node" / "step_1")
+    shutil.copytree(path, here)
+    writer_node = read_manifest(LocalStore(path), path).node_of(0)  # the node that wrote the file
+    replica = _hold_replica(path, here, writer_node)
+    os.unlink(os.path.join(here, rank_file))  # this node lost the file; it holds a replica of it
+    out = {"w": torch.empty(300_000), "b": torch.empty(1000, dtype=torch.int64)}
+    reader = NVMeReader(here, peers=True)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+    taken = reader.last_stats["sources"]
+    assert set(taken) == {"local", "read"} and "mirror" not in taken, taken
+    assert taken["local"]["bytes"] >= os.path.getsize(os.path.join(path, rank_file)), taken
+    assert os.path.exists(os.path.join(here, rank_file))  # the node kept what it fetched
+
+    # this node's copy is damaged and the replica's too: the mirror's is used, both are named
+    _damage(os.path.join(here, rank_file))
+    _damage(os.path.join(replica, rank_file))
+    out = {"w": torch.empty(300_000), "b": torch.empty(1000, dtype=torch.int64)}
+    reader = NVMeReader(here, mirror=str(mirror_root))
+    with caplog.at_level(logging.WARNING, logger="dcp_nvme.peers.sources"):
         dcp.load(out, storage_reader=reader, no_dist=True)
-        assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
-        taken = reader.last_stats["sources"]
-        assert set(taken) == {"peer", "read"} and taken["read"]["bytes"] >= os.path.getsize(os.path.join(path, rank_file)) - 4096, taken
-        assert os.path.exists(os.path.join(empty, rank_file))  # the node kept what it fetched
+    assert torch.equal(out["w"], state["w"])
+    taken = reader.last_stats["sources"]
+    assert taken["mirror"]["files"] == 1 and taken["damaged"] == [
+        os.path.join(here, rank_file), os.path.join(replica, rank_file)], taken
+    assert "damaged copy" in caplog.text and rank_file in caplog.text
 
-        # this node's copy is damaged and the peer's too: the mirror's is used, both are named
-        with open(os.path.join(empty, rank_file), "r+b") as f:
-            f.seek(-10, 2)
-            f.write(b"\x00\x01\x02\x03")
-        damaged_peer = _pristine(path, tmp_path)
-        with open(os.path.join(damaged_peer, rank_file), "r+b") as f:
-            f.seek(-10, 2)
-            f.write(b"\x00\x01\x02\x03")
-        server.register(damaged_peer, served_as=empty)
-        out = {"w": torch.empty(300_000), "b": torch.empty(1000, dtype=torch.int64)}
-        reader = NVMeReader(empty, mirror=str(mirror_root))
-        with caplog.at_level(logging.WARNING, logger="dcp_nvme.peers.sources"):
-            dcp.load(out, storage_reader=reader, no_dist=True)
-        assert torch.equal(out["w"], state["w"])
-        taken = reader.last_stats["sources"]
-        assert taken["mirror"]["files"] == 1 and len(taken["damaged"]) == 2, taken
-        assert taken["damaged"][0] == os.path.join(empty, rank_file)
-        assert "node 0" in taken["damaged"][1] and rank_file in taken["damaged"][1]
-        assert "damaged copy" in caplog.text and rank_file in caplog.text
-
-        # nothing anywhere: the error names the file, and no source that verifies
-        os.unlink(os.path.join(empty, rank_file))
-        shutil.rmtree(mirror_root / "step_1")
-        with pytest.raises(BaseException, match=f"{rank_file}.*no replica or mirror holds a copy"):
-            dcp.load(out, storage_reader=NVMeReader(empty, mirror=str(mirror_root)), no_dist=True)
-    finally:
-        server.close()
+    # nothing anywhere that verifies: the error names the file
+    os.unlink(os.path.join(here, rank_file))
+    shutil.rmtree(mirror_root / "step_1")
+    with pytest.raises(BaseException, match=f"{rank_file}.*no replica or mirror holds a copy"):
+        dcp.load(out, storage_reader=NVMeReader(here, mirror=str(mirror_root)), no_dist=True)
 
 
 def test_options_are_checked_where_read(monkeypatch, tmp_path):
@@ -276,3 +160,53 @@ def test_replicas_of_a_one_process_save_are_skipped_with_a_reason(tmp_path):
     dcp.save(_state(1000), storage_writer=writer, no_dist=True)
     result = writer.replication_future.result(timeout=60)  # the save itself never waited for it
     assert result.replicated_on == [] and "one shared directory" in result.warning
+
+
+def test_metadata_of_another_save_or_step_is_never_adopted(saved, tmp_path, caplog):
+    """This node lost its manifest. A replica left from the save before an overwrite (another
+    save key) and a mirror of another step both hold metadata that validates: neither is this
+    checkpoint's, so both are refused and named, and nothing is written; the mirror of this
+    step is then taken."""
+    path, state, rank_file, key = saved
+    old = str(tmp_path / "old" / "step_1")  # the save this directory held before an overwrite
+    dcp.save({"w": torch.zeros(300_000), "b": torch.zeros(1000, dtype=torch.int64)},
+             storage_writer=NVMeWriter(old, block_size="64KiB"), no_dist=True)
+    here = str(tmp_path / "node" / "step_1")
+    shutil.copytree(path, here)
+    _hold_replica(old, here, read_manifest(LocalStore(old), old).node_of(0))
+    other_step = tmp_path / "mirror_other" / "step_2"
+    dcp.save({"w": torch.ones(300_000), "b": torch.ones(1000, dtype=torch.int64)},
+             storage_writer=NVMeWriter(str(other_step), block_size="64KiB"), no_dist=True)
+    os.unlink(os.path.join(here, "manifest.json"))
+    out = {"w": torch.empty(300_000), "b": torch.empty(1000, dtype=torch.int64)}
+    with caplog.at_level(logging.WARNING, logger="dcp_nvme.peers.sources"), \
+            pytest.raises(BaseException, match=f"step_2/manifest.json describes save .*holds data files of save {key}"):
+        dcp.load(out, storage_reader=NVMeReader(here, mirror=str(other_step)), no_dist=True)
+    assert f"{REPLICAS_DIR}/" in caplog.text and f"holds data files of save {key}" in caplog.text  # the replica
+    assert not os.path.exists(os.path.join(here, "manifest.json"))  # nothing adopted
+    empty = str(tmp_path / "wiped" / "step_1")  # a wiped node: no data file tells the save
+    os.makedirs(empty)
+    with pytest.raises(BaseException, match="saved as .*step_2, not as step_1"):
+        dcp.load(out, storage_reader=NVMeReader(empty, mirror=str(other_step)), no_dist=True)
+    assert os.listdir(empty) == []
+    mirror = tmp_path / "mirror" / "step_1"
+    shutil.copytree(path, mirror)
+    dcp.load(out, storage_reader=NVMeReader(here, mirror=str(mirror)), no_dist=True)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+    assert read_manifest(LocalStore(here), here).save_key == key
+
+
+def test_an_overwrite_removes_the_replicas_and_kept_ranges_of_the_save_it_replaces(tmp_path):
+    path = str(tmp_path / "step_1")
+    dcp.save(_state(1000), storage_writer=NVMeWriter(path), no_dist=True)
+    old = read_manifest(LocalStore(path), path)
+    replica_of = str(tmp_path / "elsewhere" / "step_1")
+    shutil.copytree(path, replica_of)
+    _hold_replica(replica_of, path, "7")  # a replica of the old save, held here
+    os.makedirs(os.path.join(path, ".ranges"))
+    for name in (old.file_names[0], old.file_names[0] + ".spans"):
+        open(os.path.join(path, ".ranges", name), "wb").close()
+    dcp.save(_state(1000), storage_writer=NVMeWriter(path, overwrite=True), no_dist=True)
+    assert not os.path.exists(os.path.join(path, REPLICAS_DIR, "7"))
+    assert os.listdir(os.path.join(path, ".ranges")) == []
+    assert read_manifest(LocalStore(path), path).save_key != old.save_key

@@ -1,21 +1,24 @@
-"""Reading another node's checkpoint files, and copying a file from any source, verified.
+"""Copying a file, or a checkpoint's metadata, from a source, verified against the blocks table.
 
-``PeerSource`` asks one peer's server (``peers.server``) for ranges; ``MirrorSource`` does the
-same with ranged reads of an fsspec URL; ``LocalSource`` of a directory on this node.
-``fetch_file`` copies one file from a source into a directory: ``queue_depth`` requests of
-``block_size`` bytes in flight, each on its own connection, each checked against the blocks
-table before it is written (a damaged copy fails with ChecksumMismatchError naming it), under a
-bandwidth cap, into a temp name that is fsynced and renamed only when all of it arrived.
+The sources are on this node or reached by their own client, never by a network server of
+ours: ``LocalSource`` reads a directory here (this node's copy, or a replica it holds under
+``.replicas/<node>/``); ``MirrorSource`` does ranged reads of the checkpoint's mirror (any
+fsspec URL). ``fetch_file`` copies one file from a source into a directory: ``queue_depth``
+reads of ``block_size`` bytes in flight, each checked against the blocks table before it is
+written (a damaged copy fails with ChecksumMismatchError naming it), under a bandwidth cap
+(``Limiter``), into a temp name that is fsynced and renamed only when all of it arrived.
+``fetch_metadata`` reads a manifest and its tables from a source and validates them as a whole
+(``MemoryStore``) before ``write_metadata`` writes them, manifest last. ``replica_files`` names
+the files of a complete replica held here.
 
-Servers publish their address and token in the job's store (``host.job.job_store``, which
-``save.node_commit`` uses too: torch's ``_get_default_store``, reached through ``compat``).
+Bytes between nodes move over gloo groups instead (``peers.exchange``, ``peers.replicate``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dcp_nvme.errors import ManifestError, PeerError
+from dcp_nvme.format.container import REPLICA_MARKER, REPLICAS_DIR, is_served_name, save_key_of
 from dcp_nvme.format.pieces import plan_pieces, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import (
@@ -33,27 +37,22 @@ from dcp_nvme.host.files import (
     read_regular,
     write_file_fresh,
 )
-from dcp_nvme.peers.server import MAX_READ, recv_exact, recv_frame, send_frame
 
-CONNECT_TIMEOUT = 10.0
-IO_TIMEOUT = 120.0
-ADDR_ENV = "DCP_NVME_PEER_ADDR"
-"""The address this node's peer server listens on and publishes (else found as below)."""
+MAX_MARKER = 1 << 20
+"""A replica's marker is refused above this size before a byte is read."""
 
 
-def server_address(environ: dict[str, str] | None = None) -> str:
-    """``DCP_NVME_PEER_ADDR``, else the local address of the interface that reaches MASTER_ADDR
-    (a UDP connect sends nothing: it only asks the kernel for the route)."""
-    env = os.environ if environ is None else environ
-    if env.get(ADDR_ENV):
-        return env[ADDR_ENV].strip()
-    master = env.get("MASTER_ADDR", "127.0.0.1") or "127.0.0.1"
+def replica_files(directory: str, holder: str) -> dict[str, int] | None:
+    """The files of the complete replica of ``holder`` under ``directory`` (name -> size, from
+    its marker), or None when there is no complete one."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((master, int(env.get("MASTER_PORT", "29500") or 29500)))
-            return probe.getsockname()[0]
-    except (OSError, ValueError):
-        return "127.0.0.1"
+        doc = json.loads(read_regular(os.path.join(directory, REPLICAS_DIR, holder, REPLICA_MARKER), MAX_MARKER))
+        files = doc["files"]
+        if not isinstance(files, dict) or not all(is_served_name(n) and type(s) is int for n, s in files.items()):
+            return None
+        return files
+    except (OSError, ValueError, KeyError, TypeError, ManifestError):
+        return None
 
 
 class Limiter:
@@ -75,99 +74,6 @@ class Limiter:
 
 
 # --------------------------------------------------------------------------- sources
-
-
-class PeerSource:
-    """Files of one checkpoint directory on a peer: its own copy (``holder=""``) or its
-    replica of node ``holder``. A connection per thread."""
-
-    def __init__(self, info: dict[str, Any], directory: str, holder: str = "", node: str = "?") -> None:
-        host, port, token = info.get("host"), info.get("port"), info.get("token")
-        if not isinstance(host, str) or type(port) is not int or not 0 < port < 65536 or not isinstance(token, str):
-            raise PeerError(f"node {node} published a malformed peer address {info!r}")
-        self.address, self.token, self.directory, self.holder, self.node = (host, port), token, directory, holder, node
-        self._local = threading.local()
-        self._open: list[socket.socket] = []
-        self._open_lock = threading.Lock()
-        self.kind = "peer"
-
-    def describe(self, name: str = "") -> str:
-        where = f"{self.directory}/.replicas/{self.holder}" if self.holder else self.directory
-        return f"node {self.node} ({self.address[0]}:{self.address[1]}) {where}/{name}".rstrip("/")
-
-    def _conn(self) -> socket.socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            try:
-                sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT)
-            except OSError as exc:
-                raise PeerError(f"cannot reach {self.describe()}: {exc}") from exc
-            sock.settimeout(IO_TIMEOUT)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._local.sock = sock
-            with self._open_lock:
-                self._open.append(sock)
-        return sock
-
-    def _ask(self, head: dict[str, Any]) -> tuple[socket.socket, dict[str, Any]]:
-        sock = self._conn()
-        try:
-            send_frame(sock, {"token": self.token, "dir": self.directory, "holder": self.holder, **head})
-            answer = recv_frame(sock)
-        except (OSError, ConnectionError) as exc:
-            self._drop()
-            raise PeerError(f"{self.describe(head.get('name', ''))}: the peer went away: {exc}") from exc
-        if not answer.get("ok"):
-            error = str(answer.get("error", "refused"))[:500]
-            if "FileNotFoundError" in error:
-                raise FileNotFoundError(f"{self.describe(head.get('name', ''))}: {error}")
-            raise PeerError(f"{self.describe(head.get('name', ''))}: {error}")
-        return sock, answer
-
-    def size(self, name: str) -> int:
-        _, answer = self._ask({"op": "stat", "name": name})
-        if type(answer.get("size")) is not int or answer["size"] < 0:
-            raise PeerError(f"{self.describe(name)}: a malformed size {answer.get('size')!r}")
-        return answer["size"]
-
-    def read_range(self, name: str, offset: int, length: int) -> bytes:
-        out = bytearray(length)
-        view, done = memoryview(out), 0
-        while done < length:  # ranges larger than one request are asked in parts
-            part = min(MAX_READ, length - done)
-            sock, answer = self._ask({"op": "read", "name": name, "offset": offset + done, "length": part})
-            if answer.get("length") != part:
-                self._drop()
-                raise PeerError(f"{self.describe(name)}: answered {answer.get('length')!r} bytes for {part}")
-            try:
-                recv_exact(sock, part, view[done:done + part])
-            except (OSError, ConnectionError) as exc:
-                self._drop()
-                raise PeerError(f"{self.describe(name)}: the peer went away mid-read: {exc}") from exc
-            done += part
-        return bytes(out)
-
-    def read(self, name: str, max_size: int) -> bytes:
-        size = self.size(name)
-        if size > max_size:
-            raise ManifestError(f"{self.describe(name)} is {size} bytes, more than the {max_size} a file "
-                                "of its kind may have")
-        return self.read_range(name, 0, size)
-
-    def _drop(self) -> None:
-        """This thread's connection, after an error: the next request opens a fresh one."""
-        sock = getattr(self._local, "sock", None)
-        if sock is not None:
-            sock.close()
-            self._local.sock = None
-
-    def close(self) -> None:
-        """Every connection this source opened, on any thread."""
-        with self._open_lock:
-            socks, self._open = self._open, []
-        for sock in socks:
-            sock.close()
-        self._local = threading.local()
 
 
 class LocalSource:
@@ -244,7 +150,7 @@ def fetch_file(source: Any, record: FileRecord, directory: str, *, queue_depth: 
                cancelled: Callable[[], bool] | None = None) -> int:
     """Copy ``record`` from ``source`` into ``directory`` under its own name, verified against
     the blocks table piece by piece; returns the bytes copied. Only a complete, fsynced file is
-    renamed into place: a failure (a damaged copy, a peer gone) leaves nothing under the name."""
+    renamed into place: a failure (a damaged copy, a source gone) leaves nothing under the name."""
     size = source.size(record.name)
     if size != record.size:
         raise ManifestError(f"{source.describe(record.name)} has {size} bytes, the manifest says {record.size}")
@@ -340,8 +246,6 @@ MAX_TABLE = 1 << 30
 def fetch_metadata(source: Any, location: str) -> tuple[bytes, list[tuple[str, bytes]], Any]:
     """The manifest and both tables from ``source``, validated as a whole (``read_manifest``,
     ``read_files``) before anything is written: (manifest bytes, [(table name, bytes)], Manifest)."""
-    import json
-
     from dcp_nvme.format.container import MANIFEST, check_name, check_save_key, tables_of
     from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
 
@@ -361,6 +265,39 @@ def fetch_metadata(source: Any, location: str) -> tuple[bytes, list[tuple[str, b
     manifest = read_manifest(store, source.describe())
     read_files(store, manifest, source.describe())
     return manifest_bytes, [(name, files[name]) for name in names], manifest
+
+
+class OtherCheckpointError(ManifestError):
+    """Metadata another copy holds is another checkpoint's (another save, another step)."""
+
+
+def data_keys(directory: str) -> set[str]:
+    """The saves whose data files ``directory`` holds (by their names)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return set()
+    return {key for name in names if name.startswith("rank_") and (key := save_key_of(name))}
+
+
+def check_this_checkpoint(manifest: Any, path: str, keys_here: set[str], where: str) -> None:
+    """Metadata from another copy is this checkpoint's: the save whose data files this node
+    holds (when it holds any), saved under this directory's name. A stale replica left from
+    before an overwrite, or a mirror of another step, is refused naming both."""
+    if keys_here and manifest.save_key not in keys_here:
+        raise OtherCheckpointError(
+            f"{where} describes save {manifest.save_key}, but {path} holds data files of save "
+            f"{', '.join(sorted(keys_here))}: it is another save's metadata and is not used")
+    saved_as = (manifest.doc.get("storage_meta") or {}).get("checkpoint_id")
+    if isinstance(saved_as, str) and saved_as and _last_name(saved_as) != _last_name(path):
+        raise OtherCheckpointError(
+            f"{where} was saved as {saved_as}, not as {_last_name(path)}: it is another checkpoint's "
+            f"metadata and is not used (if this directory was renamed after its save, load that copy "
+            f"itself, NVMeReader(<its location>))")
+
+
+def _last_name(location: str) -> str:
+    return location.rstrip("/").rsplit("/", 1)[-1]
 
 
 def write_metadata(directory: str, manifest_bytes: bytes, tables: list[tuple[str, bytes]]) -> None:
