@@ -352,6 +352,22 @@ def read_manifest(store, location: str, share: Callable | None = None) -> Manife
     for each row (see the "Trust model" section of docs/design.md). ``share(doc, rows, build)``
     may give the checked columns instead of ``build()`` (the ranks of a node share one decode:
     ``load.node_index``)."""
+    manifest = read_manifest_doc(store, location)
+    doc = manifest.doc
+    entry = doc["index"]
+
+    def build() -> ChunkColumns:
+        return _read_index(store, manifest, location)
+
+    declared = entry.get("rows", 0)
+    manifest.columns = build() if share is None else share(doc, declared, build)
+    manifest.copies = read_copies(store, manifest, location)
+    return manifest
+
+
+def read_manifest_doc(store, location: str) -> Manifest:
+    """``manifest.json`` alone, read and checked (``check_doc``, its own crc32c), without its
+    tables: what the files are, for a look that must stay cheap (``storage.intact``)."""
     if not store.exists():
         raise CheckpointNotFoundError(f"checkpoint directory {location} does not exist")
     try:
@@ -379,16 +395,7 @@ def read_manifest(store, location: str, share: Callable | None = None) -> Manife
         raise ManifestError(f"{location}/{MANIFEST} fails its own checksum: the manifest is corrupt "
                             "or was edited after the save")
     check_doc(doc, f"{location}/{MANIFEST}")
-    manifest = Manifest(doc)
-    entry = doc["index"]
-
-    def build() -> ChunkColumns:
-        return _read_index(store, manifest, location)
-
-    declared = entry.get("rows", 0)
-    manifest.columns = build() if share is None else share(doc, declared, build)
-    manifest.copies = read_copies(store, manifest, location)
-    return manifest
+    return Manifest(doc)
 
 
 def _read_index(store, manifest: Manifest, location: str) -> ChunkColumns:

@@ -31,13 +31,16 @@ from typing import Any
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format import column_store
 from dcp_nvme.format.columns import ChunkColumns
-from dcp_nvme.host.files import create_no_follow
+from dcp_nvme.host.files import create_no_follow, open_regular, read_regular
 from dcp_nvme.host.job import local_world_size
 
 log = logging.getLogger(__name__)
 
 MIN_ROWS = 1 << 16
 """Indexes smaller than this are decoded by each rank (a few tens of milliseconds)."""
+
+MAX_COUNT_BYTES = 32
+"""A rank counter longer than this is not one of ours: it is not read."""
 
 STALE_SECONDS = 3600.0
 """A shared index file this old is a leftover of a rank that died before mapping it."""
@@ -111,11 +114,11 @@ def _locked(path: str) -> Iterator[bool]:
 
 
 def _map(path: str, source: dict[str, Any]) -> ChunkColumns | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # non-blocking and no link followed: opening a FIFO planted here would block the rank
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except (OSError, ManifestError) as exc:
         log.warning("dcp_nvme: cannot open the node's shared index %s (%s): decoding it here", path, exc)
         return None
     try:
@@ -158,10 +161,9 @@ def _count(stem: str, local: int, built: bool) -> None:
     that mapped it keep their mapping)."""
     counter = stem + ".count"
     seen = 0
-    if not built:
-        with contextlib.suppress(OSError, ValueError):
-            with open(counter, encoding="ascii") as f:
-                seen = int(f.read() or 0)
+    if not built:  # read bounded, never through a link or from a FIFO; anything odd counts as none
+        with contextlib.suppress(OSError, ValueError):  # ManifestError is a ValueError
+            seen = int(read_regular(counter, MAX_COUNT_BYTES) or 0)
     seen += 1
     if seen >= local:
         for suffix in (".cols", ".count"):

@@ -160,6 +160,23 @@ def tensor_specs(template: tuple) -> list[TensorSpec]:
     return out
 
 
+def staged_dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
+    """A DTensor around ``local`` (an arena view), whose wrapper is at storage offset 0.
+
+    torch gives a DTensor's wrapper its local tensor's storage offset, so an arena view past the
+    first makes the wrapper's data pointer non-null although it owns no memory; torch's pickling
+    then takes it for a tensor with storage, and ``torch.multiprocessing`` (DCP's PROCESS
+    executor) segfaults sharing that empty storage (``_share_fd_cpu_``). The wrapper is built
+    around an empty view at offset 0 instead and then given the real local tensor: it pickles as
+    a wrapper again (``_rebuild_wrapper_subclass``), its local tensor by file descriptor."""
+    DTensor = _dtensor_type()
+    if local.storage_offset() == 0:
+        return DTensor(local, spec, requires_grad=False)
+    wrapper = DTensor(local.as_strided((0,), (1,), 0), spec, requires_grad=False)
+    wrapper._local_tensor = local
+    return wrapper
+
+
 def materialize(template: tuple, views: list[torch.Tensor], objects: list[Any]) -> Any:
     """Build the staged state dict: arena views for tensors, copies of everything else."""
     tensor_iter, object_iter = iter(views), iter(objects)
@@ -173,9 +190,7 @@ def materialize(template: tuple, views: list[torch.Tensor], objects: list[Any]) 
         if kind == "tensor":
             view = next(tensor_iter)
             if n[2] is not None:
-                from torch.distributed.tensor import DTensor
-
-                return DTensor(view, n[2], requires_grad=False)
+                return staged_dtensor(view, n[2])
             if n[4] is not None:
                 for name, value in zip(SHARD_FIELDS, n[4]):
                     setattr(view, name, value)

@@ -12,7 +12,9 @@ can cost the caller a context switch.
 
 Saves run one at a time in submission order. The worker is a daemon thread; at interpreter
 exit the saves still queued are finished first (a hook that runs before Python shuts down its
-thread pools, which the writers use), as ``dcp.async_save``'s upload thread is.
+thread pools, which the writers use), as ``dcp.async_save``'s upload thread is. In the child
+of a ``fork()`` a saver starts a worker of its own at its first save (the parent's thread and
+queue did not come along).
 """
 
 from __future__ import annotations
@@ -129,11 +131,17 @@ class NVMeAsyncSaver:
             raise InvalidInputError(f"stager must be an AsyncStager such as NVMeStager(), got "
                                     f"{type(stager).__name__}")
         self.stager: AsyncStager = stager if stager is not None else NVMeStager()
-        owned = self.stager if stager is None else None
-        self._channel = _Channel()
+        self._owned = self.stager if stager is None else None
         self._lock = threading.Lock()
         self._closed = False
-        self._worker = threading.Thread(target=_work, args=(self._channel, owned), name="dcp-nvme-saver",
+        self._worker: threading.Thread | None = None
+        self._start()
+        _SAVERS.add(self)
+
+    def _start(self) -> None:
+        """A new channel and worker thread: at creation, and at the first save in a forked child."""
+        self._channel = _Channel()
+        self._worker = threading.Thread(target=_work, args=(self._channel, self._owned), name="dcp-nvme-saver",
                                         daemon=True)
         setattr(self._worker, PERSISTENT, True)
         with _WORKERS_LOCK:
@@ -142,6 +150,14 @@ class NVMeAsyncSaver:
         # dropped without close(): the worker finishes the saves made, then ends
         self._finalizer = weakref.finalize(self, self._channel.stop)
         self._finalizer.atexit = False  # interpreter exit is _drain_at_exit's
+
+    def _forked(self) -> None:
+        """In the child of a fork(): the worker thread is the parent's and did not come along, and
+        the saves queued are the parent's (the child must not write them again). The child's
+        first save starts a worker of its own; an NVMeStager resets itself (stager.py)."""
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self._finalizer.detach()  # it would stop the parent's channel, which nothing reads here
+        self._worker = None
 
     def save(
         self,
@@ -180,10 +196,12 @@ class NVMeAsyncSaver:
         # worker; a bounded save's Future ends only once the save has written its live tensors:
         # that one is queued at once
         deferred = isinstance(self.stager, NVMeStager) and self.stager.max_bytes is None
-        channel = self._channel
         with self._lock:  # a save never queues behind close()'s stop
             if self._closed:
                 raise SaveError("this NVMeAsyncSaver is closed; create a new one to save again")
+            if self._worker is None:
+                self._start()  # the first save in a forked child
+            channel = self._channel
             if deferred:
                 channel.expect()
             try:
@@ -215,10 +233,15 @@ class NVMeAsyncSaver:
         with self._lock:
             first = not self._closed
             self._closed = True
+            worker = self._worker
+        if worker is None:  # a forked child that never saved: no worker to close the stager
+            if first and self._owned is not None:
+                self._owned.close()
+            return
         if first:
             self._finalizer()  # the worker stops after the saves made
-        if threading.current_thread() is not self._worker:  # e.g. a callback on upload_completion
-            self._worker.join()
+        if threading.current_thread() is not worker:  # e.g. a callback on upload_completion
+            worker.join()
 
     @property
     def closed(self) -> bool:
@@ -306,6 +329,22 @@ def _drain_at_exit() -> None:
         channel.stop()
         worker.join()
 
+
+_SAVERS: weakref.WeakSet[NVMeAsyncSaver] = weakref.WeakSet()
+"""Every saver alive: reset in the child of a fork()."""
+
+
+def _after_fork_in_child() -> None:
+    """fork() copies the savers but not their threads: each saver in the child starts a worker
+    of its own at its first save (instead of queuing to a thread that does not exist there)."""
+    global _WORKERS_LOCK
+    _WORKERS_LOCK = threading.Lock()
+    _WORKERS.clear()  # the parent's workers: not running here, nothing to drain at exit
+    for saver in list(_SAVERS):
+        saver._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # threading's own exit hooks run before the interpreter's thread pools refuse work;
 # concurrent.futures registers its shutdown there too (ours, registered later, runs first)

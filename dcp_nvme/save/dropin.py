@@ -1,5 +1,6 @@
 """What NVMeWriter keeps of DCP's stock writer: FileSystemWriter's arguments
-(``writer_stock_options``), the overwrite refusal in the stock wording, DCP's plan cache
+(``writer_stock_options``), the overwrite refusal in the stock wording (for a stock checkpoint
+too, whose files an overwrite removes: ``is_stock_file``), DCP's plan cache
 (``with_cached_plans``), and the pointer a stock ``dcp.load`` user finds (``write_pointer``).
 
 Each stock argument is accepted where its value is what NVMeWriter does anyway, and otherwise
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import traceback
 from dataclasses import replace
 from typing import Any
@@ -20,7 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_nvme.config import refuse_positional, unknown_option
 from dcp_nvme.errors import CheckpointExistsError, InvalidInputError
-from dcp_nvme.format.container import MANIFEST
+from dcp_nvme.format.container import DCP_METADATA, MANIFEST
 from dcp_nvme.host.job import launched_world_size
 from dcp_nvme.storage.local_dir import LocalStore
 
@@ -90,10 +92,40 @@ class CheckpointExistsRefusal(CheckpointExistsError, CheckpointException):
         return (type(self), (str(self.args[0]),))
 
 
-def exists_message(where: str) -> str:
+_STOCK_FILE = re.compile(r"^(?:__\d+_\d+\.distcp|(?:__\d+)?\.metadata(?:\.tmp)?)$")
+"""FileSystemWriter's files: ``__<rank>_<n>.distcp`` data, ``.metadata`` (``__<rank>.metadata``
+without rank coordination) and their temps."""
+
+
+def is_stock_file(name: str) -> bool:
+    """A file of a stock DCP checkpoint: after a commit it is another save's, removed like ours."""
+    return _STOCK_FILE.match(name) is not None
+
+
+def exists_message(where: str, stock: bool = False) -> str:
     """The refusal, leading with the stock writer's words (scripts and PyTorch's tests match them)."""
-    return (f"Checkpoint already exists at {where} and overwrite=False: pass overwrite=True to replace it "
+    text = (f"Checkpoint already exists at {where} and overwrite=False: pass overwrite=True to replace it "
             "(it stays loadable until the new one commits) or save elsewhere")
+    return text + ("; it is a stock DCP checkpoint (FileSystemWriter's .metadata and .distcp files), "
+                   "whose files overwrite=True removes once the new one commits" if stock else "")
+
+
+def existing_refusal(directory: str, where: str, overwrite: bool) -> str | None:
+    """The refusal when ``directory`` holds a committed checkpoint, ours or the stock writer's
+    (whose ``.metadata`` ``dcp.load`` would still read beside our manifest), and not ``overwrite``."""
+    if overwrite:
+        return None
+    store = LocalStore(directory)
+    if store.has(MANIFEST):
+        return exists_message(where)
+    return exists_message(where, stock=True) if store.has(DCP_METADATA) else None
+
+
+def refuse_existing(directory: str, where: str, overwrite: bool) -> None:
+    """While planning (the coordinator, a node writer): CheckpointExistsError if ``existing_refusal``."""
+    message = existing_refusal(directory, where, overwrite)
+    if message is not None:
+        raise CheckpointExistsError(message)
 
 
 def alone() -> bool:
@@ -110,8 +142,11 @@ def refuse_existing_early(path: str | None, overwrite: bool) -> None:
     """Before any collective: a committed checkpoint at ``path`` refused as its own one-line
     error. With several ranks the coordinator refuses while planning instead (DCP then reports
     it inside a CheckpointException on every rank, its last line this same sentence)."""
-    if path is not None and not overwrite and alone() and LocalStore(path).has(MANIFEST):
-        raise CheckpointExistsRefusal(exists_message(path))
+    if path is None or overwrite or not alone():
+        return
+    message = existing_refusal(path, path, overwrite)
+    if message is not None:
+        raise CheckpointExistsRefusal(message)
 
 
 def with_cached_plans(plans: list[SavePlan], last: list[SavePlan] | None,

@@ -18,17 +18,18 @@ keys are named by the save key, so a round of a failed save can never be mistake
   5. coordinator  returns once every node said done: "saved" holds on every node's disk.
 
 A save that fails before ``finish`` (a rank's write failed) never sends ``meta``: each node
-writer's thread waits until the next save on its writer or ``timeout``, then removes the
-save's files from its node. A crash between the first and the last rename of step 3/4 (a few
-milliseconds) can leave nodes that disagree on the newest step; docs/design.md says how a
-restart tells.
+writer's thread waits until the next save on its writer, ``timeout`` or the process's exit
+(``settle``), then removes the save's files from its node; the coordinator's process removes
+those on its own node at exit (``save_begins``). A crash between the first and the last rename
+of step 3/4 (a few milliseconds) can leave nodes that disagree on the newest step;
+docs/design.md says how a restart tells.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
-import os
 import struct
 import threading
 import time
@@ -36,11 +37,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dcp_nvme.errors import ManifestError, SaveError
-from dcp_nvme.format.container import MANIFEST, check_name, save_key_of, temp_of
+from dcp_nvme.format.container import MANIFEST, check_name
 from dcp_nvme.storage.local_dir import (
     LocalStore,
     commit_prepared,
     discard_prepared,
+    remove_save_files,
     write_commit_file,
     write_prepared,
 )
@@ -48,7 +50,18 @@ from dcp_nvme.storage.local_dir import (
 log = logging.getLogger(__name__)
 
 TIMEOUT = 1800.0
-"""Seconds a round waits for the other side: DCP's and gloo's default collective timeout."""
+"""Seconds a round waits for the other side when the store says no timeout: DCP's and gloo's
+default collective timeout."""
+
+
+def store_timeout(store: Any) -> float:
+    """The job store's timeout, which ``init_process_group(timeout=...)`` sets: the rounds fail
+    when the process group's collectives would, not later."""
+    try:
+        seconds = float(store.timeout.total_seconds())
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return TIMEOUT
+    return seconds if 0 < seconds < 10 * TIMEOUT else TIMEOUT
 _POLL_MAX = 0.2
 
 
@@ -92,7 +105,10 @@ def _wait(store: Any, keys: Sequence[str], deadline: float, cancelled: threading
             return True
         if time.monotonic() >= deadline or (cancelled is not None and cancelled.is_set()):
             return False
-        time.sleep(pause)
+        if cancelled is not None:
+            cancelled.wait(pause)  # a cancel (the process exits: its clean-up) wakes it at once
+        else:
+            time.sleep(pause)
         pause = min(pause * 2, _POLL_MAX)
 
 
@@ -105,10 +121,12 @@ def _get_all(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
 
 def commit_on_every_node(store: Any, directory: str, key: str, manifest: bytes,
                          tables: Sequence[tuple[str, bytes]], writers: dict[int, str], *,
-                         timeout: float = TIMEOUT) -> None:
+                         timeout: float | None = None) -> None:
     """Steps 1, 3 and 5 on the coordinator (its tables already written). ``writers``: the
-    node writer rank of each other node -> the node's name. Raises SaveError naming the nodes."""
+    node writer rank of each other node -> the node's name. Raises SaveError naming the nodes.
+    Each round waits at most ``timeout``, by default the process group's (its store's)."""
     prefix = f"{key}/"
+    timeout = store_timeout(store) if timeout is None else timeout
     write_prepared(directory, MANIFEST, manifest, key)
     store.set(prefix + "meta", encode_payload(manifest, tables))
     deadline = time.monotonic() + timeout
@@ -150,6 +168,32 @@ def abort_everywhere(store: Any, key: str) -> None:
 
 _live: dict[str, NodeCommitter] = {}
 _live_lock = threading.Lock()
+
+
+EXIT_TIMEOUT = 60.0
+"""Seconds interpreter exit waits, in all, for the node commits in their round to end."""
+
+
+def settle(*, give_up_waiting: bool, timeout: float = EXIT_TIMEOUT) -> None:
+    """Let this process's node commits end, for interpreter exit. Each committer in its round
+    (it voted) runs to its end, for at most ``timeout`` s in all: it commits (and submits its
+    node's drain), or removes an aborted save's files. With ``give_up_waiting`` (atexit: every
+    save of this process has returned) one still waiting for its round gives up and removes its
+    save's files from this node: that save failed on some rank (DCP skipped ``finish``), and
+    nothing votes for this node once the process has ended."""
+    with _live_lock:
+        committers = list(_live.values())
+    deadline = time.monotonic() + timeout
+    for committer in committers:
+        if give_up_waiting:
+            committer.cancel_if_waiting()
+        elif not committer._voted.is_set():
+            continue
+        committer.join(max(0.0, deadline - time.monotonic()))
+
+
+# a job that exits right after a failed save leaves none of its files on this node
+atexit.register(settle, give_up_waiting=True)
 
 
 def end_waiting(directory: str) -> None:
@@ -213,12 +257,17 @@ class NodeCommitter:
                 commit_prepared(self.directory, MANIFEST, self.key)
                 self.outcome = "committed"
                 self.store.set(f"{prefix}done/{self.rank}", b"ok")
-                self.after_commit()
+                try:
+                    self.after_commit()
+                except Exception as exc:  # noqa: BLE001  the save is committed: what follows must not undo it
+                    log.error("dcp_nvme: node %s: save %s is committed, but what follows a commit (drain, "
+                              "replication) failed: %s", self.node, self.key, exc)
             else:
                 self.outcome = "aborted"
         except Exception as exc:  # noqa: BLE001  (a thread's failure is reported through the store)
             log.error("dcp_nvme: node %s: committing save %s failed: %s", self.node, self.key, exc)
-            self.outcome = "aborted"
+            if self.outcome != "committed":  # a committed copy is never removed
+                self.outcome = "aborted"
             try:
                 self.store.set(f"{prefix}done/{self.rank}", f"{type(exc).__name__}: {exc}".encode())
             except Exception:  # noqa: BLE001
@@ -267,20 +316,3 @@ def _missing_here(directory: str, doc: dict[str, Any], node: str) -> str | None:
     if wrong:
         return f"{directory} lacks data files of this node: {', '.join(wrong[:4])}"
     return None
-
-
-def remove_save_files(directory: str, key: str) -> None:
-    """Every file of save ``key`` in ``directory``: data, tables, temps (their names carry the
-    save's random key, so they are provably nobody else's). Used by the coordinator's failed
-    commit too."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        temp = temp_of(name)
-        if save_key_of(name) == key or (temp and temp[1] == key):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass

@@ -32,6 +32,7 @@ picks wait (default) or fail.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -113,6 +114,18 @@ class _StagedFuture(Future):
             wave.release()
 
         threading.Thread(target=release_when_ended, name=f"{_HELPER_PREFIX}-wave", daemon=True).start()
+
+
+_STAGERS: weakref.WeakSet[NVMeStager] = weakref.WeakSet()
+"""Every stager alive: reset in the child of a fork() (``_after_fork_in_child``)."""
+
+
+def _after_fork_in_child() -> None:
+    for stager in list(_STAGERS):
+        stager._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 PERSISTENT = "dcp_nvme_persistent"
@@ -198,6 +211,7 @@ class NVMeStager(AsyncStager):
         self.max_bytes = limit
         self.background_copy = bool(background_copy)
         self._setup()
+        _STAGERS.add(self)
 
     def _setup(self) -> None:
         self._arenas = [Arena() for _ in range(self.buffers)]
@@ -219,6 +233,13 @@ class NVMeStager(AsyncStager):
     def __setstate__(self, state: dict) -> None:
         state.setdefault("background_copy", True)
         self.__dict__.update(state)
+        self._setup()
+        _STAGERS.add(self)
+
+    def _forked(self) -> None:
+        """In the child of a fork(): the staging thread is the parent's, and so are the arenas
+        (their mmap and shared memory are shared with the parent, which may be writing them):
+        start afresh, without freeing anything (CUDA cannot be called in a forked child)."""
         self._setup()
 
     # ------------------------------------------------------------------ reporting

@@ -40,7 +40,7 @@ from dcp_nvme.config import (
 from dcp_nvme.engines import shared_engine
 from dcp_nvme.engines.host_io import host_address
 from dcp_nvme.engines.requests import PhaseTimer
-from dcp_nvme.errors import CheckpointExistsError, CheckpointLockedError, InvalidInputError, StorageError
+from dcp_nvme.errors import CheckpointLockedError, InvalidInputError, StorageError
 from dcp_nvme.format.container import (
     FORMAT,
     FORMAT_VERSION,
@@ -75,7 +75,8 @@ from dcp_nvme.host.job import (
 from dcp_nvme.save import copies
 from dcp_nvme.save.dropin import (
     POINTER,
-    exists_message,
+    is_stock_file,
+    refuse_existing,
     refuse_existing_early,
     with_cached_plans,
     write_pointer,
@@ -100,14 +101,17 @@ from dcp_nvme.save.node_commit import (
     abort_everywhere,
     commit_on_every_node,
     end_waiting,
-    remove_save_files,
     start_committer,
 )
 from dcp_nvme.storage import save_lock
 from dcp_nvme.storage.local_dir import (
     LocalStore,
+    finish_begins,
     is_local_path,
+    remove_other_saves_copies,
+    remove_save_files,
     require_location,
+    save_begins,
     write_commit_file,
     writer_location,
 )
@@ -210,6 +214,10 @@ class NVMeWriter(StorageWriter):
         self._mirrored: dict[str, str] = {}
         """Mirror URL -> the checkpoint this writer drained there: one URL holds one checkpoint."""
         self.mirror_options = mirror_options
+        if self.mirror or self.mirror_root:
+            # the drain's module now, not at the first commit (which may come on a save thread
+            # while the interpreter exits): importing it installs the exit hook that waits for drains
+            seams.drain.function()
         if compress is not None and compress not in COMPRESS_MODES:
             raise InvalidInputError(f"compress must be one of {COMPRESS_MODES}, got {compress!r}")
         self.compress = compress
@@ -280,8 +288,7 @@ class NVMeWriter(StorageWriter):
         return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe, plan.items))
 
     def _refuse_existing(self, where: str) -> None:
-        if LocalStore(self._dir).has(MANIFEST) and not self.overwrite:
-            raise CheckpointExistsError(exists_message(where))
+        refuse_existing(self._dir, where, self.overwrite)  # ours, or a stock DCP checkpoint
 
     def mirror_url(self) -> str | None:
         """Where this checkpoint drains: ``mirror``, or ``mirror_root`` + its directory name."""
@@ -321,6 +328,7 @@ class NVMeWriter(StorageWriter):
         except BaseException:
             self._release_lock()
             raise
+        save_begins(self._dir, key)  # its files go at exit unless its finish begins
         writers = set(self._topology.node_writers)
         self._sent_plans = plans
         primary: list[int | None] = [None] * len(plans)
@@ -463,6 +471,7 @@ class NVMeWriter(StorageWriter):
         key = self.save_key or (self._lock.save_key if self._lock else None) or key_from_results(results)
         committed = False
         try:
+            finish_begins(self._dir, key)
             doc = self._commit(metadata, results, key)
             committed = True
             try:
@@ -548,8 +557,9 @@ class NVMeWriter(StorageWriter):
         for name in store.names():
             owner = save_key_of(name)
             temp = temp_of(name)
-            if (owner and owner != key) or (temp and temp[1] != key):
+            if (owner and owner != key) or (temp and temp[1] != key) or is_stock_file(name):
                 store.remove(name)
+        remove_other_saves_copies(self._dir, key)
 
     def _release_lock(self) -> None:
         lock, self._lock = self._lock, None

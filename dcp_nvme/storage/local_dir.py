@@ -8,18 +8,27 @@ primitives under it (no link followed, no FIFO opened) are ``host.files``.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import shutil
 import stat
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
 from dcp_nvme.config import check_url
 from dcp_nvme.errors import (
     InvalidInputError,
+    SaveError,
     StorageError,
 )
 from dcp_nvme.format.container import (
+    RANGES_DIR,
+    REPLICAS_DIR,
+    save_key_of,
     temp_name,
+    temp_of,
 )
 from dcp_nvme.host.files import (
     bare_name,
@@ -229,3 +238,92 @@ def require_location(cls: type, location: str | None, call: str) -> str:
             f"{cls.__name__} has no checkpoint directory: give one, {cls.__name__}('/nvme/run/step_10'), or "
             f"pass checkpoint_id='/nvme/run/step_10' to {call}")
     return location
+
+
+# --------------------------------------------------------------------------- removing a save's files
+
+
+_unfinished: set[tuple[str, str]] = set()
+"""(directory, save key) of each save this process coordinates whose ``finish`` has not begun.
+DCP skips ``finish`` when a rank's write fails and tells no writer, so the files of such a
+save (every rank's in a shared directory; the coordinator's node's in a node-local one, where
+each other node's committer removes its own) go when the process exits."""
+_unfinished_lock = threading.Lock()
+_exiting = False
+
+
+def save_begins(directory: str, key: str) -> None:
+    """The coordinator planned save ``key`` in ``directory``: its ranks write from now on."""
+    with _unfinished_lock:
+        _unfinished.add((directory, key))
+
+
+def finish_begins(directory: str, key: str) -> None:
+    """The coordinator's ``finish`` of save ``key``: from here on the save's own code removes its
+    files if it fails. Raises SaveError when the exit removed them already (a save on a thread
+    that was still running when the interpreter exited: nothing of it may commit)."""
+    with _unfinished_lock:
+        if _exiting:
+            raise SaveError(f"{directory}: the process is exiting; save {key} was not committed")
+        _unfinished.discard((directory, key))
+
+
+def _remove_unfinished_at_exit() -> None:
+    """atexit: every save of this process has returned by now (threads and pools are joined), so
+    one that never began its ``finish`` failed; its files are provably nobody else's (their
+    names carry its random key)."""
+    global _exiting
+    with _unfinished_lock:
+        _exiting = True
+        saves = sorted(_unfinished)
+        _unfinished.clear()
+    for directory, key in saves:
+        remove_save_files(directory, key)
+
+
+def _forget_in_child() -> None:
+    """In the child of a fork(): the parent's saves are the parent's; the child's exit must not
+    remove their files."""
+    global _unfinished_lock
+    _unfinished_lock = threading.Lock()  # another thread may have held it at the fork
+    _unfinished.clear()
+
+
+atexit.register(_remove_unfinished_at_exit)
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def remove_other_saves_copies(directory: str, key: str) -> None:
+    """After save ``key`` committed here: the replicas (``.replicas/<node>/``) and kept ranges
+    (``.ranges/``) of any other save in ``directory`` go too -- a replica left from before an
+    overwrite must never stand in for this save's files or metadata."""
+    replicas = os.path.join(directory, REPLICAS_DIR)
+    with contextlib.suppress(OSError):
+        for holder in os.listdir(replicas):
+            where = os.path.join(replicas, holder)
+            names = os.listdir(where) if stat.S_ISDIR(os.lstat(where).st_mode) else []
+            if any((owner := save_key_of(name)) and owner != key for name in names) or not names:
+                shutil.rmtree(where, ignore_errors=True)
+    ranges = os.path.join(directory, RANGES_DIR)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(ranges):
+            if save_key_of(name.removesuffix(".spans")) != key:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(ranges, name))
+
+
+def remove_save_files(directory: str, key: str) -> None:
+    """Every file of save ``key`` in ``directory``: data, tables, temps (their names carry the
+    save's random key, so they are provably nobody else's). Used by the coordinator's failed
+    commit too."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        temp = temp_of(name)
+        if save_key_of(name) == key or (temp and temp[1] == key):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass

@@ -1,7 +1,10 @@
 """The checkpoints of a run directory: which are committed, their steps, the newest.
 
 One home for "find the checkpoints of a run", used by the integrations, retention, listing
-and status. Pure directory inspection: no manifest is parsed and no data is read.
+and status. ``checkpoints`` is pure directory inspection (no manifest is parsed); ``latest``
+also parses the newest candidates' ``manifest.json`` and stats the files it lists
+(``storage.intact``, which ``dcp-nvme list`` uses too), so that it passes over a checkpoint
+that cannot load. No data is read.
 
 A checkpoint is a real directory (never a symlink) directly under the run directory that holds
 a regular-file commit marker: ``manifest.json`` (dcp_nvme) or ``.metadata`` (DCP's
@@ -12,12 +15,15 @@ FileSystemWriter). Steps are read from the usual names: ``step_N``, ``step-N``, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dcp_nvme.errors import InvalidInputError
 
@@ -140,9 +146,116 @@ def latest(
     *,
     kinds: Iterable[str] = (NVME,),
     extra_markers: Iterable[str] = (),
+    agree: bool = False,
 ) -> Path | None:
-    """The newest committed dcp_nvme checkpoint under ``run_dir`` (see :func:`checkpoints`), or
-    None: one ``NVMeReader`` loads. A stock DCP checkpoint in the same run is passed over unless
-    ``kinds`` names ``"dcp"`` too (``checkpoints()`` lists both, each with its ``kind``)."""
-    found = checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)
-    return found[-1].path if found else None
+    """The newest committed dcp_nvme checkpoint under ``run_dir`` (see :func:`checkpoints`) that
+    can load, or None: one ``NVMeReader`` loads. A newer one that cannot (its manifest does not
+    parse, or a file it lists is missing or of another size: ``storage.intact``, no data read) is
+    passed over with a warning naming it and why. A stock DCP checkpoint in the same run is
+    passed over unless ``kinds`` names ``"dcp"`` too (``checkpoints()`` lists both, each with
+    its ``kind``); it is taken as committed, unchecked.
+
+    ``agree=True``: every rank of the job calls it (a collective over the default group), and
+    every rank gets the same step: the newest one that every node can load. Node-local disks can
+    disagree -- a commit killed between the first node's rename and the last's, a copy damaged
+    on one node -- and a restart that took each node's own newest would load one model from two
+    steps. A node that holds the newest step prepared but not renamed (its vote was in, the
+    commit was decided: another node renamed it) is rolled forward; a step some node lacks is
+    passed over, with a warning naming the node. In one process it is ``latest`` itself."""
+    if agree and _several_ranks():
+        return _agreed(run_dir, tuple(kinds), tuple(extra_markers))
+    from dcp_nvme.storage.intact import load_problem  # here, so that `import dcp_nvme` loads no pyarrow
+
+    for found in reversed(checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)):
+        why = load_problem(found.path) if found.kind == NVME else None
+        if why is None:
+            return found.path
+        step = "" if found.step is None else f" (step {found.step})"
+        warnings.warn(f"dcp_nvme.latest: {found.path}{step} is committed but cannot load, so it is passed "
+                      f"over: {why}. `dcp-nvme list {os.fspath(run_dir)}` shows its state", stacklevel=2)
+    return None
+
+
+def _node_view(run_dir: str | os.PathLike[str], kinds: tuple[str, ...],
+               extra_markers: tuple[str, ...]) -> dict[str, Any]:
+    """What this rank's disk holds of the run: the loadable checkpoints (name -> save key,
+    newest first) and the directories whose manifest is prepared but not renamed."""
+    from dcp_nvme.format.container import MANIFEST, temp_of
+    from dcp_nvme.host.job import node_identity
+    from dcp_nvme.storage.intact import load_problem
+
+    loadable, problems, prepared = {}, {}, {}
+    for found in reversed(checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)):
+        why = load_problem(found.path) if found.kind == NVME else None
+        if why is None:
+            loadable[found.name] = _save_key(found.path)
+        else:
+            problems[found.name] = why
+    try:
+        entries = [e for e in os.scandir(run_dir) if e.is_dir(follow_symlinks=False) and e.name not in loadable]
+    except OSError:
+        entries = []
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            keys = [t[1] for t in map(temp_of, os.listdir(entry.path)) if t is not None and t[0] == MANIFEST]
+            if len(keys) == 1 and committed_kind(entry.path, kinds) is None:
+                prepared[entry.name] = keys[0]
+    return {"node": node_identity(), "loadable": loadable, "problems": problems, "prepared": prepared}
+
+
+def _save_key(path: Path) -> str | None:
+    from dcp_nvme.format.manifest import read_manifest_doc
+    from dcp_nvme.storage.local_dir import LocalStore
+
+    try:
+        return read_manifest_doc(LocalStore(path), str(path)).save_key
+    except (OSError, ValueError, KeyError):
+        return None  # a stock DCP checkpoint has no save key
+
+
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agreed(run_dir: str | os.PathLike[str], kinds: tuple[str, ...], extra_markers: tuple[str, ...]) -> Path | None:
+    import torch.distributed as dist
+
+    from dcp_nvme.errors import DCPNVMeError
+    from dcp_nvme.format.container import MANIFEST
+    from dcp_nvme.storage.intact import load_problem
+    from dcp_nvme.storage.local_dir import commit_prepared
+
+    mine = _node_view(run_dir, kinds, extra_markers)
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
+    names = list(dict.fromkeys(n for v in views for n in v["loadable"]))  # rank 0's order first
+    names.sort(key=lambda n: (parse_step(n) is None, -(parse_step(n) or 0)))  # newest step first
+    chosen, forward = None, False
+    for name in names:
+        keys = {v["loadable"].get(name, v["prepared"].get(name)) for v in views}
+        if len(keys) == 1 and all(name in v["loadable"] or name in v["prepared"] for v in views):
+            chosen, forward = name, name in mine["prepared"]
+            break
+    why = None
+    if forward and dist.get_rank() == min(r for r, v in enumerate(views) if v["node"] == mine["node"]):
+        step = os.path.join(os.fspath(run_dir), str(chosen))
+        try:  # the commit was decided (another node renamed it): finish this node's half
+            commit_prepared(step, MANIFEST, mine["prepared"][chosen])
+            why = load_problem(step)
+        except (OSError, DCPNVMeError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+    said: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(said, (mine["node"], why))
+    for node, problem in said:
+        if problem:
+            raise DCPNVMeError(f"latest(agree=True): node {node} could not finish its commit of {chosen} "
+                               f"under {os.fspath(run_dir)}: {problem}")
+    newest = next(iter(mine["loadable"]), None)
+    if newest is not None and newest != chosen:
+        lacking = sorted({v["node"] for v in views if newest not in v["loadable"]})
+        reasons = "; ".join(f"node {v['node']}: {v['problems'][newest]}" for v in views if newest in v["problems"])
+        warnings.warn(f"dcp_nvme.latest: {newest} is not loadable on node(s) {', '.join(lacking)}"
+                      f"{f' ({reasons})' if reasons else ''}; every rank takes {chosen or 'nothing'}", stacklevel=3)
+    return None if chosen is None else Path(run_dir) / chosen

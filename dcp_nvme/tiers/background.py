@@ -1,19 +1,29 @@
 """The background drain: ``Drainer`` drains checkpoints one at a time in submission order,
-and the process-wide one that ``NVMeWriter(mirror=...)`` hands its commits to."""
+and the process-wide one that ``NVMeWriter(mirror=...)`` hands its commits to.
+
+Every drain submitted in this process is waited for by ``wait_for_drains`` and, at interpreter
+exit, before Python stops its thread pools: the drain (its pieces, the codec) and the fsspec
+backends under it need them, and a pool stopped for the exit refuses new work."""
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401 - imported first: its exit hook then runs after ours
 import logging
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+from dcp_nvme.errors import DrainError
 from dcp_nvme.tiers.drainer import DrainResult, drain
 from dcp_nvme.tiers.journal import drain_state
 from dcp_nvme.tiers.options import DrainOptions
+from dcp_nvme.tiers.transfer import exiting
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +34,7 @@ class Drainer:
     ``submit`` returns a Future resolving to a DrainResult (or raising DrainError). With
     ``keep_last=K`` the parent directory of each drained checkpoint is pruned to the K newest
     local checkpoints after every success; checkpoints not yet mirrored are never removed.
-    The worker thread is not a daemon: a process that ends waits for queued drains.
+    A process that ends waits for the queued and running drains (``wait_for_drains``).
     """
 
     def __init__(self, options: DrainOptions | None = None, *, keep_last: int | None = None) -> None:
@@ -52,7 +62,14 @@ class Drainer:
                     result.errors.append(f"retention in {run_dir}: {type(exc).__name__}: {exc}")
             return result
 
-        future = self._pool.submit(run)
+        try:
+            future = self._pool.submit(run)
+        except RuntimeError as exc:  # closed, or submitted after the exit stopped the pools
+            refused = exiting(exc)
+            future = Future()
+            future.set_exception(DrainError(os.fspath(local), target, str(refused) if refused is not None
+                                            else f"the drainer is closed ({exc})"))
+        _track(future)
         future.add_done_callback(_log_failure)
         with self._lock:
             self._futures = [f for f in self._futures if not f.done()] + [future]
@@ -71,6 +88,80 @@ class Drainer:
 
     def close(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+_pending: set[Future] = set()
+"""Every drain submitted in this process, by any Drainer, that has not ended."""
+_ended = threading.Condition()
+
+
+def _track(future: Future) -> None:
+    with _ended:
+        _pending.add(future)
+    future.add_done_callback(_untrack)  # at once when it has already ended
+
+
+def _untrack(future: Future) -> None:
+    with _ended:
+        _pending.discard(future)
+        if not _pending:
+            _ended.notify_all()
+
+
+def wait_for_drains(timeout: float | None = None) -> bool:
+    """Wait until every drain submitted in this process (``NVMeWriter(mirror=...)`` submits one
+    per commit; any ``Drainer``) has ended, mirrored or failed. Returns True when none is left,
+    False when ``timeout`` seconds passed first. A failure is not raised here: the drain's
+    Future (``writer.drain_future``) raises its DrainError, ``drain_state(path)`` says
+    ``failed: <cause>``, and the log has it. The same wait runs at interpreter exit."""
+    with _ended:
+        return _ended.wait_for(lambda: not _pending, timeout)
+
+
+_SAVES_FIRST: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("dcp_nvme.save.async_saver", "_drain_at_exit", {}),  # NVMeAsyncSaver's queued saves
+    ("dcp_nvme.save.node_commit", "settle", {"give_up_waiting": False}),  # node commits in their round
+)
+"""What may still submit drains at exit, ended first: (module, function, keyword arguments).
+Looked up only when the module is loaded: a process that never imported it has none of them."""
+
+
+def _wait_at_exit() -> None:
+    """At interpreter exit, before the thread pools stop: the saves still under way in this
+    process end first (each submits its drain as it commits), then every drain."""
+    try:
+        for module, name, kwargs in _SAVES_FIRST:
+            function = getattr(sys.modules.get(module), name, None)
+            try:
+                if function is not None:
+                    function(**kwargs)
+            except Exception as exc:  # noqa: BLE001  the drains already submitted are still waited for
+                log.error("dcp_nvme: at exit, %s.%s failed: %s", module, name, exc)
+        with _ended:
+            count = len(_pending)
+        if count:
+            log.info("dcp_nvme: waiting for %d drain(s) to the mirror before the process exits", count)
+            wait_for_drains()
+    except KeyboardInterrupt:
+        log.error("dcp_nvme: interrupted at exit: the drains still running stop when Python stops its "
+                  "thread pools; `dcp-nvme status PATH` tells, `dcp-nvme drain PATH` resumes")
+
+
+def _run_before_the_pools_stop(hook: Callable[[], None]) -> None:
+    """Call ``hook`` at interpreter exit while thread pools still take work.
+
+    The one touch of a private API: ``threading._register_atexit`` (Python >= 3.9) hooks run,
+    last registered first, once the main thread has ended and before non-daemon threads are
+    joined; concurrent.futures registers there the hook that stops every pool (imported at the
+    top of this module, so it is registered before ours and runs after it). ``atexit`` hooks run
+    only after that, so without it a drain still running at exit fails there, saying so."""
+    try:
+        getattr(threading, "_register_atexit", atexit.register)(hook)
+    except RuntimeError:  # first imported while the interpreter exits: too late to wait for anything
+        log.debug("dcp_nvme: no exit hook for drains: the interpreter is already exiting")
+
+
+_run_before_the_pools_stop(_wait_at_exit)
 
 
 def _log_failure(future: Future) -> None:
@@ -100,3 +191,18 @@ def set_default_drainer(drainer: Drainer | None) -> Drainer | None:
     with _default_lock:
         previous, _default = _default, drainer
     return previous
+
+
+def _forget_in_child() -> None:
+    """In the child of a fork(): the parent's drains run on the parent's threads, so the child's
+    exit must not wait for them; the process-wide Drainer's worker did not come along either, so
+    the child gets one of its own (same options)."""
+    global _ended, _default, _default_lock
+    _pending.clear()
+    _ended = threading.Condition()  # another thread may have held these at the fork
+    _default_lock = threading.Lock()
+    if _default is not None:
+        _default = Drainer(_default.options, keep_last=_default.keep_last)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -53,6 +53,7 @@ from dcp_nvme.tiers.transfer import (
     backoff_delay,
     check_coverage,
     classify,
+    exiting,
     is_permanent,
     matching_pieces,
     overlap,
@@ -232,6 +233,10 @@ class _DrainRun:
             changed = overwritten(self.location, why)
             changed.__cause__ = exc
             exc = changed
+        refused = exiting(exc)
+        if refused is not None and refused is not exc:  # the interpreter is exiting: final, never retried
+            refused.__cause__ = exc
+            exc = refused
         cause = classify(exc)
         if self.result is not None:
             self.result.errors.append(cause)
@@ -239,7 +244,8 @@ class _DrainRun:
         if self.coded is not None and (final or self.coded.failed):  # a failed coder codes again next time
             self.coded.close()
             self.coded = None
-        if final and is_permanent(exc) and journal is not None:
+        # a drain cut short by the exit keeps what reached the target: its resume confirms it
+        if final and is_permanent(exc) and refused is None and journal is not None:
             _discard(sink, journal, self.open_sink)
         if final:  # a later drain codes again (deterministic): the fast tier gets its space back
             remove_scratch(self.location)

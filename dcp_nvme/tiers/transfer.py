@@ -52,6 +52,35 @@ class SourceChanged(DrainFault):
     permanent = True
 
 
+class ProcessExiting(DrainFault):
+    """Python is shutting down and its thread pools refuse new work, so the drain cannot go on
+    in this process. Never retried (a retry meets the same refusal); what reached the target is
+    kept for the resume."""
+
+    permanent = True
+
+
+_REFUSED_AT_EXIT = "cannot schedule new futures after interpreter shutdown"
+"""concurrent.futures' refusal once the interpreter's exit has stopped its pools."""
+
+
+def exiting(exc: BaseException) -> ProcessExiting | None:
+    """The ProcessExiting that ``exc`` (or an exception it was raised from) stands for, or None."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the refusal can arrive wrapped (a coder's failure handed to the senders)
+        if seen is None:
+            return None
+        if isinstance(seen, ProcessExiting):
+            return seen
+        if isinstance(seen, RuntimeError) and _REFUSED_AT_EXIT in str(seen):
+            return ProcessExiting(
+                "the process exited before the drain finished: Python's thread pools refuse new work "
+                f"during interpreter exit ({_REFUSED_AT_EXIT}). Resume it with `dcp-nvme drain PATH`; "
+                "a script can wait for its drains with dcp_nvme.tiers.wait_for_drains()")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def piece_entry(piece: Piece, tag: str) -> dict[str, int | str]:
     """What the journal keeps of a piece that reached the target: its byte range and tag."""
     return {"offset": piece.offset, "length": piece.length, "tag": tag}

@@ -10,6 +10,7 @@ from dcp_nvme.errors import CheckpointNotCommittedError, CheckpointNotFoundError
 from dcp_nvme.format.container import DCP_METADATA, MANIFEST, save_key_of
 from dcp_nvme.format.manifest import Manifest, read_manifest
 from dcp_nvme.host.files import file_kind, open_regular
+from dcp_nvme.storage.intact import one_line, quick_check
 from dcp_nvme.storage.local_dir import LocalStore, Store
 
 COMMITTED = "committed"
@@ -56,43 +57,11 @@ def checkpoint_state(source: Store) -> CheckpointState:
         state = FOREIGN if DCP_METADATA in names else NOT_A_CHECKPOINT
         return CheckpointState(location, state, str(exc), data_files=data_files)
     except Exception as exc:  # any damage to the manifest or index: report it, never crash
-        return CheckpointState(location, CORRUPT, _one_line(exc), data_files=data_files)
+        return CheckpointState(location, CORRUPT, one_line(exc), data_files=data_files)
     problems, elsewhere = quick_check(source, manifest)
     if problems:
         return CheckpointState(location, DAMAGED, "; ".join(problems), manifest, data_files, elsewhere)
     return CheckpointState(location, COMMITTED, "", manifest, data_files, elsewhere)
-
-
-def quick_check(source: Store, manifest: Manifest) -> tuple[list[str], list[str]]:
-    """Listed files that are missing or have the wrong size (a stat each, no data read), and
-    of a node-local checkpoint the nodes whose files are all absent: held on their own disks,
-    not missing, as long as this directory holds at least one node's files."""
-    problems, missing = [], set()
-    try:
-        files = manifest.doc["files"]
-        listed = [(f["name"], int(f["size"])) for f in files]
-    except (KeyError, TypeError, ValueError) as exc:
-        return [f"{MANIFEST} has a malformed 'files' list ({_one_line(exc)})"], []
-    for name, size in listed:
-        try:
-            actual = source.size(name)  # a regular file, or refused unopened
-        except FileNotFoundError:
-            missing.add(name)
-            continue
-        except DCPNVMeError as exc:
-            problems.append(_one_line(exc))
-            continue
-        if actual != size:
-            problems.append(f"{name} is {actual} bytes, the manifest says {size}")
-    elsewhere = []
-    if manifest.node_local and missing:
-        by_node = manifest.files_by_node()
-        absent = [node for node, names in by_node.items() if set(names) <= missing]
-        if len(absent) < len(by_node):
-            elsewhere = absent
-            missing -= {name for node in absent for name in by_node[node]}
-    problems += [f"{name} is missing" for name, _ in listed if name in missing]
-    return problems, elsewhere
 
 
 def what_file_is(path: str) -> str:
@@ -124,7 +93,3 @@ def what_file_is(path: str) -> str:
         return "a pickle file (torch.save's legacy format?)"
     return f"a file of {size} bytes"
 
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

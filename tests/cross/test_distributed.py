@@ -147,3 +147,27 @@ def _one_rank_fails(rank, world, path):
 
 def test_failure_on_one_rank_fails_every_rank_and_commits_nothing(tmp_path):
     run_ranks(2, _one_rank_fails, str(tmp_path / "ckpt"))
+
+
+def _load_two_steps(rank, world, run):
+    state = {"w": torch.full((8,), float(rank)), "step": 1}
+    for step in (1, 2):  # every rank saves both steps, in one shared directory
+        dcp.save({"w": torch.full((8,), float(step)), "step": step},
+                 storage_writer=NVMeWriter(os.path.join(run, f"step_{step}")))
+    mine = os.path.join(run, f"step_{2 - rank}")  # rank 0 takes step_2, rank 1 step_1: a mix
+    try:
+        dcp.load(state, storage_reader=NVMeReader(mine))
+    except CheckpointException as exc:
+        said = str(exc)
+        assert "different saves" in said and "step_1" in said and "step_2" in said, said
+    else:
+        raise AssertionError(f"rank {rank}: a load of two steps should fail on every rank")
+    assert torch.equal(state["w"], torch.full((8,), float(rank))) and state["step"] == 1  # untouched
+    dcp.load(state, storage_reader=NVMeReader(os.path.join(run, "step_2")))  # one step: loads
+    assert torch.equal(state["w"], torch.full((8,), 2.0)) and state["step"] == 2
+
+
+def test_ranks_that_load_different_steps_are_refused_on_every_rank(tmp_path):
+    """A restart where each node took its own newest step (a commit killed half-way) would load
+    one model from two steps: the coordinator sees each rank's save in its plan and refuses."""
+    run_ranks(2, _load_two_steps, str(tmp_path))

@@ -180,3 +180,50 @@ def test_the_switch_turns_sharing_off_and_the_old_variable_is_only_warned_about(
     NVMeReader(path).read_metadata()
     assert builds == [1, 1] and len(list(directory.glob("*.cols"))) == 1
     assert "DCP_NVME_NODE_INDEX is no longer read" in caplog.text
+
+
+def _planted_load(path: str, out: str) -> None:
+    """A rank of the node, forked (the ``shared`` set-up inherited), with its memory capped so
+    that reading a device without end fails at once instead of taking gigabytes."""
+    import resource
+
+    status = Path("/proc/self/status").read_text().splitlines()
+    size = next(int(line.split()[1]) for line in status if line.startswith("VmSize")) * 1024
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    cap = size + (1 << 30) if hard == resource.RLIM_INFINITY else min(size + (1 << 30), hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        loaded = _load(Path(path))
+        same = all(torch.equal(loaded[k], v) for k, v in _state().items())
+        Path(out).write_text(json.dumps({"same": same}))
+    except BaseException as exc:  # noqa: BLE001  (reported to the test)
+        Path(out).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+
+
+@pytest.mark.parametrize("planted", ["fifo at the columns", "fifo at the counter", "link to /dev/zero at the counter"])
+def test_a_fifo_or_device_in_the_shared_directory_never_stalls_a_rank(shared, tmp_path, planted):
+    """Whatever sits under the shared names is opened non-blocking, never through a link, and
+    read bounded: the rank decodes or maps as usual and loads, within seconds."""
+    directory, _ = shared
+    path, _ = _saved(tmp_path)
+    doc = json.loads((path / "manifest.json").read_text())
+    stem = directory / f"index-{doc['save_key']}-{doc['index']['crc32c']:08x}-{doc['index']['size']}"
+    if planted == "fifo at the columns":
+        os.mkfifo(stem.with_name(stem.name + ".cols"))  # before the node's first rank opens it
+    else:
+        NVMeReader(path).read_metadata()  # the first rank: shares the columns, counts itself
+        counter = stem.with_name(stem.name + ".count")
+        counter.unlink()
+        if planted == "fifo at the counter":
+            os.mkfifo(counter)
+        else:
+            counter.symlink_to("/dev/zero")
+    out = tmp_path / "out.json"
+    child = multiprocessing.get_context("fork").Process(target=_planted_load, args=(str(path), str(out)))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"a rank with a {planted} still had not loaded after 30 s: it hangs")
+    assert json.loads(out.read_text()) == {"same": True}

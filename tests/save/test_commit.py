@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import (
@@ -51,6 +51,36 @@ def test_save_into_committed_checkpoint_needs_overwrite(tmp_path):
     assert _load(tmp_path / "c") == 2
     names = os.listdir(tmp_path / "c")
     assert len([n for n in names if n.endswith(".safetensors")]) == 1  # the old data is gone
+
+
+def _stock_load(path):
+    dest = {"w": torch.zeros(1000)}
+    dcp.load(dest, storage_reader=FileSystemReader(path), no_dist=True)
+    return dest["w"][0].item()
+
+
+@pytest.mark.parametrize("refused_by", ["the process saving alone", "the coordinator while planning"])
+def test_a_stock_dcp_checkpoint_is_refused_like_ours(tmp_path, monkeypatch, refused_by):
+    """Saving over FileSystemWriter's checkpoint would leave its .metadata beside our manifest:
+    dcp.load and NVMeReader would load two different states from one directory."""
+    from dcp_nvme.save import dropin
+
+    path = tmp_path / "c"
+    dcp.save({"w": torch.full((1000,), 1.0)}, storage_writer=FileSystemWriter(path), no_dist=True)
+    stock = sorted(os.listdir(path))
+    if refused_by == "the coordinator while planning":  # as with several ranks: nothing refused early
+        monkeypatch.setattr(dropin, "alone", lambda: False)
+    with pytest.raises(CheckpointException) as info:
+        _save(path, 2)
+    assert any(isinstance(c, CheckpointExistsError) for c in _causes(info.value))
+    assert "Checkpoint already exists at" in str(info.value) and "stock DCP checkpoint" in str(info.value)
+    assert sorted(os.listdir(path)) == stock and _stock_load(path) == 1.0
+    monkeypatch.undo()
+    _save(path, 2, overwrite=True)  # replaces it: the stock files go once ours is committed
+    assert _load(path) == 2.0
+    assert not [n for n in os.listdir(path) if n.endswith(".distcp") or n.endswith(".metadata")]
+    with pytest.raises(CheckpointException):
+        _stock_load(path)  # nothing of the old state is left for dcp.load to find
 
 
 def test_missing_directory_and_plain_directory_are_refused(tmp_path):

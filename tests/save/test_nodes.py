@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
+import dcp_nvme
 from dcp_nvme import InvalidInputError, NVMeReader, NVMeWriter
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format.manifest import describe_topology, read_manifest, seal
@@ -108,8 +109,11 @@ def test_tools_and_reader_tell_a_node_local_copy_from_a_damaged_one(tmp_path):
     # r0 is in rank 0's file, which this node does not hold: named, with where it is
     with pytest.raises(CheckpointException, match=r"rank_00000\.\w+\.safetensors \(rank 0's data\), which node 0 wrote"):
         dcp.load({"r0": torch.empty(4)}, storage_reader=NVMeReader(path), no_dist=True)
+    assert dcp_nvme.latest(tmp_path) == path  # the other node's files are on its disk: not a damage
     os.remove(path / found.manifest.doc["files"][1]["name"])  # now no node's files are here: damaged
     assert checkpoint_state(LocalStore(path)).state == "damaged"
+    with pytest.warns(UserWarning, match="is missing; this is this node's copy of a node-local checkpoint"):
+        assert dcp_nvme.latest(tmp_path) is None  # passed over here, and said the nodes may disagree
 
 
 def test_mirror_root_gives_each_step_its_own_mirror_and_a_reused_mirror_is_refused(tmp_path):
@@ -144,3 +148,24 @@ def test_a_drain_never_replaces_the_mirror_of_another_checkpoint(tmp_path):
     dcp.load(got, storage_reader=NVMeReader(target), no_dist=True)
     assert got["w"].tolist() == [1.0] * 4  # step 1's mirror is intact
     drain(run / "step_1", str(target))  # the same checkpoint drains there again (a resume) fine
+
+
+def test_the_coordinator_waits_as_long_as_the_process_group_not_longer(tmp_path):
+    """A node writer that never votes (killed): the coordinator's round ends when the process
+    group's timeout (its store's) runs out, not after a fixed half hour, and nothing commits."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dcp_nvme.errors import SaveError
+    from dcp_nvme.save.node_commit import commit_on_every_node, store_timeout
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=1.5))
+    assert store_timeout(store) == 1.5
+    began = time.monotonic()
+    with pytest.raises(SaveError, match=r"node 1 \(rank 2\): no answer within 1 s"):
+        commit_on_every_node(store, str(tmp_path), "abcd1234", b"{}", [], {2: "1"})
+    assert time.monotonic() - began < 30
+    assert os.listdir(tmp_path) == []  # its prepared manifest is gone too
