@@ -6,6 +6,7 @@ hostile input (``data_file_name``, ``check_name``, ``temp_name``)."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -483,3 +484,28 @@ def check_node_name(node: object, where: str) -> str:
 def is_served_name(name: object) -> bool:
     """Whether a peer may ask for ``name``: the manifest, a rank file or a table of any save."""
     return isinstance(name, str) and (name == MANIFEST or save_key_of(name) is not None)
+
+
+# A non-tensor item is stored as DCP stores it, a ``torch.save`` archive; what its pickle imports
+# decides whether NVMeReader builds it without running code (load/objects.py) or only with
+# ``allow_pickle=True`` -- which the save says when it writes one (save/items.py).
+
+BYTES_GLOBALS = frozenset({"_io.BytesIO", "builtins.bytes"})
+"""What the weights-only unpickler refuses in a BytesIO or an empty ``bytes``, and
+``_BytesUnpickler`` builds."""
+
+
+def unsafe_globals(data: bytes) -> list[str]:
+    """Names the item's pickle would import beyond the weights-only allow-list (nothing is run)."""
+    import torch  # here, not at import: ``dcp-nvme verify`` of plain values runs without torch
+
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+    except Exception:  # noqa: BLE001 - not even a readable torch.save file: no names to give
+        return []
+
+
+def needs_pickle(data: bytes) -> list[str]:
+    """What a stored item's pickle imports beyond what NVMeReader builds without running code
+    (torch's weights-only list, plus bytes and BytesIO): empty when it loads by default."""
+    return [name for name in unsafe_globals(data) if name not in BYTES_GLOBALS]

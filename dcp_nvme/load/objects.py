@@ -25,18 +25,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from dcp_nvme.errors import DCPNVMeError, ItemKindError, UnsafeItemError
+from dcp_nvme.format.container import BYTES_GLOBALS, unsafe_globals
 
 OPT_IN = "NVMeReader(path, allow_pickle=True)"
-
-
-def unsafe_globals(data: bytes) -> list[str]:
-    """Names the item's pickle would import beyond the weights-only allow-list (nothing is run)."""
-    import torch  # here, not at import: ``dcp-nvme verify`` of plain values runs without torch
-
-    try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
-    except Exception:  # noqa: BLE001 - not even a readable torch.save file: no names to give
-        return []
 
 
 def _reason(data: bytes, exc: BaseException) -> str:
@@ -46,11 +37,6 @@ def _reason(data: bytes, exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), None)
     return detail or (lines[0] if lines else type(exc).__name__)
-
-
-BYTES_GLOBALS = frozenset({"_io.BytesIO", "builtins.bytes"})
-"""What the weights-only unpickler refuses in a BytesIO or an empty ``bytes``, and
-``_BytesUnpickler`` builds."""
 
 
 def _empty_bytes(*args: Any) -> bytes:

@@ -17,6 +17,7 @@ import operator
 import os
 import statistics
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, cast
@@ -42,6 +43,7 @@ from dcp_nvme.format.container import (
     ItemSpec,
     default_item_key,
     dtype_name,
+    needs_pickle,
     new_save_key,
     save_key_of,
     stored_as,
@@ -81,6 +83,24 @@ def _item_key(item: WriteItem) -> str:
     return default_item_key(item.index.fqn, None if item.type == WriteItemType.BYTE_IO else item.index.offset)
 
 
+_pickle_checked: set[str] = set()
+
+
+def _say_if_it_needs_pickle(fqn: str, raw: bytes) -> None:
+    """A value only full pickle can load (an ``argparse.Namespace``, numpy's RNG state) saves
+    fine and is refused at the restart unless the reader opts in: say so now, naming it. Each
+    name is looked at once per process: a later save of the same item costs nothing."""
+    if fqn in _pickle_checked:
+        return
+    _pickle_checked.add(fqn)
+    names = needs_pickle(raw)
+    if names:
+        warnings.warn(f"dcp_nvme: non-tensor item {fqn!r} imports {', '.join(names[:5])} when loaded: "
+                      "NVMeReader refuses it unless NVMeReader(path, allow_pickle=True), which runs its "
+                      "code; store plain values (or torch.serialization.add_safe_globals its classes "
+                      "before loading) for a restart that needs no opt-in", stacklevel=2)
+
+
 def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, ChunkRecord]:
     """An item's bytes (flat uint8, no copy when contiguous) and how it is described; an item
     whose name the container cannot hold is refused (``check_item_name``) before any is written."""
@@ -88,6 +108,7 @@ def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, Ch
     key = _item_key(item)
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        _say_if_it_needs_pickle(item.index.fqn, raw)
         source = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         spec = ItemSpec(key, len(raw), "U8", (len(raw),))
         record = ChunkRecord(item.index.fqn, "bytes", (), (), (), "uint8", "", 0, len(raw), key)

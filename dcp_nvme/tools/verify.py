@@ -97,8 +97,9 @@ def verify_checkpoint(
 
     Raises CheckpointNotFoundError when the path is missing or holds no dcp_nvme checkpoint at
     all; an unfinished or damaged checkpoint is a report with problems, not an exception.
-    A non-tensor item that only full pickle can load is a problem unless ``allow_pickle``;
-    either way it is listed in ``report.needs_pickle``.
+    A non-tensor item that only full pickle can load is listed in ``report.needs_pickle`` and
+    is not a problem: integrity and the pickle policy are apart (``allow_pickle`` is kept for
+    callers and changes nothing).
     """
     if jobs < 1:
         raise InvalidInputError(f"--jobs must be at least 1, got {jobs}")
@@ -111,7 +112,7 @@ def verify_checkpoint(
         if files is not None:
             _check_tables(manifest, files, report)
             _check_containers(source, manifest, files, report, jobs, progress, span)
-        _check_objects(source, manifest, report, allow_pickle)
+        _check_objects(source, manifest, report)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -251,12 +252,12 @@ def _merge(ranges: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     return merged
 
 
-def _check_objects(source: Store, manifest: Manifest, report: VerifyReport, allow_pickle: bool) -> None:
-    for fqn, name, reason in items_needing_pickle(source, manifest.chunks):
+def _check_objects(source: Store, manifest: Manifest, report: VerifyReport) -> None:
+    """Items that load only with full pickle: listed, never an integrity problem (an intact
+    checkpoint of an ``argparse.Namespace`` is intact; whether to run its pickle is the loader's
+    decision, ``NVMeReader(allow_pickle=True)``)."""
+    for fqn, _, reason in items_needing_pickle(source, manifest.chunks):
         report.needs_pickle.append(f"{fqn}: {reason}")
-        if not allow_pickle:
-            report.problems.append(Problem(name, "pickle", f"non-tensor item {fqn!r} loads only with "
-                                           f"allow_pickle=True, which would run code ({reason})", items=(fqn,)))
 
 
 def _check_containers(source: Store, manifest: Manifest, files: dict[str, FileRecord],

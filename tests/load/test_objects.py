@@ -152,28 +152,58 @@ def test_tensor_in_checkpoint_where_an_object_is_expected_names_the_key(tmp_path
     assert victim == {"step": 5}
 
 
-def test_verify_reports_items_that_need_the_opt_in(hostile):
+def test_verify_lists_items_that_need_the_opt_in_apart_from_integrity(hostile):
+    """An intact checkpoint is intact whatever its items' pickles import: verify lists the items
+    that only allow_pickle=True loads, with what they import, and says OK."""
     ckpt, marker = hostile
     report = verify_checkpoint(ckpt)
-    assert not report.ok
-    assert {p.kind for p in report.problems} == {"pickle"}
-    assert sorted(p.items for p in report.problems) == [("step",), ("weight",)]
-    assert all("posix.mkdir" in p.message and "allow_pickle=True" in p.message for p in report.problems)
-    allowed = verify_checkpoint(ckpt, allow_pickle=True)
-    assert allowed.ok and len(allowed.needs_pickle) == 2
+    assert report.ok and report.problems == []
+    assert sorted(item.split(":")[0] for item in report.needs_pickle) == ["step", "weight"]
+    assert all("posix.mkdir" in item for item in report.needs_pickle), report.needs_pickle
+    assert verify_checkpoint(ckpt, allow_pickle=True).needs_pickle == report.needs_pickle
     assert not marker.exists()
 
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = [sys.executable, "-m", "dcp_nvme", "verify", str(ckpt), "--no-progress"]
-    refused = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env)
-    assert refused.returncode == 1
-    assert "BAD " in refused.stdout and "'weight' loads only with allow_pickle=True" in refused.stdout
-    assert "FAILED" in refused.stdout
-    accepted = subprocess.run([*run, "--allow-pickle", "--json"], capture_output=True, text=True,
-                              timeout=120, env=env)
-    assert accepted.returncode == 0, accepted.stderr
-    assert len(json.loads(accepted.stdout)["needs_pickle"]) == 2
+    said = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env)
+    assert said.returncode == 0, said.stdout + said.stderr
+    assert "PICKLE weight: it imports posix.mkdir" in said.stdout and "allow_pickle=True" in said.stdout
+    assert "OK " in said.stdout and "BAD" not in said.stdout
+    as_json = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert as_json.returncode == 0, as_json.stderr
+    assert len(json.loads(as_json.stdout)["needs_pickle"]) == 2
+    damaged = next(ckpt.glob("rank_*"))
+    with open(damaged, "r+b") as f:  # integrity still fails as before
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert subprocess.run(run, capture_output=True, text=True, timeout=120, env=env).returncode == 1
     assert not marker.exists()
+
+
+def test_a_save_says_which_items_need_the_opt_in(tmp_path: Path):
+    """What users keep in a state (an argparse.Namespace, numpy's RNG state) saves fine but only
+    loads with allow_pickle=True: the save says so, naming each item and the option."""
+    import argparse
+
+    import numpy as np
+
+    from dcp_nvme.save import items
+
+    items._pickle_checked.clear()
+    state = {"args": argparse.Namespace(lr=0.1), "rng": np.random.get_state(), "step": 7, "w": torch.ones(2)}
+    with pytest.warns(UserWarning) as said:
+        save(tmp_path / "ckpt", state)
+    text = [str(w.message) for w in said if "allow_pickle=True" in str(w.message)]
+    assert any("'args' imports argparse.Namespace" in t for t in text), text
+    assert any("'rng'" in t and "numpy" in t for t in text), text
+    assert not any("'step'" in t for t in text), text  # a plain value loads by default
+    loaded = {"args": None, "rng": None, "step": 0, "w": torch.zeros(2)}
+    with pytest.raises(CheckpointException, match="UnsafeItemError"):
+        dcp.load(loaded, storage_reader=NVMeReader(tmp_path / "ckpt", direct_io=False), no_dist=True)
+    dcp.load(loaded, storage_reader=NVMeReader(tmp_path / "ckpt", direct_io=False, allow_pickle=True), no_dist=True)
+    assert loaded["args"].lr == 0.1 and loaded["step"] == 7
 
 
 class BufferState:
