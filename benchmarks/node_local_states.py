@@ -28,7 +28,8 @@ launch kept in each node's TMPDIR. Right after it, the host copies the same numb
 when that is more than they hold) to a scratch directory on node 1's disk with sendfile, as
 ``shutil.copyfile`` does, then fsyncs each file and ``os.sync()``: the restore's seconds beside
 the plain copy's. Both "disks" are directories of one drive here, and node 0's files are in the
-page cache (written by the bench launch, read by its restart and by the restore) for both.
+page cache (written by the bench launch, read by its restart and by the restore) for both. Then
+one more restore launch: the healed node's next restart (its seconds and remote bytes).
 """
 
 from __future__ import annotations
