@@ -400,17 +400,23 @@ def read_manifest_doc(store, location: str) -> Manifest:
 
 def _read_index(store, manifest: Manifest, location: str) -> ChunkColumns:
     """The index table read, decoded into columns and checked."""
-    entry = manifest.doc["index"]
-    what = f"{location}/{entry['name']}"
-    data = _load_table(store, entry, location)
-    rows = parquet_footer(data, what).metadata.num_rows
-    if "rows" in entry and rows != entry["rows"]:
-        raise ManifestError(f"{what} has {rows} rows, {MANIFEST} says {entry['rows']}")
+    data, what, rows = _counted_table(store, manifest.doc["index"], location)
     table = read_chunk_table(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
     columns = ChunkColumns.from_table(table)
     del table, data
     check_columns(columns, manifest.doc, what)
     return columns
+
+
+def _counted_table(store, entry: dict[str, Any], location: str) -> tuple[bytes, str, int]:
+    """A table's bytes (checked against its manifest entry), its name for errors, its row count
+    (which must be the one the manifest says)."""
+    what = f"{location}/{entry['name']}"
+    data = _load_table(store, entry, location)
+    rows = parquet_footer(data, what).metadata.num_rows
+    if "rows" in entry and rows != entry["rows"]:
+        raise ManifestError(f"{what} has {rows} rows, {MANIFEST} says {entry['rows']}")
+    return data, what, rows
 
 
 def read_copies(store, manifest: Manifest, location: str) -> list[ChunkRecord]:
@@ -421,11 +427,7 @@ def read_copies(store, manifest: Manifest, location: str) -> list[ChunkRecord]:
     entry = manifest.doc.get("copies")
     if entry is None:
         return []
-    what = f"{location}/{entry['name']}"
-    data = _load_table(store, entry, location)
-    rows = parquet_footer(data, what).metadata.num_rows
-    if "rows" in entry and rows != entry["rows"]:
-        raise ManifestError(f"{what} has {rows} rows, {MANIFEST} says {entry['rows']}")
+    data, what, rows = _counted_table(store, entry, location)
     copies = parse_chunks(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
     sizes = {f["name"]: f["size"] for f in manifest.doc["files"]}
     for copy in copies:
