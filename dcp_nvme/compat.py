@@ -51,7 +51,8 @@ RELIED_ON: dict[str, str] = {
         "its ``state_dict`` after ``set_up_planner``: the destination, to refuse an object "
         "over a tensor (load/objects.py)",
     "torch.serialization.get_unsafe_globals_in_checkpoint":
-        "what a non-tensor item would import, named when it is refused (load/objects.py)",
+        "what a non-tensor item would import: named at save time and when it is refused "
+        "(format/container.py)",
 }
 """Attributes of public classes whose behaviour dcp_nvme depends on (documented by torch, but
 easy to change in passing)."""
@@ -81,3 +82,23 @@ def dcp_version() -> str:
 def default_store() -> Any:
     """The default process group's key-value store (torch.distributed must be initialised)."""
     return resolve("torch.distributed.distributed_c10d._get_default_store")()
+
+
+def run_before_thread_pools_stop(hook: Any) -> bool:
+    """Call ``hook`` at interpreter exit while thread pools still take work; False when the
+    interpreter is exiting already (too late to wait for anything).
+
+    The one touch of a private Python API: ``threading._register_atexit`` (Python >= 3.9) hooks
+    run, last registered first, once the main thread has ended and before non-daemon threads
+    are joined; ``concurrent.futures`` registers there the hook that stops every pool, so a
+    caller imports it first and its hook then runs before that one. ``atexit`` hooks run only
+    after it (the fallback, where the name is gone)."""
+    import atexit
+    import concurrent.futures.thread  # noqa: F401  its exit hook first: ours runs before it
+    import threading
+
+    try:
+        getattr(threading, "_register_atexit", atexit.register)(hook)
+    except RuntimeError:
+        return False
+    return True

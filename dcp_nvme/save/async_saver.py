@@ -19,7 +19,6 @@ queue did not come along).
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures.thread  # noqa: F401 - imported first: its exit hook then runs after ours
 import functools
 import logging
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from dcp_nvme.compat import run_before_thread_pools_stop
 from dcp_nvme.errors import InvalidInputError, SaveError
 from dcp_nvme.save.stager import PERSISTENT, NVMeStager, save_ended
 from dcp_nvme.save.writer import NVMeWriter
@@ -346,7 +346,4 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-# threading's own exit hooks run before the interpreter's thread pools refuse work;
-# concurrent.futures registers its shutdown there too (ours, registered later, runs first)
-_register = getattr(threading, "_register_atexit", atexit.register)
-_register(_drain_at_exit)
+run_before_thread_pools_stop(_drain_at_exit)  # the writers' thread pools still take work then

@@ -7,18 +7,16 @@ backends under it need them, and a pool stopped for the exit refuses new work.""
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures.thread  # noqa: F401 - imported first: its exit hook then runs after ours
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+from dcp_nvme.compat import run_before_thread_pools_stop
 from dcp_nvme.errors import DrainError
 from dcp_nvme.tiers.drainer import DrainResult, drain
 from dcp_nvme.tiers.journal import drain_state
@@ -147,21 +145,8 @@ def _wait_at_exit() -> None:
                   "thread pools; `dcp-nvme status PATH` tells, `dcp-nvme drain PATH` resumes")
 
 
-def _run_before_the_pools_stop(hook: Callable[[], None]) -> None:
-    """Call ``hook`` at interpreter exit while thread pools still take work.
-
-    The one touch of a private API: ``threading._register_atexit`` (Python >= 3.9) hooks run,
-    last registered first, once the main thread has ended and before non-daemon threads are
-    joined; concurrent.futures registers there the hook that stops every pool (imported at the
-    top of this module, so it is registered before ours and runs after it). ``atexit`` hooks run
-    only after that, so without it a drain still running at exit fails there, saying so."""
-    try:
-        getattr(threading, "_register_atexit", atexit.register)(hook)
-    except RuntimeError:  # first imported while the interpreter exits: too late to wait for anything
-        log.debug("dcp_nvme: no exit hook for drains: the interpreter is already exiting")
-
-
-_run_before_the_pools_stop(_wait_at_exit)
+if not run_before_thread_pools_stop(_wait_at_exit):  # first imported while the interpreter exits
+    log.debug("dcp_nvme: no exit hook for drains: the interpreter is already exiting")
 
 
 def _log_failure(future: Future) -> None:

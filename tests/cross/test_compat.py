@@ -4,6 +4,9 @@ in the installed torch, and the package reaches torch's private names only throu
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -70,3 +73,20 @@ def test_the_stager_keeps_a_tensors_shard_fields():
         assert tuple(getattr(staged["w"], name) for name in SHARD_FIELDS) == fields
         assert not any(hasattr(staged["plain"], name) for name in SHARD_FIELDS)
     stager.close()
+
+
+def test_a_hook_run_before_the_thread_pools_stop_can_still_use_a_pool():
+    """The one private Python name: a hook registered through it runs at exit while a thread
+    pool still takes work (an atexit hook would get "cannot schedule new futures")."""
+    code = """
+from concurrent.futures import ThreadPoolExecutor
+from dcp_nvme.compat import run_before_thread_pools_stop
+pool = ThreadPoolExecutor(1)
+def hook():
+    print("ran", pool.submit(lambda: 6 * 7).result(), flush=True)
+assert run_before_thread_pools_stop(hook)
+"""
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0 and "ran 42" in done.stdout, done.stdout + done.stderr
