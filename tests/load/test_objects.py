@@ -182,7 +182,7 @@ def test_verify_lists_items_that_need_the_opt_in_apart_from_integrity(hostile):
     assert not marker.exists()
 
 
-def test_a_save_says_which_items_need_the_opt_in(tmp_path: Path):
+def test_a_save_says_which_items_need_the_opt_in(tmp_path: Path, torch_safe_globals_of_torch_only):
     """What users keep in a state (an argparse.Namespace, numpy's RNG state) saves fine but only
     loads with allow_pickle=True: the save says so, naming each item and the option."""
     import argparse
