@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import pytest
@@ -130,90 +129,3 @@ def test_a_restart_on_one_node_fewer_reads_what_its_disk_holds(cluster, layout):
         else:
             assert rec.get("error") is None and rec["bitwise"] is True, rec
             assert rec["read"]["remote_bytes"] == 0, rec
-
-
-def _wipe(cluster, node):
-    shutil.rmtree(cluster.node_disk(node) / "run")
-    (cluster.node_disk(node) / "run").mkdir()
-
-
-@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
-def test_a_wiped_node_restores_each_item_from_a_node_that_holds_it(cluster, layout):
-    """A replacement node (empty disk), no replicas, no mirror: every item its ranks need is on
-    the other node (data-parallel replicas, and its copies), so ``peers=True`` restores it there
-    over the ranks' own gloo group, bitwise, and the node keeps the manifest for its next start."""
-    results, records = _run(cluster, "save", layout)
-    assert not _failures(results, records, 4)
-    _wipe(cluster, 1)
-    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
-                          timeout=150, check=False)
-    records = all_records(results)
-    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
-    remote = {rec["rank"]: rec["read"]["remote_bytes"] for rec in records}
-    assert all(rec["bitwise"] is True for rec in records), records
-    assert remote[0] == remote[1] == 0 and remote[2] + remote[3] > 0, remote
-    if layout == "ddp":  # both ranks of node 1 need every parameter: it came to the node once
-        assert min(remote[2], remote[3]) == 0, remote
-    step = cluster.node_disk(1) / "run" / STEP
-    assert (step / "manifest.json").exists()
-    assert list((step / ".ranges").glob("*.spans")), sorted(os.listdir(step))  # what came is kept
-    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
-                          timeout=150, check=False)  # the healed node's next restart: its own disk
-    records = all_records(results)
-    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
-    assert all(rec["bitwise"] is True and rec["read"]["remote_bytes"] == 0 for rec in records), records
-
-
-def test_a_range_that_arrives_damaged_comes_from_the_next_holder(cluster3):
-    """HSDP on 3 nodes; node 2 wiped; node 0 flips a byte of everything it sends: node 2's ranks
-    find it on arrival, say which node sent it, and take those ranges from node 1: bitwise."""
-    run = dict(ranks_per_node=2, timeout=180, check=False)
-    results = cluster3.run(SCRIPT, "save", "hsdp", f"{cluster3.mount}/run", **run)
-    assert not _failures(results, all_records(results), 6)
-    _wipe(cluster3, 2)
-    results = cluster3.run(SCRIPT, "load", "hsdp", f"{cluster3.mount}/run",
-                           env={"READER_PEERS": "1", "CORRUPT_SENDS_ON_NODE": "0"}, **run)
-    records = all_records(results)
-    assert not _failures(results, records, 6), "\n".join(_failures(results, records, 6))
-    assert all(rec["bitwise"] is True for rec in records), records
-    on_node2 = [rec for rec in records if rec["rank"] >= 4]
-    assert sum(rec["read"]["remote_bytes"] for rec in on_node2) > 0, on_node2
-    named = [w for rec in on_node2 for w in rec["warnings"] if "node 0 could not send" in w]
-    assert named, [rec["warnings"] for rec in on_node2]
-
-
-@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
-def test_a_new_empty_node_joins_the_restart(cluster3, layout):
-    """Saved on 2 nodes x 2 ranks, restarted on 3 (world 4 -> 6): the new node's disk is empty,
-    so its ranks get the manifest and every chunk they need from the others (``peers=True``);
-    a data-parallel state is the same on every node, so each rank compares bitwise with what
-    the rank of its local index saved."""
-    run = dict(ranks_per_node=2, timeout=180, check=False)
-    results = cluster3.run(SCRIPT, "save", layout, f"{cluster3.mount}/run", nodes=[0, 1], **run)
-    assert not _failures(results, all_records(results), 4)
-    for local in (0, 1):  # what rank 4 + local of the new node must hold: what rank `local` saved
-        saved = cluster3._tmp(0) / f"train_states-{layout}-rank{local:05d}.pt"
-        shutil.copy(saved, cluster3._tmp(2) / f"train_states-{layout}-rank{4 + local:05d}.pt")
-    results = cluster3.run(SCRIPT, "load", layout, f"{cluster3.mount}/run", env={"READER_PEERS": "1"}, **run)
-    records = all_records(results)
-    assert not _failures(results, records, 6), "\n".join(_failures(results, records, 6))
-    assert all(rec["bitwise"] is True for rec in records), records
-    remote = {rec["rank"]: rec["read"]["remote_bytes"] for rec in records}
-    assert not any(remote[rank] for rank in range(4)) and remote[4] + remote[5] > 0, remote
-    if layout == "ddp":  # the new node's two ranks need the same items: they came to it once
-        assert min(remote[4], remote[5]) == 0, remote
-    assert (cluster3.node_disk(2) / "run" / STEP / "manifest.json").exists()
-
-
-def test_replicas_of_a_data_parallel_state_need_no_transfer(cluster):
-    """HSDP with ``replicas=1``: every item is on both nodes already (each keeps what its ranks
-    hold), so no node sends or receives anything: no bytes. (That no module of ours listens on a
-    socket is checked statically: tests/cross/test_package_layout.py.)"""
-    results = cluster.run(SCRIPT, "save", "hsdp", f"{cluster.mount}/run", env={"WRITER_REPLICAS": "1"},
-                          timeout=150, check=False)
-    records = all_records(results)
-    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
-    writers = [rec for rec in records if "replication" in rec]
-    assert len(writers) == 2, records  # one node writer per node
-    for rec in writers:
-        assert rec["replication"]["already_held"] is True and rec["replication"]["bytes"] == 0, rec

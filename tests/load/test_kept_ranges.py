@@ -1,5 +1,5 @@
 """The ranges of other nodes' files a restore keeps on this node (``load.local_copies``): what a
-later load may read there, and records it refuses. tests/cross/test_node_local_states.py keeps
+later load may read there, and records it refuses. tests/cross/test_node_local_restores.py keeps
 and rereads them on simulated nodes."""
 
 from __future__ import annotations
