@@ -462,6 +462,7 @@ def temp_of(name: str) -> tuple[str, str] | None:
 REPLICAS_DIR = ".replicas"
 """``<checkpoint>/.replicas/<node>/``: another node's files of this save, pulled from it."""
 RANGES_DIR = ".ranges"
+SPANS_SUFFIX = ".spans"
 """``<checkpoint>/.ranges/<file>``: the ranges of another node's file a restore fetched for this
 node's ranks, kept (``load.local_copies.KeptRanges``); ``<file>.spans`` says which."""
 REPLICA_MARKER = "replica.json"

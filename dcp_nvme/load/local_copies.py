@@ -4,18 +4,17 @@ or the ranges a restore fetched and kept (``KeptRanges``)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from dcp_nvme.errors import ManifestError
-from dcp_nvme.format.container import RANGES_DIR
+from dcp_nvme.format.container import RANGES_DIR, SPANS_SUFFIX
 from dcp_nvme.format.manifest import Manifest
 from dcp_nvme.format.pieces import Span
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
@@ -81,7 +80,6 @@ def places_of(manifest: Manifest, storage_data: Mapping[Any, ChunkRecord], keys:
     return places
 
 
-SPANS_SUFFIX = ".spans"
 MAX_SPANS_RECORD = 16 << 20
 """A ranges record larger than this is not read (it would be damaged or planted)."""
 
@@ -179,17 +177,3 @@ def kept_file(directory: str, record: FileRecord) -> str:
     finally:
         os.close(fd)
     return target
-
-
-def drop_kept(directory: str, keep: Callable[[str], bool]) -> None:
-    """Remove the kept ranges whose file name ``keep`` refuses (those of another save)."""
-    root = os.path.join(directory, RANGES_DIR)
-    try:
-        entries = os.listdir(root)
-    except OSError:
-        return
-    for entry in entries:
-        name = entry[: -len(SPANS_SUFFIX)] if entry.endswith(SPANS_SUFFIX) else entry
-        if not keep(name):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(root, entry))

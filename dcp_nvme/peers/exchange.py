@@ -45,7 +45,7 @@ from dcp_nvme.format.pieces import Span, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import fsync_dir, open_regular, pwrite_all
 from dcp_nvme.host.job import node_identity
-from dcp_nvme.load.local_copies import drop_kept, keep_spans, kept_file
+from dcp_nvme.load.local_copies import keep_spans, kept_file
 from dcp_nvme.peers.fetching import (
     MemoryStore,
     MirrorSource,
@@ -55,7 +55,7 @@ from dcp_nvme.peers.fetching import (
     write_metadata,
 )
 from dcp_nvme.peers.sources import mirror_source, node_turn
-from dcp_nvme.storage.local_dir import LocalStore
+from dcp_nvme.storage.local_dir import LocalStore, drop_kept
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,8 @@ class Fetch:
 
     def __init__(self, directory: str) -> None:
         self.checkpoint = directory
+        self._kept: dict[str, str] = {}
+        """File name -> its kept-ranges file, made at the first range that came of it."""
         self.taken: dict[str, dict[str, float]] = {}
         self.chosen: list[int] = []
         """For each of this rank's asks, which of its places came (0: the index's)."""
@@ -232,7 +234,9 @@ class Fetch:
         """The ranges a holder could not send intact to this rank, and which node held them."""
 
     def keep(self, record: FileRecord, start: int, data: memoryview, kind: str) -> None:
-        fd = open_regular(kept_file(self.checkpoint, record), os.O_WRONLY)
+        if record.name not in self._kept:
+            self._kept[record.name] = kept_file(self.checkpoint, record)
+        fd = open_regular(self._kept[record.name], os.O_WRONLY)
         try:
             pwrite_all(fd, data, start)
         finally:

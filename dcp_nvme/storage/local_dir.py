@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ from dcp_nvme.errors import (
 from dcp_nvme.format.container import (
     RANGES_DIR,
     REPLICAS_DIR,
+    SPANS_SUFFIX,
     save_key_of,
     temp_name,
     temp_of,
@@ -304,12 +306,21 @@ def remove_other_saves_copies(directory: str, key: str) -> None:
             names = os.listdir(where) if stat.S_ISDIR(os.lstat(where).st_mode) else []
             if any((owner := save_key_of(name)) and owner != key for name in names) or not names:
                 shutil.rmtree(where, ignore_errors=True)
-    ranges = os.path.join(directory, RANGES_DIR)
-    with contextlib.suppress(OSError):
-        for name in os.listdir(ranges):
-            if save_key_of(name.removesuffix(".spans")) != key:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(ranges, name))
+    drop_kept(directory, lambda name: save_key_of(name) == key)
+
+
+def drop_kept(directory: str, keep: Callable[[str], bool]) -> None:
+    """Remove the kept ranges whose file name ``keep`` refuses (those of another save)."""
+    root = os.path.join(directory, RANGES_DIR)
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for entry in entries:
+        name = entry[: -len(SPANS_SUFFIX)] if entry.endswith(SPANS_SUFFIX) else entry
+        if not keep(name):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(root, entry))
 
 
 def remove_save_files(directory: str, key: str) -> None:

@@ -12,7 +12,8 @@ import pytest
 from dcp_nvme.format.container import RANGES_DIR
 from dcp_nvme.format.pieces import Span
 from dcp_nvme.format.tables import FileRecord
-from dcp_nvme.load.local_copies import KeptRanges, drop_kept, keep_spans, kept_file
+from dcp_nvme.load.local_copies import KeptRanges, keep_spans, kept_file
+from dcp_nvme.storage.local_dir import drop_kept
 
 NAME = "rank_00002.abcd1234.safetensors"
 
