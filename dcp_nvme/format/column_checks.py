@@ -138,7 +138,9 @@ def _check_files(cols: ChunkColumns, where: str, screen: _Screen | None = None) 
     it raises, so the error is the one the row checks give first."""
     suspects: set[int] = set()
     if cols.derived_keys:
-        suspects.update(_derived_key_suspects(cols, None if screen is None else _rows_near_empty(cols, screen)))
+        # format 4: two chunks of one fqn in a file share its key, whatever their offsets
+        near = None if screen is None or cols.fqn_keys else _rows_near_empty(cols, screen)
+        suspects.update(_derived_key_suspects(cols, near))
     else:
         pair = cols.file.astype(np.int64) * max(len(cols.keys), 1) + cols.key
         ordered = np.sort(pair)
@@ -173,7 +175,8 @@ def _derived_key_suspects(cols: ChunkColumns, rows: np.ndarray | None = None) ->
     """Files where two rows may have the same default key. The key is the fqn, plus the offsets
     when one is non-zero: rows hash by file, fqn and (then) their offsets; equal hashes flag their
     file (a collision only costs an exact check). An fqn with an ``@`` could spell another row's
-    key ("a@1" and "a" at offset 1): the files of such names are flagged outright."""
+    key ("a@1" and "a" at offset 1): the files of such names are flagged outright. Format 4
+    (``fqn_keys``): the key is the fqn, rows hash by file and fqn alone."""
     every = rows is None
     pick = (lambda a: a) if every else (lambda a: a[rows])
     offsets = pick(cols.grid[0]).astype(np.uint64)  # padded with zeros: they add nothing
@@ -182,7 +185,7 @@ def _derived_key_suspects(cols: ChunkColumns, rows: np.ndarray | None = None) ->
         # each row's offsets folded into one number, sum of value * weight(position), mod 2^64
         folded = (offsets * weights).sum(axis=1, dtype=np.uint64)
         tensor = np.array([k == "tensor" for k in cols.kinds], dtype=bool)[pick(cols.kind)]
-        with_offsets = (offsets != 0).any(axis=1) & tensor
+        with_offsets = (offsets != 0).any(axis=1) & tensor & (not cols.fqn_keys)
         file = pick(cols.file)
         ident = (file.astype(np.uint64) << np.uint64(32)) ^ pick(cols.fqn).astype(np.uint64)
         ident = ident * np.uint64(0xBF58476D1CE4E5B9) + np.where(
@@ -194,7 +197,7 @@ def _derived_key_suspects(cols: ChunkColumns, rows: np.ndarray | None = None) ->
     dup = np.flatnonzero(ordered[1:] == ordered[:-1])
     if len(dup):
         flagged.update(np.unique(file[np.isin(ident, ordered[dup])]).tolist())
-    spelled = [i for i, name in enumerate(cols.fqns) if "@" in name]
+    spelled = [] if cols.fqn_keys else [i for i, name in enumerate(cols.fqns) if "@" in name]
     if spelled:
         flagged.update(np.unique(cols.file[np.isin(cols.fqn, spelled)]).tolist())
     return sorted(flagged)

@@ -102,11 +102,13 @@ class ChunkColumns:
     """The values of rows longer than the width (a damaged table's), by row."""
     byte_offset: np.ndarray
     length: np.ndarray
+    fqn_keys: bool = False
+    """Format 4: a row's default key is its fqn (``container.default_item_key``)."""
     _cache: dict[int, ChunkRecord] = field(default_factory=dict, repr=False)
     _groups: dict[int, tuple] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_table(cls, table: pa.Table) -> ChunkColumns:
+    def from_table(cls, table: pa.Table, fqn_keys: bool = False) -> ChunkColumns:
         fqn, fqns = _encoded(table.column("fqn"))
         kind, kinds = _encoded(table.column("kind"))
         dtype, dtypes = _encoded(table.column("dtype"))
@@ -119,6 +121,7 @@ class ChunkColumns:
             pa.nulls(0, pa.string()),  # (pa.array([]) imports pandas)
             (offsets[0], sizes[0], shape[0]), (offsets[1], sizes[1], shape[1]), (offsets[2], sizes[2], shape[2]),
             as_numpy(table.column("byte_offset"), np.int64), as_numpy(table.column("length"), np.int64),
+            fqn_keys,
         )
         stored = table.column("key")
         if stored.null_count < len(stored):  # keys stored (before format 3, or forged): encode them all
@@ -138,7 +141,7 @@ class ChunkColumns:
 
     def default_key(self, row: int) -> str:
         tensor = self.kinds[self.kind[row]] == "tensor"
-        return default_item_key(self.fqns[self.fqn[row]], self.list_of(0, row) if tensor else None)
+        return default_item_key(self.fqns[self.fqn[row]], self.list_of(0, row) if tensor else None, self.fqn_keys)
 
     def __len__(self) -> int:
         return len(self.fqn)

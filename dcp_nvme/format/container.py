@@ -106,24 +106,46 @@ def stored_as(dtype: torch.dtype | str, shape: Sequence[int], nbytes: int) -> tu
 PAD_PREFIX = "__pad__."
 """Keys of padding entries: bytes between items, placed so a host tensor's bytes share its memory's
 alignment in the file (``place_congruent``). safetensors lets no gap go undescribed, so
-each gap is a U8 entry of its own; readers of the container never show or load one."""
+each gap is a U8 entry of its own; readers of the container never show or load one. Format 4
+names them ``__pad__.<rank>.<n>`` (unique in the checkpoint, so torch's HuggingFaceStorageReader,
+which takes every key for a tensor, never sees two files' pads as chunks of one), earlier formats
+``__pad__.<n>``. The writer refuses a state-dict name with this prefix (``save.items``)."""
 
 
-def pad_key(index: int) -> str:
-    return f"{PAD_PREFIX}{index}"
+SHARDING_INFO = "DCP_SHARDING_INFO"
+"""The ``__metadata__`` entry where torch's HuggingFaceStorageReader finds each key's chunk
+offsets (``{key: {"saved_offsets": [...]}}``, JSON; torch's ``_hf_utils.CUSTOM_METADATA_KEY``).
+torch looks up every key the file lists, pads included, so each has one (format 4)."""
+
+
+FQN_KEYS_VERSION = 4
+"""From this format version an item's container key is its fqn (what torch's reader takes for
+the tensor's name); a null key in the index means the fqn. Before, ``default_item_key``."""
+
+
+def pad_key(index: int, tag: int | None = None) -> str:
+    return f"{PAD_PREFIX}{index}" if tag is None else f"{PAD_PREFIX}{tag}.{index}"
+
+
+_PAD_RE = re.compile(r"^__pad__\.\d+(?:\.\d+)?$")
 
 
 def is_pad_key(key: str) -> bool:
-    return key.startswith(PAD_PREFIX) and key[len(PAD_PREFIX):].isdigit()
+    return _PAD_RE.match(key) is not None
 
 
-def default_item_key(fqn: str, offsets: tuple[int, ...] | None) -> str:
-    """An item's name inside its container, as the writer makes it: the fqn, with the chunk's
-    offsets after an ``@`` when any is non-zero (``offsets`` is None for a bytes item). The
-    index stores no key that equals this (a null in its ``key`` column): at 16k ranks the keys
-    were half of the index's decoding time."""
-    if not offsets or not any(offsets):
+def default_item_key(fqn: str, offsets: tuple[int, ...] | None, fqn_keys: bool = False) -> str:
+    """An item's name inside its container when the index stores none (a null in its ``key``
+    column: at 16k ranks the keys were half of the index's decoding time). Format 4
+    (``fqn_keys``): the fqn. Before: the fqn, with the chunk's offsets after an ``@`` when any
+    is non-zero (``offsets`` is None for a bytes item), the name format 4 gives a second chunk
+    of one fqn in one file (``offsets_key``), stored in the index."""
+    if fqn_keys or not offsets or not any(offsets):
         return fqn
+    return offsets_key(fqn, offsets)
+
+
+def offsets_key(fqn: str, offsets: tuple[int, ...]) -> str:
     return f"{fqn}@{','.join(str(o) for o in offsets)}"
 
 
@@ -295,6 +317,8 @@ class ItemSpec:
     nbytes: int
     st_dtype: str
     st_shape: tuple[int, ...]
+    offsets: tuple[int, ...] | None = None
+    """Where the chunk sits in its tensor, for ``SHARDING_INFO`` (None: at the origin)."""
 
 
 @dataclass(frozen=True)
@@ -319,10 +343,12 @@ class ContainerLayout:
 def plan_container(
     items: Sequence[ItemSpec], metadata: dict[str, str], alignment: int = ALIGN,
     addresses: Sequence[int | None] | None = None, congruence: int = ALIGN,
+    pad_tag: int | None = None, sharding: bool = False,
 ) -> ContainerLayout:
     """Place items and build the safetensors header that describes them: back to back, or with
     ``addresses`` (each item's host address, None when not in host memory) by
-    ``place_congruent``, every gap a padding entry (``pad_key``)."""
+    ``place_congruent``, every gap a padding entry (``pad_key(n, pad_tag)``). With ``sharding``
+    the metadata gets ``SHARDING_INFO``: every entry's offsets, for torch's reader."""
     sizes = [item.nbytes for item in items]
     if addresses is None:
         offsets, cursor = place_back_to_back(sizes)
@@ -336,9 +362,13 @@ def plan_container(
             raise ValueError(f"item key {item.key!r} is reserved for padding entries")
         if offset > end:
             pads.append((end, offset - end))
-            entries.append((pad_key(len(pads) - 1), "U8", (offset - end,), offset - end))
+            entries.append((pad_key(len(pads) - 1, pad_tag), "U8", (offset - end,), offset - end))
         entries.append((item.key, item.st_dtype, item.st_shape, item.nbytes))
         end = offset + item.nbytes
+    if sharding:
+        given = {item.key: item.offsets for item in items}
+        info = {key: {"saved_offsets": list(given.get(key) or (0,) * len(shape))} for key, _, shape, _ in entries}
+        metadata = {**metadata, SHARDING_INFO: json.dumps(info, separators=(",", ":"))}
     header, _ = build_header(entries, metadata, alignment)  # back to back: the same offsets
     return ContainerLayout(header, tuple(offsets), cursor, tuple(pads))
 
@@ -428,12 +458,15 @@ def rank_of(name: str) -> int:
 FORMAT = "dcp_nvme"
 
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """2: a container's data may be preceded by ``__pad__.N`` padding entries (zero-copy placement).
 3: the index's ``key`` column is null where the key is the default one (``default_item_key``).
+4: stock torch's HuggingFaceStorageReader loads and reshards it: an item's key is its fqn
+(``FQN_KEYS_VERSION``), every container's ``__metadata__`` has ``SHARDING_INFO``, and pads are
+``__pad__.<rank>.<n>``.
 A reader before a version would call such a checkpoint damaged; the bump makes it ask for an
-upgrade instead. This reader loads 1, 2 and 3 alike (padding is dropped by
-``format.container.parse_header``, a null key is derived wherever a key is read)."""
+upgrade instead. This reader loads 1 to 4 alike (padding is dropped by
+``format.container.parse_header``, a null key is derived wherever a key is read, by version)."""
 
 
 OLDEST_FORMAT_VERSION = 1

@@ -32,6 +32,7 @@ from dcp_nvme.format.container import (
     DCP_METADATA,
     FORMAT,
     FORMAT_VERSION,
+    FQN_KEYS_VERSION,
     MANIFEST,
     OLDEST_FORMAT_VERSION,
     parse_dtype,
@@ -320,15 +321,17 @@ def missing_manifest_error(store, location: str) -> CheckpointNotFoundError:
     names = store.names()
     if DCP_METADATA in names:
         return CheckpointNotFoundError(
-            f"{location} holds a checkpoint written by DCP's FileSystemWriter (.metadata), "
-            "not by dcp_nvme; load it with torch.distributed.checkpoint.FileSystemReader, "
-            f"or convert it: dcp-nvme convert {location} OUT --to nvme")
+            f"{location} is a stock DCP checkpoint (FileSystemWriter's .metadata), not a dcp_nvme one; "
+            "load it with NVMeReader(path, allow_pickle=True) (its .metadata is a pickle) or torch's "
+            f"FileSystemReader, or convert it: dcp-nvme convert {location} OUT --to nvme")
     ours = [n for n in names if save_key_of(n)]
     if ours:
         return CheckpointNotCommittedError(
             f"{location} has {len(ours)} dcp_nvme data file(s) but no committed {MANIFEST}: "
             "the save did not finish (it crashed or is still running), so it cannot be loaded")
-    return CheckpointNotFoundError(f"{location} is not a dcp_nvme checkpoint (no {MANIFEST})")
+    return CheckpointNotFoundError(
+        f"{location} is not a dcp_nvme checkpoint (no {MANIFEST}), nor a stock DCP checkpoint (.metadata), "
+        "a Hugging Face model directory (*.safetensors) or a single safetensors file")
 
 
 SELF_CRC = "manifest_crc32c"
@@ -398,11 +401,16 @@ def read_manifest_doc(store, location: str) -> Manifest:
     return Manifest(doc)
 
 
+def fqn_keys(doc: dict[str, Any]) -> bool:
+    """Whether a null key in the checkpoint's index is the fqn (format 4 on)."""
+    return doc.get("format_version", 0) >= FQN_KEYS_VERSION
+
+
 def _read_index(store, manifest: Manifest, location: str) -> ChunkColumns:
     """The index table read, decoded into columns and checked."""
     data, what, rows = _counted_table(store, manifest.doc["index"], location)
     table = read_chunk_table(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
-    columns = ChunkColumns.from_table(table)
+    columns = ChunkColumns.from_table(table, fqn_keys=fqn_keys(manifest.doc))
     del table, data
     check_columns(columns, manifest.doc, what)
     return columns
@@ -428,7 +436,7 @@ def read_copies(store, manifest: Manifest, location: str) -> list[ChunkRecord]:
     if entry is None:
         return []
     data, what, rows = _counted_table(store, entry, location)
-    copies = parse_chunks(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
+    copies = parse_chunks(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER), fqn_keys(manifest.doc))
     sizes = {f["name"]: f["size"] for f in manifest.doc["files"]}
     for copy in copies:
         check_row(copy, sizes, manifest.save_key, what)

@@ -133,10 +133,11 @@ def _list_column(values: Sequence[Sequence[int]]) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
 
-def chunk_rows(chunks: Sequence[ChunkRecord]) -> pa.Table:
+def chunk_rows(chunks: Sequence[ChunkRecord], fqn_keys: bool = False) -> pa.Table:
     """Index rows as an Arrow table: each column made in one pass, GC paused (a commit at 16k
     ranks makes millions of short-lived objects, and the cyclic GC would walk them again and
-    again)."""
+    again). A key is null where it is the default (``default_item_key``; format 4 writes
+    ``fqn_keys``)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -150,7 +151,7 @@ def chunk_rows(chunks: Sequence[ChunkRecord]) -> pa.Table:
             pa.array([c.file for c in chunks], pa.string()),
             pa.array(np.fromiter((c.byte_offset for c in chunks), dtype=np.int64, count=len(chunks))),
             pa.array(np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))),
-            pa.array([None if c.key == default_item_key(c.fqn, c.offsets) else c.key for c in chunks],
+            pa.array([None if c.key == default_item_key(c.fqn, c.offsets, fqn_keys) else c.key for c in chunks],
                      pa.string()),
         ]
     finally:
@@ -169,11 +170,11 @@ def index_table_bytes(rows: pa.Table) -> bytes:
     return _parquet_bytes(rows)
 
 
-def rows_blob(chunks: Sequence[ChunkRecord]) -> bytes:
+def rows_blob(chunks: Sequence[ChunkRecord], fqn_keys: bool = False) -> bytes:
     """A rank's index rows as an Arrow IPC stream: the rank encodes its own rows, so the
     coordinator of a 16k-rank save concatenates columns instead of making each row's."""
     sink = pa.BufferOutputStream()
-    table = chunk_rows(chunks)
+    table = chunk_rows(chunks, fqn_keys)
     with pa.ipc.new_stream(sink, table.schema) as stream:
         stream.write_table(table)
     return sink.getvalue().to_pybytes()
@@ -323,12 +324,14 @@ def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
     return table.select(schema.names)
 
 
-def parse_chunks(data: bytes, what: str = "index", max_rows: int = FREE_ROWS) -> list[ChunkRecord]:
-    """The index rows, refused unread when the footer declares more than ``max_rows``."""
+def parse_chunks(data: bytes, what: str = "index", max_rows: int = FREE_ROWS,
+                 fqn_keys: bool = False) -> list[ChunkRecord]:
+    """The index rows, refused unread when the footer declares more than ``max_rows``; a null
+    key is the default one (``default_item_key``, format 4 ``fqn_keys``)."""
     cols = _read_table(data, _CHUNK_SCHEMA, what, max_rows, nullable=_NULLABLE)
     return [
         ChunkRecord(fqn, kind, tuple(off), tuple(sizes), tuple(shape), dtype, file, int(b), int(n),
-                    default_item_key(fqn, tuple(off) if kind == "tensor" else None) if key is None else key)
+                    default_item_key(fqn, tuple(off) if kind == "tensor" else None, fqn_keys) if key is None else key)
         for fqn, kind, off, sizes, shape, dtype, file, b, n, key in zip(*cols.values())
     ]
 

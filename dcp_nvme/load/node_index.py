@@ -31,6 +31,7 @@ from typing import Any
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.format import column_store
 from dcp_nvme.format.columns import ChunkColumns
+from dcp_nvme.format.manifest import fqn_keys
 from dcp_nvme.host.files import create_no_follow, open_regular, read_regular
 from dcp_nvme.host.job import local_world_size
 
@@ -93,6 +94,7 @@ def shared_columns(doc: dict[str, Any], rows: int, build: Callable[[], ChunkColu
                 _count(stem, local, built=True)
             return columns
         _count(stem, local, built=False)
+        columns.fqn_keys = fqn_keys(doc)  # a stored index holds no keys: the version says what they are
         return columns
 
 

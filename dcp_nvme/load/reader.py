@@ -46,12 +46,13 @@ from dcp_nvme.errors import (
     ShapeMismatchError,
 )
 from dcp_nvme.format.checksums import items_in
-from dcp_nvme.format.container import parse_dtype
+from dcp_nvme.format.container import MANIFEST, parse_dtype
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
 from dcp_nvme.format.pieces import Span, plan_pieces, span_of
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import check_container
 from dcp_nvme.host.job import node_identity
+from dcp_nvme.load.foreign import open_foreign
 from dcp_nvme.load.local_copies import KeptRanges, local_copies, places_of
 from dcp_nvme.load.node_index import shared_columns
 from dcp_nvme.load.objects import bytes_for_planner, check_destination_kind
@@ -125,7 +126,9 @@ def check_one_save(plans: list[LoadPlan]) -> None:
 
 
 class NVMeReader(StorageReader):
-    """Load a checkpoint written by NVMeWriter, resharding as DCP's planner asks.
+    """Load a checkpoint written by NVMeWriter, resharding as DCP's planner asks; also a
+    Hugging Face model directory, a single ``.safetensors`` file and, with ``allow_pickle``, a
+    stock DCP checkpoint (``load.foreign``: their own formats, no checksums to verify).
 
     Args:
         path: the checkpoint directory, or an fsspec URL; or None, and DCP's ``checkpoint_id=``
@@ -201,6 +204,8 @@ class NVMeReader(StorageReader):
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
         self.load_id: str = str(uuid.uuid4())
         """DCP's ``StorageMeta.load_id``: new at every reset, set on ``read_metadata()``."""
+        self._foreign: StorageReader | None = None
+        """The reader of a checkpoint we did not write (``load.foreign``), which this one hands to."""
 
     @property
     def _dir(self) -> str:
@@ -225,6 +230,7 @@ class NVMeReader(StorageReader):
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         self._sources = None
+        self._foreign = None
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
@@ -233,6 +239,11 @@ class NVMeReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._dir
+        if is_local_path(path) and not os.path.exists(os.path.join(path, MANIFEST)):
+            # a Hugging Face directory, a safetensors file, a stock DCP checkpoint (allow_pickle)
+            self._foreign = open_foreign(path, self.allow_pickle)
+        if self._foreign is not None:
+            return self._foreign.read_metadata(*args, **kwargs)
         if self.peers and not is_remote_url(path):
             # many ranks: they agree on the save and exchange byte ranges (peers.exchange); one
             # process: this disk, its replicas, the mirror (peers.sources)
@@ -254,19 +265,27 @@ class NVMeReader(StorageReader):
         return self.path
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._foreign is not None:
+            return self._foreign.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._foreign is not None:
+            return self._foreign.prepare_local_plan(plan)
         if plan.storage_data is not None:  # a planner's own: left as it is
             return plan
         # which save this rank loads, so that the coordinator refuses a load of several
         return replace(plan, storage_data=(self.manifest().save_key, str(self.path), node_identity()))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if self._foreign is not None:
+            return self._foreign.prepare_global_plan(plans)
         check_one_save(plans)
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._foreign is not None:
+            return self._foreign.read_data(plan, planner)
         started = time.perf_counter()
         stats, timer = IOStats("read"), PhaseTimer()
         needed = 0

@@ -10,6 +10,7 @@ with the straggler, for the manifest and the log (``layer_summary``, ``rank_stat
 
 from __future__ import annotations
 
+import collections
 import gc
 import io
 import itertools
@@ -37,14 +38,16 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_nvme.engines.host_io import aligned_buffer, tensor_bytes
 from dcp_nvme.errors import SaveError, UnsupportedItemError
 from dcp_nvme.format.container import (
+    FORMAT_VERSION,
+    FQN_KEYS_VERSION,
     ITEMSIZE_GAP,
     PAD_PREFIX,
     ContainerLayout,
     ItemSpec,
-    default_item_key,
     dtype_name,
     needs_pickle,
     new_save_key,
+    offsets_key,
     save_key_of,
     stored_as,
 )
@@ -59,6 +62,9 @@ from dcp_nvme.format.tables import (
     rows_blob,
     rows_from_blobs,
 )
+
+FQN_KEYS = FORMAT_VERSION >= FQN_KEYS_VERSION
+"""This writer's index rows leave out keys that are the fqn (format 4)."""
 
 RESERVED_NAMES = ("__metadata__",)
 """Container keys safetensors keeps for itself; pad entries (``PAD_PREFIX``) are ours."""
@@ -78,9 +84,20 @@ def check_item_name(fqn: str) -> None:
                                "(e.g. nest it under a module name) and save again")
 
 
-def _item_key(item: WriteItem) -> str:
-    """The item's name inside its container; unique per container."""
-    return default_item_key(item.index.fqn, None if item.type == WriteItemType.BYTE_IO else item.index.offset)
+def unique_keys(resolved: list[tuple[ItemSpec, torch.Tensor, ChunkRecord]]) -> list[tuple[ItemSpec, torch.Tensor, ChunkRecord]]:
+    """Each item's name in its container is its fqn (format 4: what torch's reader takes for the
+    tensor's name); the chunks of an fqn that a rank holds more than one of (a ShardedTensor's
+    several local shards) are told apart by their offsets (``offsets_key``), stored in the index."""
+    seen = collections.Counter(record.fqn for _, _, record in resolved)
+    if len(seen) == len(resolved):
+        return resolved
+    out = []
+    for spec, source, record in resolved:
+        if seen[record.fqn] > 1 and record.kind == "tensor":
+            key = offsets_key(record.fqn, record.offsets)
+            spec, record = replace(spec, key=key), replace(record, key=key)
+        out.append((spec, source, record))
+    return out
 
 
 _pickle_checked: set[str] = set()
@@ -105,7 +122,7 @@ def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, Ch
     """An item's bytes (flat uint8, no copy when contiguous) and how it is described; an item
     whose name the container cannot hold is refused (``check_item_name``) before any is written."""
     check_item_name(item.index.fqn)
-    key = _item_key(item)
+    key = item.index.fqn  # unique in the container once ``unique_keys`` has looked at the rank's items
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
         _say_if_it_needs_pickle(item.index.fqn, raw)
@@ -125,7 +142,9 @@ def resolve_item(item: WriteItem, data: Any) -> tuple[ItemSpec, torch.Tensor, Ch
     assert item.tensor_data is not None  # DCP's WriteItem carries it on every TENSOR item
     chunk = item.tensor_data.chunk
     st_dtype, shape = stored_as(tensor.dtype, tensor.shape, source.numel())
-    spec = ItemSpec(key, source.numel(), st_dtype, shape)
+    # raw bytes (a dtype safetensors lacks) have no element offsets to give torch's reader
+    offsets = tuple(chunk.offsets) if tuple(shape) == tuple(tensor.shape) else None
+    spec = ItemSpec(key, source.numel(), st_dtype, shape, offsets)
     record = ChunkRecord(
         item.index.fqn, "tensor", tuple(chunk.offsets), tuple(chunk.sizes),
         tuple(item.tensor_data.size), dtype_name(tensor.dtype), "", 0, source.numel(), key,
@@ -245,8 +264,8 @@ def write_results(plan: SavePlan, resolved: list, layout: ContainerLayout, writt
     for position, (item, (_, source, _)) in enumerate(zip(plan.items, resolved)):
         stored = StoredItem(placed[position])
         if position == 0:
-            stored = StoredItem(placed[0], file_record, stats, rows_blob(placed[:split]), len(placed) - split,
-                                rows_blob(placed[split:]) if split < len(placed) else None)
+            stored = StoredItem(placed[0], file_record, stats, rows_blob(placed[:split], FQN_KEYS), len(placed) - split,
+                                rows_blob(placed[split:], FQN_KEYS) if split < len(placed) else None)
         results.append(WriteResult(index=item.index, size_in_bytes=source.numel(), storage_data=stored))
     return results
 
@@ -332,7 +351,7 @@ def collect_rows(metadata: Metadata, results: list[list[WriteResult]]):
             files = sorted((h.file for h in heads if h.file is not None), key=lambda f: f.rank)
             return rows, files, [h.stats for h in heads if h.stats is not None]
     records, files, stats = collect(metadata, results)
-    return chunk_rows(records), files, stats
+    return chunk_rows(records, FQN_KEYS), files, stats
 
 
 def rows_in_metadata_order(rows: pa.Table, metadata: Metadata) -> bool:

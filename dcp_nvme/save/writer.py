@@ -93,6 +93,7 @@ from dcp_nvme.save.items import (
     release_for,
     resolve_item,
     storage_meta_doc,
+    unique_keys,
     with_pads,
     write_results,
 )
@@ -409,13 +410,13 @@ class NVMeWriter(StorageWriter):
         """Each item as bytes (``items``), placed in this rank's container (``format.container``):
         host tensors congruent to their addresses, so they are written from their memory."""
         with timer.span("resolve"):
-            resolved = [resolve_item(item, planner.resolve_data(item)) for item in plan.items]
+            resolved = unique_keys([resolve_item(item, planner.resolve_data(item)) for item in plan.items])
             sources = [source for _, source, _ in resolved]
         with timer.span("plan"):
             layout = plan_container([spec for spec, _, _ in resolved], {
                 "format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "rank": str(target.rank), "save_key": target.save_key,
-            }, addresses=[host_address(s) for s in sources])
+            }, addresses=[host_address(s) for s in sources], pad_tag=target.rank, sharding=True)
             data = with_pads(sources, layout)
         return resolved, layout, data
 

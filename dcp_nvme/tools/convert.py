@@ -6,6 +6,8 @@
                     per group; DCP reshards on load, so this changes nothing for a loader).
                     Peak memory: one group (at least the largest stored chunk). Non-tensor items
                     are copied as the bytes they are, never unpickled.
+    hf, safetensors -> any  a Hugging Face model directory or one ``.safetensors`` file, read
+                    chunk by chunk as above (``load.foreign.SafetensorsReader``).
     torch -> any    the file is opened with ``torch.load(mmap=True, weights_only=True)``: tensors
                     stay in the page cache and are paged in as they are written; the file may hold
                     tensors and plain Python values only (no pickled classes).
@@ -52,8 +54,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcp_nvme.config import parse_size
 from dcp_nvme.errors import InvalidInputError
-from dcp_nvme.format.container import DCP_METADATA, MANIFEST
+from dcp_nvme.format.container import DCP_METADATA, MANIFEST, save_key_of
+from dcp_nvme.format.safetensors_files import HF_DIR, SAFETENSORS_FILE, STOCK_DCP, what_is
 from dcp_nvme.humanize import progress_bar
+from dcp_nvme.load.foreign import SafetensorsReader
 from dcp_nvme.load.reader import NVMeReader
 from dcp_nvme.save.writer import NVMeWriter
 from dcp_nvme.storage.local_dir import is_remote_url
@@ -81,19 +85,33 @@ class ConvertResult:
         return asdict(self)
 
 
+SOURCE_FORMATS = (*FORMATS, "hf", "safetensors")
+"""What ``convert`` reads: also a Hugging Face model directory and a single safetensors file."""
+
+
 def detect_format(path: str | os.PathLike) -> str:
-    """``nvme``, ``dcp`` or ``torch``, from what is on disk; a clear error for anything else."""
+    """``nvme``, ``dcp``, ``hf``, ``safetensors`` or ``torch``, from what is on disk; a clear
+    error for anything else."""
     location = Path(path)
+    kind = what_is(location)
+    if kind == SAFETENSORS_FILE:
+        return "safetensors"
     if location.is_file():
         return "torch"
     if not location.is_dir():
         raise FileNotFoundError(f"{location} does not exist")
     if (location / MANIFEST).is_file():
         return "nvme"
-    if (location / DCP_METADATA).is_file():
+    if kind == STOCK_DCP:
         return "dcp"
-    raise InvalidInputError(f"{location} holds neither a dcp_nvme checkpoint ({MANIFEST}) nor a stock DCP "
-                     f"checkpoint ({DCP_METADATA}); an unfinished save cannot be converted")
+    if kind == HF_DIR:
+        return "hf"
+    ours = [name for name in os.listdir(location) if save_key_of(name)]
+    why = (f"; its {len(ours)} dcp_nvme data file(s) have no {MANIFEST}: that save did not finish and "
+           "cannot be converted") if ours else ""
+    raise InvalidInputError(f"{location} holds no checkpoint: neither a dcp_nvme checkpoint ({MANIFEST}), a stock "
+                            f"DCP checkpoint ({DCP_METADATA}), {HF_DIR} (*.safetensors) nor {SAFETENSORS_FILE}"
+                            f"{why}")
 
 
 def convert(
@@ -143,6 +161,8 @@ def _reader_for(fmt: str, path: str | os.PathLike) -> StorageReader:
     # allow_pickle only makes NVMeReader hand over the stored bytes as they are: _GroupPlanner
     # keeps them as bytes, and --to torch decodes them with the weights-only unpickler itself.
     # A stock checkpoint's .metadata is a pickle: reading it trusts the source, as dcp.load does.
+    if fmt in ("hf", "safetensors"):
+        return SafetensorsReader(path)
     return NVMeReader(path, allow_pickle=True) if fmt == "nvme" else FileSystemReader(path)
 
 

@@ -13,6 +13,7 @@ import fnmatch
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,6 +29,7 @@ from dcp_nvme.engines.posix import PosixEngine
 from dcp_nvme.errors import InvalidInputError
 from dcp_nvme.format.container import build_header
 from dcp_nvme.format.manifest import read_files, read_manifest
+from dcp_nvme.format.safetensors_files import HF_DIR, SAFETENSORS_FILE, what_is
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.format.validation import check_container
 from dcp_nvme.humanize import progress_bar
@@ -97,6 +99,18 @@ def export_hf(
     if is_remote_url(checkpoint):
         raise InvalidInputError(f"export reads local checkpoints; copy {checkpoint} to local disk first")
     location = os.fspath(checkpoint)
+    if what_is(location) in (HF_DIR, SAFETENSORS_FILE):
+        # its headers checked and its chunks placed once (convert), then exported as ours are
+        from dcp_nvme.tools.convert import convert
+
+        out_parent = Path(out).resolve().parent
+        out_parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out_parent, prefix=".export-source-") as temp:
+            converted = os.path.join(temp, "checkpoint")
+            convert(location, converted, "nvme")
+            return export_hf(converted, out, keys=keys, strip_prefix=strip_prefix, dtype=dtype,
+                             max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                             include_optimizer=include_optimizer)
     if isinstance(keys, str):
         keys = [keys]
     out_dtype = parse_out_dtype(dtype)

@@ -9,9 +9,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dcp_nvme.errors import CheckpointNotFoundError, InvalidInputError
+from dcp_nvme.format.safetensors_files import HF_DIR, SAFETENSORS_FILE, hf_files, scan_file, what_is
 from dcp_nvme.format.validation import read_header
 from dcp_nvme.storage.fsspec_dir import open_store
-from dcp_nvme.storage.local_dir import Store
+from dcp_nvme.storage.local_dir import Store, is_remote_url
 from dcp_nvme.tiers.coded import decoded_view
 from dcp_nvme.tools.status import FOREIGN, MISSING, NOT_A_CHECKPOINT, CheckpointState, checkpoint_state
 
@@ -57,7 +58,7 @@ class Inspection:
 
     @property
     def ok(self) -> bool:
-        return self.state == "committed"
+        return self.state in ("committed", HF_DIR, SAFETENSORS_FILE)
 
     @property
     def total_bytes(self) -> int:
@@ -80,6 +81,8 @@ def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -
     Raises CheckpointNotFoundError when there is no dcp_nvme checkpoint at all (missing path,
     another tool's files). ``filter`` is a glob on names; matching nothing is a ValueError.
     """
+    if what_is_local(location) in (HF_DIR, SAFETENSORS_FILE):
+        return _inspect_safetensors(os.fspath(location), filter)
     source = decoded_view(open_store(location))  # a compressed mirror reads as its plain files
     found = checkpoint_state(source)
     if found.state in (MISSING, NOT_A_CHECKPOINT, FOREIGN):
@@ -95,6 +98,39 @@ def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -
     result.files = [dict(f) for f in doc.get("files", []) if isinstance(f, dict)]
     result.topology, result.elsewhere = doc.get("topology"), found.elsewhere
     _summarise(result, found, filter)
+    return result
+
+
+def what_is_local(location: str | os.PathLike) -> str | None:
+    """``format.safetensors_files.what_is`` of a local path; None for a URL (those sources are local only)."""
+    return None if is_remote_url(location) else what_is(location)
+
+
+def _inspect_safetensors(location: str, pattern: str | None) -> Inspection:
+    """A Hugging Face model directory or safetensors file, from its headers (each checked)."""
+    kind = what_is(location)
+    assert kind is not None  # the caller asked
+    files = hf_files(location, kind)
+    result = Inspection(location, kind, "its own format: no checksums, no non-tensor items")
+    result.files = [{"name": os.path.basename(f), "size": os.path.getsize(f)} for f in files]
+    tensors: dict[str, TensorInfo] = {}
+    for chunk in (c for file in files for c in scan_file(file)):
+        if pattern is not None and not fnmatch.fnmatchcase(chunk.fqn, pattern):
+            continue
+        name = os.path.basename(chunk.file)
+        info = tensors.setdefault(chunk.fqn, TensorInfo(chunk.fqn, chunk.dtype, chunk.shape, 0, 0, ()))
+        info.shape = tuple(max(s, o + n) for s, o, n in zip(info.shape, chunk.offsets, chunk.shape))
+        info.shards += 1
+        info.nbytes += chunk.nbytes
+        info.files = _add(info.files, name)
+    if pattern is not None and not tensors:
+        raise InvalidInputError(f"no item of {location} matches the filter {pattern!r}")
+    by_dtype: dict[str, int] = defaultdict(int)
+    by_top: dict[str, int] = defaultdict(int)
+    for info in tensors.values():
+        by_dtype[info.dtype] += info.nbytes
+        by_top[top_key(info.fqn)] += info.nbytes
+    result.tensors, result.by_dtype, result.by_top_key = list(tensors.values()), dict(by_dtype), dict(by_top)
     return result
 
 

@@ -33,12 +33,13 @@ from dcp_nvme.errors import (
 from dcp_nvme.format.checksums import checks_within, host_crcs, items_in, mismatches
 from dcp_nvme.format.container import MANIFEST, parse_header
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
+from dcp_nvme.format.safetensors_files import HF_DIR, HF_INDEX, SAFETENSORS_FILE, hf_files, scan_file, what_is
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import header_mismatches
 from dcp_nvme.humanize import progress_bar
 from dcp_nvme.load.objects import items_needing_pickle
 from dcp_nvme.storage.fsspec_dir import open_store
-from dcp_nvme.storage.local_dir import Store
+from dcp_nvme.storage.local_dir import Store, is_remote_url
 from dcp_nvme.tiers.coded import decoded_view
 
 DEFAULT_SPAN = 8 << 20
@@ -103,6 +104,8 @@ def verify_checkpoint(
     """
     if jobs < 1:
         raise InvalidInputError(f"--jobs must be at least 1, got {jobs}")
+    if not is_remote_url(location) and what_is(location) in (HF_DIR, SAFETENSORS_FILE):
+        return _verify_safetensors(os.fspath(location))
     source = decoded_view(open_store(location))  # a compressed mirror reads as its plain files
     report = VerifyReport(source.location)
     started = time.perf_counter()
@@ -113,6 +116,27 @@ def verify_checkpoint(
             _check_tables(manifest, files, report)
             _check_containers(source, manifest, files, report, jobs, progress, span)
         _check_objects(source, manifest, report)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _verify_safetensors(location: str) -> VerifyReport:
+    """A Hugging Face model directory or safetensors file: no checksums to check, so what can
+    be is: its index and every file's header (``load.foreign``: names, dtypes, offsets inside
+    the file)."""
+    report = VerifyReport(location)
+    started = time.perf_counter()
+    try:
+        files = hf_files(location, what_is(location))
+    except ManifestError as exc:
+        report.problems.append(Problem(HF_INDEX, "index", str(exc)))
+        files = []
+    for file in files:
+        try:
+            scan_file(file)
+        except (ManifestError, OSError) as exc:
+            report.problems.append(Problem(os.path.basename(file), "header", str(exc)))
+        report.files += 1
     report.seconds = time.perf_counter() - started
     return report
 
