@@ -23,24 +23,91 @@ def torch_safe_globals_of_torch_only():
     torch.serialization.add_safe_globals(saved)
 
 
-def _simulated_cluster(tmp_path, nodes: int, ranks_per_node: int):
-    """Simulated nodes (tests/multinode.py); skipped where namespaces are refused."""
+@pytest.fixture(scope="session")
+def lan():
+    """This worker's private network (tests/netns.py): 1 Gbit/s links; the simulated clusters'
+    nodes and the object store's node (``seaweed_node``) join it. Skipped where refused."""
+    from netns import Network, network_unavailable
+
+    reason = network_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Network(rate="1gbit", delay_ms=0.2) as net:
+        yield net
+
+
+def _simulated_cluster(tmp_path, lan, nodes: int, ranks_per_node: int):
+    """Simulated nodes (tests/multinode.py) on the worker's private network; skipped where
+    namespaces are refused."""
     from multinode import Cluster, unshare_unavailable
 
     reason = unshare_unavailable()
     if reason:
         pytest.skip(reason)
-    with Cluster(tmp_path / "cluster", nodes=nodes, ranks_per_node=ranks_per_node) as c:
+    with Cluster(tmp_path / "cluster", nodes=nodes, ranks_per_node=ranks_per_node, network=lan) as c:
         yield c
 
 
 @pytest.fixture
-def cluster(tmp_path):
+def cluster(tmp_path, lan):
     """Two simulated nodes of two ranks each."""
-    yield from _simulated_cluster(tmp_path, nodes=2, ranks_per_node=2)
+    yield from _simulated_cluster(tmp_path, lan, nodes=2, ranks_per_node=2)
 
 
 @pytest.fixture
-def cluster3(tmp_path):
+def cluster3(tmp_path, lan):
     """Three simulated nodes of one rank each (a run may ask for more ranks per node)."""
-    yield from _simulated_cluster(tmp_path, nodes=3, ranks_per_node=1)
+    yield from _simulated_cluster(tmp_path, lan, nodes=3, ranks_per_node=1)
+
+
+# -- SeaweedFS: the S3 tier of the tests that inject no fault (moto's fixtures, tests/s3_fixtures.py,
+# serve those that do). Here, not in s3_fixtures: a session fixture that test modules import is
+# a fixture of each module, started once per module.
+
+
+@pytest.fixture(scope="session")
+def seaweed(request, tmp_path_factory):
+    """One SeaweedFS (tests/seaweed.py) for the worker: on its own node of ``lan`` where namespaces
+    work (the simulated nodes reach it over their links: ``storage_options(node=True)``), else on
+    the host's loopback. ``endpoint_url`` / ``storage_options()`` / ``s3fs()`` serve the test process."""
+    pytest.importorskip("s3fs", reason="s3fs not installed")
+    from netns import network_unavailable
+    from s3_fixtures import _safety_net
+    from seaweed import SeaweedFS, seaweed_unavailable
+
+    reason = seaweed_unavailable()
+    if reason:
+        pytest.skip(reason)
+    net = request.getfixturevalue("lan") if network_unavailable() is None else None
+    srv = SeaweedFS(tmp_path_factory.mktemp("seaweed") / "data", network=net)
+    srv.start()
+    mp = _safety_net(srv.endpoint_url)
+    srv.admin = srv.s3fs(retries=3)  # one client for the fixtures: building one costs ~0.2 s
+    try:
+        yield srv
+    finally:
+        mp.undo()
+        srv.close()
+
+
+@pytest.fixture
+def seaweed_bucket(seaweed):
+    """A fresh, empty bucket on ``seaweed`` for this test, removed afterwards (best effort)."""
+    from s3_fixtures import new_bucket_name
+
+    name = new_bucket_name()
+    seaweed.admin.mkdir(name)
+    try:
+        yield name
+    finally:
+        try:
+            seaweed.admin.invalidate_cache()
+            seaweed.admin.rm(name, recursive=True)
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def seaweed_fs(seaweed):
+    """An uncached s3fs.S3FileSystem on ``seaweed`` from the test process, with 1 attempt."""
+    return seaweed.s3fs(retries=1)

@@ -15,14 +15,19 @@ in its own namespaces (``unshare``):
   dies the kernel kills every process in it, so a timed-out or "lost" node leaves nothing behind
   (torchrun starts its workers in sessions of their own, out of reach of a process-group kill).
 
-Every node runs ``torchrun --nnodes N --node-rank i --nproc-per-node R --master-addr 127.0.0.1
---master-port P`` (torchrun's default, static rendezvous) and the workers join one gloo process
-group over loopback (``GLOO_SOCKET_IFNAME=lo``: the node host names resolve nowhere). The network
-is shared; only disks, host names, ``/dev/shm`` and pids are per node. A mount lives only as long
-as its namespace, so nothing needs unmounting and the root directory is removable after a run.
-Needs root (unshare and mount).
+* network (with ``network=``, as the ``cluster`` fixtures do): its own network namespace on a
+  private network of shaped links (tests/netns.py): ``eth0`` at ``Cluster.addr(i)``, no route
+  out of the network, and an ``/etc/hosts`` that names every node of the network (``node<i>``,
+  and e.g. the object store's node).
 
-    cluster = Cluster(tmp_path / "cluster", nodes=2, ranks_per_node=2)
+Every node runs ``torchrun --nnodes N --node-rank i --nproc-per-node R --master-addr A
+--master-port P`` (torchrun's default, static rendezvous) and the workers join one gloo process
+group: with a network, over the links (A is the first node's address, ``GLOO_SOCKET_IFNAME=eth0``);
+without one, over the host's loopback (A is 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``). A mount lives
+only as long as its namespace, so nothing needs unmounting and the root directory is removable
+after a run. Needs root (unshare and mount; a network also ip, tc and nsenter).
+
+    cluster = Cluster(tmp_path / "cluster", nodes=2, ranks_per_node=2, network=True)  # 1 Gbit/s links
     results = cluster.run(SCRIPTS / "hello.py")      # raises NodeFailure (stderr tails) on failure
     records = all_records(results)                   # the workers' `RESULT {json}` lines
     cluster.on_node(1, ["ls", str(cluster.mount)])   # a plain command on node 1
@@ -44,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from netns import NetNode, Network
 from ports import reserve_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,9 +57,10 @@ SCRIPTS = Path(__file__).resolve().parent / "multinode_scripts"
 RECORD = "RESULT "
 """Workers report by printing ``RESULT {json}`` lines on stdout (see ``NodeResult.records``)."""
 
-# inside the namespaces: name the host, mount the node's disk and a node-local /dev/shm, run argv
+# inside the namespaces: name the host, mount the node's disk and a node-local /dev/shm, and the
+# network's /etc/hosts when it has one ($4, may be empty), run argv
 _NODE_SH = 'set -e; hostname "$1"; mount --bind "$2" "$3"; mount -t tmpfs -o mode=1777 tmpfs /dev/shm; ' \
-           'shift 3; exec "$@"'
+           'if [ -n "$4" ]; then mount --bind "$4" /etc/hosts; fi; shift 4; exec "$@"'
 _UNSHARE = ["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc",
             "--propagation", "private"]
 # launcher and rank variables that must not leak from the calling environment into the nodes
@@ -296,8 +303,15 @@ class Cluster:
     mount: Path | None = None
     """The path at which every node sees its own disk; ``root / "nvme"`` by default (an empty
     directory from the host)."""
+    network: Network | bool | None = None
+    """None/False: the host's network (loopback). True: a private network of this cluster's own
+    (``Network()``: 1 Gbit/s links), closed with it. A ``Network``: join that one (e.g. one that
+    also holds an object store's node); the cluster adds its nodes and removes them at ``close``."""
     _runs: list[ClusterRun] = field(default_factory=list, repr=False)
     _count: int = field(default=0, repr=False)
+    _net: Network | None = field(default=None, repr=False)
+    _owns_net: bool = field(default=False, repr=False)
+    _netnodes: list[NetNode] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).resolve()
@@ -306,6 +320,39 @@ class Cluster:
         for i in range(self.nodes):
             self.node_disk(i).mkdir(parents=True, exist_ok=True)
             self._tmp(i).mkdir(parents=True, exist_ok=True)
+        if self.network is True:
+            self._net, self._owns_net = Network(), True
+        elif isinstance(self.network, Network):
+            self._net = self.network
+        if self._net is not None:
+            try:
+                self._netnodes = [self._net.add_node(self.hostname(i)) for i in range(self.nodes)]
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def net(self) -> Network | None:
+        """The private network the nodes are on, if any."""
+        return self._net
+
+    def addr(self, i: int) -> str:
+        """Node ``i``'s address: on the private network, or 127.0.0.1 on the host's."""
+        self._check_node(i)
+        return self._netnodes[i].addr if self._netnodes else "127.0.0.1"
+
+    def _hosts_file(self) -> str:
+        """The nodes' /etc/hosts ("" without a network); rewritten in place, so running nodes
+        see nodes that joined the network since (the file's inode is what they mounted)."""
+        if self._net is None:
+            return ""
+        path = self.root / "hosts"
+        text = self._net.hosts({self.hostname(i): n.addr for i, n in enumerate(self._netnodes)})
+        if not path.exists() or path.read_text() != text:
+            with open(path, "r+" if path.exists() else "w") as f:
+                f.write(text)
+                f.truncate()
+        return str(path)
 
     def node_disk(self, i: int) -> Path:
         """The host's view of the directory that node ``i`` sees at ``mount``."""
@@ -328,15 +375,18 @@ class Cluster:
         out = {k: v for k, v in os.environ.items()
                if k not in _DROP and not k.startswith(("PET_", "TORCHELASTIC_"))}
         paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        out.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+        out.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), OMP_NUM_THREADS="1",
+                   GLOO_SOCKET_IFNAME="eth0" if self._net is not None else "lo",
                    PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", TMPDIR=str(self._tmp(i)),
-                   MULTINODE_MOUNT=str(self.mount), MULTINODE_NODE=str(i))
+                   MULTINODE_MOUNT=str(self.mount), MULTINODE_NODE=str(i), MULTINODE_ADDR=self.addr(i))
         out.update(env or {})
         return out
 
     def _wrap(self, i: int, argv: Sequence[str]) -> list[str]:
-        return [*_UNSHARE, "sh", "-c", _NODE_SH, f"node{i}-sh", self.hostname(i), str(self.node_disk(i)),
-                str(self.mount), *map(str, argv)]
+        # nsenter joins the node's network namespace and execs unshare: the pid stays the same
+        enter = self._net.enter(self._netnodes[i]) if self._net is not None else []
+        return [*enter, *_UNSHARE, "sh", "-c", _NODE_SH, f"node{i}-sh", self.hostname(i), str(self.node_disk(i)),
+                str(self.mount), self._hosts_file(), *map(str, argv)]
 
     def start(
         self,
@@ -362,7 +412,7 @@ class Cluster:
         try:
             for node_rank, i in enumerate(nodes):
                 argv = [*launcher, "--nnodes", str(len(nodes)), "--node-rank", str(node_rank),
-                        "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                        "--nproc-per-node", str(ranks), "--master-addr", self.addr(nodes[0]), "--master-port", str(port),
                         "--max-restarts", "0", "--monitor-interval", "0.1", os.path.abspath(script), *map(str, args)]
                 out, err = logs / f"node{i}.out", logs / f"node{i}.err"
                 with open(out, "wb") as out_f, open(err, "wb") as err_f:
@@ -430,12 +480,20 @@ class Cluster:
         return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
     def close(self) -> None:
-        """Kill whatever a started run left running (a test that failed before waiting)."""
+        """Kill whatever a started run left running (a test that failed before waiting); take the
+        nodes off the network (and end the network if the cluster made it)."""
         for run in self._runs:
             if not run.done:
                 run.kill_all("cluster closed")
                 run.wait(timeout=30, check=False)
         self._runs.clear()
+        if self._net is not None:
+            for node in self._netnodes:
+                self._net.remove_node(node)
+            self._netnodes = []
+            if self._owns_net:
+                self._net.close()
+            self._net = None
 
     def __enter__(self) -> Cluster:
         return self

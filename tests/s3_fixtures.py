@@ -1,4 +1,7 @@
-"""pytest fixtures for a real S3-compatible server (moto, subprocess) on loopback.
+"""pytest fixtures for moto (subprocess) on loopback behind a FaultProxy: the S3 of the tests that
+inject faults, take the server down, or count its requests (``proxy.log``). The tests that need
+none of that use SeaweedFS (fixtures ``seaweed``, ``seaweed_bucket``, ``seaweed_fs`` in
+conftest.py).
 
 Use from a test module or conftest.py::
 
@@ -35,23 +38,28 @@ def s3_server():
     takes the proxy down or adds faults need not undo that: ``s3_bucket`` heals it."""
     srv = S3Server()
     srv.start()
-    # Safety net: any client built WITHOUT our storage options (e.g. DCP re-creating its
-    # fsspec filesystem from a bare URL) must reach this loopback server, never AWS, and
-    # botocore must not probe the EC2 metadata address for credentials.
-    mp = pytest.MonkeyPatch()
-    mp.setenv("AWS_ENDPOINT_URL_S3", srv.endpoint_url)
-    mp.setenv("AWS_ACCESS_KEY_ID", DUMMY_KEY)
-    mp.setenv("AWS_SECRET_ACCESS_KEY", DUMMY_SECRET)
-    mp.setenv("AWS_DEFAULT_REGION", REGION)
-    mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        mp.delenv(var, raising=False)
+    mp = _safety_net(srv.endpoint_url)
     try:
         yield srv
     finally:
         mp.undo()
         _ADMIN.pop(id(srv), None)
         srv.close()
+
+
+def _safety_net(endpoint_url: str) -> pytest.MonkeyPatch:
+    """Any client built WITHOUT our storage options (e.g. DCP re-creating its fsspec
+    filesystem from a bare URL) must reach a loopback server, never AWS, and botocore must
+    not probe the EC2 metadata address for credentials."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AWS_ENDPOINT_URL_S3", endpoint_url)
+    mp.setenv("AWS_ACCESS_KEY_ID", DUMMY_KEY)
+    mp.setenv("AWS_SECRET_ACCESS_KEY", DUMMY_SECRET)
+    mp.setenv("AWS_DEFAULT_REGION", REGION)
+    mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        mp.delenv(var, raising=False)
+    return mp
 
 
 def _heal(srv: S3Server) -> None:
@@ -64,9 +72,9 @@ def _heal(srv: S3Server) -> None:
 _ADMIN: dict = {}
 
 
-def _admin_fs(srv: S3Server):
-    """One s3fs client per server, straight to moto (bypassing faults), reused across
-    tests: building a client costs ~0.2 s (botocore loads the S3 service model)."""
+def _admin_fs(srv):
+    """One s3fs client per server, straight to moto (bypassing faults) or to SeaweedFS, reused
+    across tests: building a client costs ~0.2 s (botocore loads the S3 service model)."""
     fs = _ADMIN.get(id(srv))
     if fs is None:
         fs = _ADMIN[id(srv)] = srv.s3fs(direct=True, retries=3)

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from multinode import SCRIPTS, all_records, describe
-from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket)
 
 from dcp_nvme import NVMeReader
 from dcp_nvme.tiers import drain_state
@@ -120,14 +119,17 @@ def test_a_node_dying_mid_save_leaves_the_previous_step_newest_everywhere(cluste
         assert len(_save_keys(_step_dir(cluster, node, 2))) == 1, os.listdir(_step_dir(cluster, node, 2))
 
 
-def test_drain_of_every_node_to_s3_loads_at_another_world_size(cluster, s3_server, s3_bucket):
-    options = s3_server.storage_options()
-    env = {"MIRROR_ROOT": f"s3://{s3_bucket}/run1", "MIRROR_OPTIONS": json.dumps(options), "STEPS": "1"}
+def test_drain_of_every_node_to_s3_loads_at_another_world_size(cluster, seaweed, seaweed_bucket):
+    # SeaweedFS on a node of its own: the nodes drain over their links; the test process loads
+    # through the host's relay
+    options = seaweed.storage_options(node=True)
+    env = {"MIRROR_ROOT": f"s3://{seaweed_bucket}/run1", "MIRROR_OPTIONS": json.dumps(options), "STEPS": "1"}
     results, records = _records(cluster, "save", env, ranks_per_node=1)  # one rank per node
     _ok(results, records, 2)
     assert [r["saves"][0]["drain"]["nodes"] for r in records if r["saves"][0]["drain"]] == [["0"], ["1"]]
     whole = {"w": torch.empty(2 * SHARD)}  # world size 1, from the mirror every node drained into
-    dcp.load(whole, storage_reader=NVMeReader(f"s3://{s3_bucket}/run1/step_1", storage_options=options), no_dist=True)
+    dcp.load(whole, storage_reader=NVMeReader(f"s3://{seaweed_bucket}/run1/step_1",
+                                              storage_options=seaweed.storage_options()), no_dist=True)
     assert whole["w"].tolist() == [float(10 + r) for r in range(2) for _ in range(SHARD)]
 
 

@@ -207,3 +207,26 @@ def test_bench_put_256mib(s3_server, s3_bucket, tmp_path, capsys):
                 f"\n[bench] s3fs 256 MiB {label}: put {dt:.2f}s ({256 / dt:.0f} MiB/s), get {dg:.2f}s ({256 / dg:.0f} MiB/s)"
             )
         fs.rm(f"{s3_bucket}/{label}")
+
+
+def test_seaweedfs_s3_and_its_filer_as_a_mounted_file_system(seaweed, seaweed_bucket, seaweed_fs, tmp_path):
+    """SeaweedFS (fixture ``seaweed``): multipart and ranged reads through S3, and ``weed mount`` of
+    its filer, the stand-in of a parallel file system: what is written through the mount reads
+    back, and shows in S3 under the bucket's directory."""
+    from seaweed import fuse_unavailable
+
+    data = os.urandom(11 * MiB)
+    with seaweed_fs.open(f"{seaweed_bucket}/big.bin", "wb", block_size=5 * MiB) as f:
+        f.write(data)
+    assert seaweed_fs.cat_file(f"{seaweed_bucket}/big.bin", start=5 * MiB - 3, end=5 * MiB + 3) == \
+        data[5 * MiB - 3:5 * MiB + 3]
+    if fuse_unavailable():
+        pytest.skip(fuse_unavailable())
+    with seaweed.mount(tmp_path / "pfs") as mnt:
+        target = mnt.mountpoint / "buckets" / seaweed_bucket / "via-fuse.bin"
+        target.write_bytes(data[:MiB])
+        assert target.read_bytes() == data[:MiB]
+        assert (mnt.mountpoint / "buckets" / seaweed_bucket / "big.bin").read_bytes() == data
+    assert not os.path.ismount(tmp_path / "pfs")
+    seaweed_fs.invalidate_cache()
+    assert seaweed_fs.cat(f"{seaweed_bucket}/via-fuse.bin") == data[:MiB]

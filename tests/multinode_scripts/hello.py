@@ -30,6 +30,10 @@ if os.environ.get("HELLO_STALL") == "1":
     time.sleep(3600)
 total = torch.tensor([float(rank)])
 dist.all_reduce(total)
+# the name's address only on a private network, whose /etc/hosts names the nodes: on the host's
+# network a lookup of "node1" could go to a DNS server off the machine
+resolves = socket.gethostbyname(host) if os.environ.get("GLOO_SOCKET_IFNAME") == "eth0" else None
 report({"rank": rank, "world": world, "host": host, "group_rank": int(os.environ["GROUP_RANK"]),
-        "local_rank": int(os.environ["LOCAL_RANK"]), "sum": total.item(), "seen": sorted(os.listdir(mount))})
+        "local_rank": int(os.environ["LOCAL_RANK"]), "sum": total.item(), "seen": sorted(os.listdir(mount)),
+        "addr": os.environ.get("MULTINODE_ADDR"), "resolves": resolves})
 dist.destroy_process_group()

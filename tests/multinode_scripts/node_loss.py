@@ -10,8 +10,10 @@ ACTION:
            ``NVMeReader(mirror=$MIRROR_ROOT, peers=True)``: each rank checks its values bit for bit
 
 Each rank prints one ``RESULT {json}`` line. $SHARD_ELEMS: float32 elements per saved rank.
+$MIRROR_OPTIONS: storage options (JSON) for an s3:// mirror.
 """
 
+import json
 import os
 import sys
 import time
@@ -33,6 +35,7 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (world,))
 mirror_root = os.environ.get("MIRROR_ROOT") or None
+mirror_options = json.loads(os.environ["MIRROR_OPTIONS"]) if os.environ.get("MIRROR_OPTIONS") else None
 
 
 def report(record: dict) -> None:
@@ -68,7 +71,7 @@ def do_save(record: dict) -> None:
         flip_what_this_node_replicates()
     keep = int(os.environ.get("KEEP", "0")) or None
     set_default_drainer(Drainer(DrainOptions(backoff=0.1, retries=2, node_wait=120), keep_last=keep))
-    writer = NVMeWriter(os.path.join(run_dir, "step_0"), mirror_root=mirror_root,
+    writer = NVMeWriter(os.path.join(run_dir, "step_0"), mirror_root=mirror_root, mirror_options=mirror_options,
                         replicas=int(os.environ.get("REPLICAS", "1")))
     record["saves"] = []
     for step in [int(s) for s in os.environ["STEPS"].split(",")]:
@@ -95,7 +98,8 @@ def do_restore(record: dict) -> None:
     for step in [int(s) for s in os.environ["LOAD_STEPS"].split(",")]:
         total = saved_world * SHARD
         loaded = {"w": DTensor.from_local(torch.full((total // world,), -1.0), mesh, [Shard(0)])}
-        reader = NVMeReader(os.path.join(run_dir, f"step_{step}"), mirror=mirror_root, peers=True)
+        reader = NVMeReader(os.path.join(run_dir, f"step_{step}"), mirror=mirror_root, mirror_options=mirror_options,
+                            peers=True)
         began = time.perf_counter()
         entry = {"step": step}
         try:

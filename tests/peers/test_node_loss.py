@@ -3,7 +3,8 @@ node's files are replicated on the next node's disk; a restarted job whose node 
 replacement with an empty disk loads bitwise-equal from the replica when the mirror lacks the
 step, from the mirror when the replica is damaged (and names the damaged copy), from the
 mirror when every node's copy left retention; a restart at another world size takes the bytes
-it needs from peers; retention removes a mirrored step's copies and replicas on every node."""
+it needs from peers; retention removes a mirrored step's copies and replicas on every node. The
+mirror is SeaweedFS's S3 on a node of its own, reached over the shaped links (fixture ``seaweed``)."""
 
 from __future__ import annotations
 
@@ -41,13 +42,16 @@ def _step(cluster, node, step):
     return cluster.node_disk(node) / "run1" / f"step_{step}"
 
 
-def test_replicas_survive_a_lost_node(cluster3, tmp_path):
-    cluster, mirror = cluster3, tmp_path / "pfs"
+def test_replicas_survive_a_lost_node(cluster3, seaweed, seaweed_bucket):
+    cluster, mirror = cluster3, f"s3://{seaweed_bucket}/run1"
+    # the nodes' S3 client: the store's address on the private network, also for `dcp-nvme status`
+    s3 = {"MIRROR_OPTIONS": json.dumps(seaweed.storage_options(node=True)),
+          "AWS_ENDPOINT_URL_S3": seaweed.node_endpoint_url}
     # what node 2 sends its replica arrives damaged (a fault of the test): node 0 finds it and
     # makes no replica, and that fails no save; node i holds node i-1's files, node i+1 confirmed
     # node i's
     results, records = _run(cluster, "save", {"STEPS": "1,2,3", "REPLICAS": "1", "KEEP": "2",
-                                              "MIRROR_ROOT": str(mirror)},
+                                              "MIRROR_ROOT": mirror, **s3},
                             env_per_node={2: {"FLIP_REPLICA_SENDS": "1"}})
     _ok(results, records, 3)
     for rec in records:
@@ -76,24 +80,26 @@ def test_replicas_survive_a_lost_node(cluster3, tmp_path):
             owner_file = f"rank_{node - 1:05d}.{marker['save_key']}.safetensors"
             theirs = _step(cluster, node - 1, step) / owner_file
             assert (replica / owner_file).read_bytes() == theirs.read_bytes()
-    status = cluster.on_node(1, [sys.executable, "-m", "dcp_nvme", "status", f"{cluster.mount}/run1"], check=True)
+    status = cluster.on_node(1, [sys.executable, "-m", "dcp_nvme", "status", f"{cluster.mount}/run1"], env=s3,
+                            check=True)
     assert "step_3: mirrored" in status.stdout and "replicated on node(s) 2" in status.stdout, status.stdout
     assert "holds replicas of node(s) 0; protected" in status.stdout, status.stdout
-    status = cluster.on_node(2, [sys.executable, "-m", "dcp_nvme", "status", f"{cluster.mount}/run1"], check=True)
+    status = cluster.on_node(2, [sys.executable, "-m", "dcp_nvme", "status", f"{cluster.mount}/run1"], env=s3,
+                            check=True)
     assert "replica on node 0 failed" in status.stdout, status.stdout
 
     # node 1 is lost: a replacement with an empty disk joins. Step 3 never reached the mirror
     # (the drain had not finished), node 2's replica of node 1's step 2 is damaged, and step 1
     # is only on the mirror (retention). The restart runs at world size 6 (a reshard).
     shutil.rmtree(cluster.node_disk(1) / "run1")
-    shutil.rmtree(mirror / "step_3")
+    seaweed.admin.rm(f"{seaweed_bucket}/run1/step_3", recursive=True)
     replica2 = _step(cluster, 2, 2) / REPLICAS_DIR / "1"
     damaged = next(p for p in replica2.iterdir() if p.name.startswith("rank_00001"))
     data = bytearray(damaged.read_bytes())
     data[-100] ^= 0xFF  # one byte of the last checksum block
     damaged.write_bytes(bytes(data))
     results, records = _run(cluster, "restore", {"LOAD_STEPS": "3,2,1", "SAVED_WORLD": "3",
-                                                 "MIRROR_ROOT": str(mirror)}, ranks_per_node=2)
+                                                 "MIRROR_ROOT": mirror, **s3}, ranks_per_node=2)
     _ok(results, records, 6)
     print("restore:", json.dumps([(r["rank"], r["loads"]) for r in records]))
     def sources(node, step):  # a node's two ranks share its disk: what either fetched, the other reads

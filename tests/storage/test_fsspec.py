@@ -8,7 +8,6 @@ import os
 import crc32c
 import pytest
 import torch
-from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 
 from dcp_nvme import ChecksumMismatchError, DCPNVMeError, IOConfig
 from dcp_nvme.engines.fsspec import FsspecEngine
@@ -24,9 +23,9 @@ def test_is_remote_url():
 
 
 @pytest.mark.parametrize("where", ["s3", "file"])
-def test_store_methods(where, tmp_path, s3_server, s3_bucket, s3_fs):
+def test_store_methods(where, tmp_path, seaweed, seaweed_bucket, seaweed_fs):
     if where == "s3":
-        store = FsspecStore(f"s3://{s3_bucket}/run/step_1", fs=s3_fs)
+        store = FsspecStore(f"s3://{seaweed_bucket}/run/step_1", fs=seaweed_fs)
     else:
         store = FsspecStore(f"file://{tmp_path}/run/step_1")
     assert not store.exists() and store.names() == [] and not store.has("a.bin")
@@ -56,14 +55,14 @@ def _requests(path: str, data: bytes, block: int, dests: int) -> list[ReadReques
     return out
 
 
-def test_engine_reads_ranges_verified_and_bounded(s3_server, s3_bucket, s3_fs):
+def test_engine_reads_ranges_verified_and_bounded(seaweed, seaweed_bucket, seaweed_fs):
     data = os.urandom(16 * 65536 + 100)
-    path = f"{s3_bucket}/c.bin"
-    s3_fs.pipe_file(path, data)
+    path = f"{seaweed_bucket}/c.bin"
+    seaweed_fs.pipe_file(path, data)
     block = 65536
     n = len(data) // block
     dests = [torch.empty(block, dtype=torch.uint8) for _ in range(n)]
-    engine = FsspecEngine(s3_fs, IOConfig(queue_depth=3))
+    engine = FsspecEngine(seaweed_fs, IOConfig(queue_depth=3))
     stats = engine.read(_requests(path, data, block, n), dests)
     assert b"".join(bytes(d.numpy()) for d in dests) == data[: n * block]
     assert stats.requests == n and stats.bytes == n * block and 1 <= stats.max_inflight <= 3
@@ -74,11 +73,11 @@ def test_engine_reads_ranges_verified_and_bounded(s3_server, s3_bucket, s3_fs):
     assert bytes(dest.numpy()) == data[20:30]
 
 
-def test_engine_detects_corruption_and_truncation(s3_server, s3_bucket, s3_fs):
+def test_engine_detects_corruption_and_truncation(seaweed, seaweed_bucket, seaweed_fs):
     data = os.urandom(8192)
-    path = f"{s3_bucket}/d.bin"
-    s3_fs.pipe_file(path, data)
-    engine = FsspecEngine(s3_fs, IOConfig(queue_depth=2))
+    path = f"{seaweed_bucket}/d.bin"
+    seaweed_fs.pipe_file(path, data)
+    engine = FsspecEngine(seaweed_fs, IOConfig(queue_depth=2))
     dest = torch.zeros(4096, dtype=torch.uint8)
     bad = ReadRequest(path, 4096, 4096, [(0, 0, 4096)], [(0, 4096, crc32c.crc32c(data[4096:]) ^ 1)])
     with pytest.raises(ChecksumMismatchError) as info:

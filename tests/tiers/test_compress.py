@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
-from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import NVMeReader, NVMeWriter
@@ -106,14 +105,14 @@ def test_compressed_drain_to_directory_loads_bit_for_bit(tmp_path):
     assert verify_mirror(local, target).bytes_verified_remote == section["bytes"]
 
 
-def test_compressed_drain_to_s3_loads_bit_for_bit_with_readback(tmp_path, s3_server, s3_bucket, s3_fs):
+def test_compressed_drain_to_s3_loads_bit_for_bit_with_readback(tmp_path, seaweed, seaweed_bucket, seaweed_fs):
     sd = make_state(3)
     local = save(tmp_path / "run" / "step_3", sd)
-    url = f"s3://{s3_bucket}/run/step_3"
-    result = drain(local, url, filesystem=s3_fs,
+    url = f"s3://{seaweed_bucket}/run/step_3"
+    result = drain(local, url, filesystem=seaweed_fs,
                    options=DrainOptions(**FAST, compress="bytegroup", verify="readback", codec_threads=2))
     assert result.bytes_verified_remote == result.bytes_sent
-    reader = NVMeReader(url, storage_options=s3_server.storage_options(retries=1), block_size="512KiB")
+    reader = NVMeReader(url, storage_options=seaweed.storage_options(retries=1), block_size="512KiB")
     assert_same(load(reader, sd), sd)
     assert reader.last_stats["requests"] > 3  # ranged reads of the .dcz, not one GET
 

@@ -11,7 +11,6 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 from test_compress import (
     FAST,
     assert_same,
@@ -420,16 +419,16 @@ def test_one_item_of_a_delta_decodes_only_its_part_of_the_chain(chain_of_two_bas
     assert all(n <= 2 for n in reads.values()), reads  # one run each, and the header's chunk
 
 
-def test_a_delta_on_s3_reads_its_base_in_one_ranged_get_per_run(tmp_path, s3_server, s3_bucket, s3_fs,
+def test_a_delta_on_s3_reads_its_base_in_one_ranged_get_per_run(tmp_path, seaweed, seaweed_bucket, seaweed_fs,
                                                                  monkeypatch):
-    mirror = f"s3://{s3_bucket}/pfs"
-    states, _ = delta_chain(tmp_path, make_state(43), 2, 43, mirror=mirror, filesystem=s3_fs)
-    assert mirror_doc_s3(s3_fs, f"{mirror}/step_2")["compression"]["delta"]["base"] == f"{mirror}/step_1"
+    mirror = f"s3://{seaweed_bucket}/pfs"
+    states, _ = delta_chain(tmp_path, make_state(43), 2, 43, mirror=mirror, filesystem=seaweed_fs)
+    assert mirror_doc_s3(seaweed_fs, f"{mirror}/step_2")["compression"]["delta"]["base"] == f"{mirror}/step_1"
     reads = _count_fetches(monkeypatch)
-    reader = NVMeReader(f"{mirror}/step_2", storage_options=s3_server.storage_options(retries=1),
+    reader = NVMeReader(f"{mirror}/step_2", storage_options=seaweed.storage_options(retries=1),
                         block_size="256KiB")
     assert_same(load(reader, states[1]), states[1])
-    (entry,) = mirror_doc_s3(s3_fs, f"{mirror}/step_1")["compression"]["files"].values()
+    (entry,) = mirror_doc_s3(seaweed_fs, f"{mirror}/step_1")["compression"]["files"].values()
     of_base = sum(n for (where, _), n in reads.items() if where == f"{mirror}/step_1")
     assert entry["size"] > 2 * codec.DEFAULT_CHUNK  # several chunks: one GET each before
     assert 1 <= of_base <= 2, reads  # the load's one run, and the header's chunk read before it

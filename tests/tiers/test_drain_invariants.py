@@ -227,36 +227,36 @@ def test_emptied_or_mangled_partial_file_is_resent_not_already_there(tmp_path, h
     mirrored_and_equal(local, str(mirror), sd)
 
 
-def test_s3_object_emptied_after_upload_is_resent(tmp_path, s3_server, s3_bucket, s3_fs, hook):
+def test_s3_object_emptied_after_upload_is_resent(tmp_path, seaweed, seaweed_bucket, seaweed_fs, hook):
     sd = make_state(24)
     local = save(tmp_path / "step_24", sd)
-    url = f"s3://{s3_bucket}/step_24"
-    obj = f"{s3_bucket}/step_24/{data_name(local)}"
+    url = f"s3://{seaweed_bucket}/step_24"
+    obj = f"{seaweed_bucket}/step_24/{data_name(local)}"
     hook(fail_at("file-finished"))
     with pytest.raises(DrainError, match="injected"):
-        drain(local, url, filesystem=s3_fs, options=DrainOptions(**FAST))
+        drain(local, url, filesystem=seaweed_fs, options=DrainOptions(**FAST))
     hook(None)
-    assert s3_fs.size(obj) == data_size(local)
-    s3_fs.pipe_file(obj, b"")  # emptied behind the drain's back
-    result = drain(local, url, filesystem=s3_fs, options=DrainOptions(**FAST))
+    assert seaweed_fs.size(obj) == data_size(local)
+    seaweed_fs.pipe_file(obj, b"")  # emptied behind the drain's back
+    result = drain(local, url, filesystem=seaweed_fs, options=DrainOptions(**FAST))
     assert result.bytes_sent == data_size(local) and result.bytes_skipped == 0
-    mirrored_and_equal(local, url, sd, opts(s3_server))
+    mirrored_and_equal(local, url, sd, opts(seaweed))
 
 
-def test_s3_upload_aborted_behind_the_journal_is_resent(tmp_path, s3_server, s3_bucket, s3_fs, hook):
+def test_s3_upload_aborted_behind_the_journal_is_resent(tmp_path, seaweed, seaweed_bucket, seaweed_fs, hook):
     sd = make_state(25)
     local = save(tmp_path / "step_25", sd)
-    url = f"s3://{s3_bucket}/step_25"
+    url = f"s3://{seaweed_bucket}/step_25"
     options = DrainOptions(**{**FAST, "max_transfers": 1})
     hook(fail_at("piece-journaled", 1))
     with pytest.raises(DrainError):
-        drain(local, url, filesystem=s3_fs, options=options)
+        drain(local, url, filesystem=seaweed_fs, options=options)
     hook(None)
     upload = journal(local)["files"][data_name(local)]["upload_id"]
-    s3_fs.call_s3("abort_multipart_upload", Bucket=s3_bucket, Key=f"step_25/{data_name(local)}", UploadId=upload)
-    result = drain(local, url, filesystem=s3_fs, options=options)
+    seaweed_fs.call_s3("abort_multipart_upload", Bucket=seaweed_bucket, Key=f"step_25/{data_name(local)}", UploadId=upload)
+    result = drain(local, url, filesystem=seaweed_fs, options=options)
     assert result.bytes_sent == data_size(local) and result.bytes_skipped == 0
-    mirrored_and_equal(local, url, sd, opts(s3_server))
+    mirrored_and_equal(local, url, sd, opts(seaweed))
 
 
 def test_second_drain_of_the_same_checkpoint_fails_fast(tmp_path, hook):
@@ -372,10 +372,10 @@ def test_overwrite_racing_a_local_drain_fails_it_and_commits_nothing(tmp_path, h
     mirrored_and_equal(local, str(mirror), new)
 
 
-def test_overwrite_racing_an_s3_drain_aborts_its_upload(tmp_path, s3_server, s3_bucket, s3_fs, hook):
+def test_overwrite_racing_an_s3_drain_aborts_its_upload(tmp_path, seaweed, seaweed_bucket, seaweed_fs, hook):
     old, new = make_state(30), make_state(31)
     local = save(tmp_path / "step_30", old)
-    url = f"s3://{s3_bucket}/step_30"
+    url = f"s3://{seaweed_bucket}/step_30"
     seen = [0]
 
     def race(at: str, info: dict) -> None:
@@ -386,13 +386,13 @@ def test_overwrite_racing_an_s3_drain_aborts_its_upload(tmp_path, s3_server, s3_
 
     hook(race)
     with pytest.raises(DrainError, match="source changed"):
-        drain(local, url, filesystem=s3_fs, options=DrainOptions(**{**FAST, "max_transfers": 1}))
+        drain(local, url, filesystem=seaweed_fs, options=DrainOptions(**{**FAST, "max_transfers": 1}))
     hook(None)
-    assert s3_fs.call_s3("list_multipart_uploads", Bucket=s3_bucket).get("Uploads", []) == []
-    s3_fs.invalidate_cache()
-    assert not s3_fs.exists(f"{s3_bucket}/step_30/{MANIFEST}")
-    drain(local, url, filesystem=s3_fs, options=DrainOptions(**FAST))
-    mirrored_and_equal(local, url, new, opts(s3_server))
+    assert seaweed_fs.call_s3("list_multipart_uploads", Bucket=seaweed_bucket).get("Uploads", []) == []
+    seaweed_fs.invalidate_cache()
+    assert not seaweed_fs.exists(f"{seaweed_bucket}/step_30/{MANIFEST}")
+    drain(local, url, filesystem=seaweed_fs, options=DrainOptions(**FAST))
+    mirrored_and_equal(local, url, new, opts(seaweed))
 
 
 # --------------------------------------------------------------------------- failures name file + operation

@@ -202,11 +202,11 @@ def test_server_killed_mid_drain_restarts_empty_then_full_resend(tmp_path, s3_se
 # --------------------------------------------------------------------------- failures
 
 
-def test_missing_bucket_fails_with_cause_local_intact(tmp_path, s3_server, s3_fs):
+def test_missing_bucket_fails_with_cause_local_intact(tmp_path, seaweed, seaweed_fs):
     sd = make_state(6)
     local = save(tmp_path / "step_6", sd)
     with pytest.raises(DrainError) as info:
-        drain(local, "s3://no-such-bucket-dcp-nvme/run/step_6", filesystem=s3_fs,
+        drain(local, "s3://no-such-bucket-dcp-nvme/run/step_6", filesystem=seaweed_fs,
               options=DrainOptions(**{**FAST, "retries": 1}))
     assert "bucket missing" in info.value.cause
     state = drain_state(local)
@@ -252,26 +252,26 @@ def _key(local: str) -> str:
     return json.loads(open(os.path.join(local, MANIFEST)).read())["save_key"]
 
 
-def test_readback_catches_remote_corruption(tmp_path, s3_server, s3_bucket, s3_fs):
+def test_readback_catches_remote_corruption(tmp_path, seaweed, seaweed_bucket, seaweed_fs):
     sd = make_state(10)
     local = save(tmp_path / "step_10", sd)
-    url = f"s3://{s3_bucket}/step_10"
-    drain(local, url, filesystem=s3_fs, options=DrainOptions(**FAST))
-    obj = f"{s3_bucket}/step_10/rank_00000.{_key(local)}.safetensors"
-    data = bytearray(s3_fs.cat_file(obj))
+    url = f"s3://{seaweed_bucket}/step_10"
+    drain(local, url, filesystem=seaweed_fs, options=DrainOptions(**FAST))
+    obj = f"{seaweed_bucket}/step_10/rank_00000.{_key(local)}.safetensors"
+    data = bytearray(seaweed_fs.cat_file(obj))
     data[4096 + 5 * MiB + 17] ^= 0x01  # one bit, in the second data piece
-    s3_fs.pipe_file(obj, bytes(data))
+    seaweed_fs.pipe_file(obj, bytes(data))
     with pytest.raises(ChecksumMismatchError) as info:
-        verify_mirror(local, url, filesystem=s3_fs, options=DrainOptions(**FAST, verify="readback"))
+        verify_mirror(local, url, filesystem=seaweed_fs, options=DrainOptions(**FAST, verify="readback"))
     assert info.value.start == 4096 + 5 * MiB and obj.split("/")[-1] in str(info.value)
     assert str(drain_state(local)).startswith("failed: checksum mismatch")
     with pytest.raises(CheckpointException, match="checksum mismatch in .*item w"):  # the reader too
-        load(NVMeReader(url, storage_options=opts(s3_server)), sd)
+        load(NVMeReader(url, storage_options=opts(seaweed)), sd)
     # a drain again does not take the object for "already there": it cannot be confirmed, so it is resent
-    result = drain(local, url, filesystem=s3_fs, options=DrainOptions(**FAST, verify="readback"))
+    result = drain(local, url, filesystem=seaweed_fs, options=DrainOptions(**FAST, verify="readback"))
     assert result.bytes_sent == data_size(local) and result.bytes_skipped == 0
     assert drain_state(local).state == MIRRORED
-    assert_same(load(NVMeReader(url, storage_options=opts(s3_server)), sd), sd)
+    assert_same(load(NVMeReader(url, storage_options=opts(seaweed)), sd), sd)
 
 
 # --------------------------------------------------------------------------- retention, status
@@ -297,15 +297,15 @@ def test_retention_keeps_last_k_and_never_undrained(tmp_path, capsys):
         apply_retention(run, keep_last=0)
 
 
-def test_async_save_with_mirror_commits_locally_then_drains(tmp_path, s3_server, s3_bucket):
+def test_async_save_with_mirror_commits_locally_then_drains(tmp_path, seaweed, seaweed_bucket):
     sd = make_state(11)
     local = str(tmp_path / "run" / "step_11")
-    url = f"s3://{s3_bucket}/run/step_11"
+    url = f"s3://{seaweed_bucket}/run/step_11"
     drainer = Drainer(DrainOptions(**FAST), keep_last=1)
     previous = set_default_drainer(drainer)
     try:
         older = save(tmp_path / "run" / "step_0", make_state(0, floats=1000))  # never mirrored
-        writer = NVMeWriter(local, mirror=url, mirror_options=opts(s3_server))
+        writer = NVMeWriter(local, mirror=url, mirror_options=opts(seaweed))
         future = dcp.async_save(sd, storage_writer=writer, no_dist=True)
         (future.result() if hasattr(future, "result") else future.upload_completion.result())
         assert os.path.isfile(os.path.join(local, MANIFEST))  # the local commit is durable
@@ -317,4 +317,4 @@ def test_async_save_with_mirror_commits_locally_then_drains(tmp_path, s3_server,
         drainer.close()
     assert result.bytes_sent == data_size(local) and drain_state(local).state == MIRRORED
     assert os.path.isdir(older)  # retention (keep 1) never removes a checkpoint not drained
-    assert_same(load(NVMeReader(url, storage_options=opts(s3_server)), sd), sd)
+    assert_same(load(NVMeReader(url, storage_options=opts(seaweed)), sd), sd)
