@@ -32,5 +32,5 @@ case "$job" in
   demo) exec "$venv/bin/dcp-nvme" bench --size 512MiB --dir ./bench_out/demo "$@" ;;
   # two workers, one test file each at a time: most tests wait on subprocesses and disks, and a
   # file's module fixtures (servers, saved checkpoints) stay in one worker; -n 0 runs in one process
-  test) exec "$venv/bin/python" -m pytest -q -n 2 --dist loadfile "$@" ;;
+  test) exec "$venv/bin/python" -m pytest -q -n 2 --dist loadfile --durations=25 "$@" ;;
 esac
