@@ -5,9 +5,9 @@ directory as its working directory. Two rewrites, and only these, map the docs' 
 locations onto test resources:
 
 - ``/nvme/`` (the docs' node-local NVMe mount) becomes ``<tmp>/nvme/``;
-- ``http://s3.local:9000`` (the docs' S3-compatible endpoint) becomes the suite's moto server on
-  loopback, in which bucket ``bucket`` exists. Snippets that use it are skipped when moto or
-  s3fs is missing.
+- ``http://s3.local:9000`` (the docs' S3-compatible endpoint) becomes the suite's SeaweedFS
+  (tests/seaweed.py), in which bucket ``bucket`` exists. Snippets that use it are skipped when
+  SeaweedFS or s3fs is missing.
 
 A snippet that cannot run standalone carries ``<!-- not-run: reason -->`` on the line before
 its fence; it is reported as skipped with that reason. A snippet that imports a trainer library
@@ -89,19 +89,13 @@ def test_every_doc_snippet_is_collected():
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint():
-    """moto on loopback, started only for the snippets that use the docs' S3 endpoint."""
-    pytest.importorskip("moto.server", reason="moto[server] not installed")
-    pytest.importorskip("s3fs", reason="s3fs not installed")
-    from s3server import S3Server
-
-    server = S3Server(proxy=False)
-    server.start()
-    try:
-        server.s3fs().mkdir(S3_BUCKET)
-        yield server.endpoint_url
-    finally:
-        server.close()
+def s3_endpoint(request):
+    """SeaweedFS (the suite's object store, conftest ``seaweed``), with bucket ``bucket``: started
+    only for the snippets that use the docs' S3 endpoint."""
+    server = request.getfixturevalue("seaweed")
+    if not server.admin.exists(S3_BUCKET):
+        server.admin.mkdir(S3_BUCKET)
+    return server.endpoint_url
 
 
 def _rewrite(code: str, tmp: Path, endpoint: str | None) -> str:
@@ -131,3 +125,61 @@ def test_doc_snippet_runs(snippet: Snippet, tmp_path, request):
         if missing and missing.group(1).split(".")[0] in OPTIONAL_LIBRARIES:
             pytest.skip(f"{snippet.id} needs {missing.group(1)}, which is not installed")
         pytest.fail(f"{snippet.id} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def _bash_fences(doc: str) -> list[list[str]]:
+    """The lines of each ```bash fence of ``doc``."""
+    fences: list[list[str]] = []
+    inside = False
+    for line in (REPO / doc).read_text().splitlines():
+        if line.strip().startswith("```"):
+            inside = line.strip() == "```bash"
+            if inside:
+                fences.append([])
+        elif inside:
+            fences[-1].append(line.strip())
+    return fences
+
+
+_S3_CLIENT = """
+import sys, time, s3fs
+opts = {"endpoint_url": "http://127.0.0.1:8333", "key": "any", "secret": "any"}
+deadline = time.monotonic() + 60
+while True:
+    try:
+        fs = s3fs.S3FileSystem(**opts)
+        fs.mkdir("bucket")
+        break
+    except Exception:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.3)
+data = bytes(range(256)) * 4096
+fs.pipe("bucket/x", data)
+assert fs.cat("bucket/x") == data and fs.cat_file("bucket/x", start=5, end=9) == data[5:9]
+print("served", len(data))
+"""
+
+
+def test_the_seaweedfs_command_of_the_tiers_doc_serves_s3():
+    """docs/tiers.md's `weed server` line, as written, in a network and mount namespace of its
+    own (its fixed ports cannot meet another server's; a tmpfs /tmp for its data and sockets),
+    then the doc's client options: a bucket, a write, a ranged read."""
+    from multinode import unshare_unavailable
+    from seaweed import seaweed_unavailable, weed_binary
+
+    reason = unshare_unavailable() or seaweed_unavailable()
+    if reason:
+        pytest.skip(reason)
+    (fence,) = [f for f in _bash_fences("docs/tiers.md") if any(line.startswith("weed server") for line in f)]
+    # the fence as written, the server in the background
+    commands = "\n".join(f"{line} >/dev/null 2>&1 &" if line.startswith("weed ") else line for line in fence)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # as the doc says
+    env["DOC_S3_CLIENT"] = _S3_CLIENT  # (the tmpfs hides tmp_path)
+    env["PATH"] = os.pathsep.join([os.path.dirname(weed_binary() or ""), env.get("PATH", "")])
+    shell = (f'set -e; ip link set lo up; mount -t tmpfs tmpfs /tmp\n{commands}\n'
+             f'{sys.executable} -c "$DOC_S3_CLIENT"')
+    proc = subprocess.run(["unshare", "--net", "--mount", "--propagation", "private", "--fork", "--pid",
+                           "--kill-child", "sh", "-c", shell],
+                          capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and "served 1048576" in proc.stdout, proc.stdout + proc.stderr[-3000:]
