@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeWriter
 from dcp_nvme.format.container import MANIFEST
-from dcp_nvme.format.manifest import read_files, read_manifest, seal, table_entry
+from dcp_nvme.format.manifest import fqn_keys, read_files, read_manifest, seal, table_entry
 from dcp_nvme.format.tables import ChunkRecord, FileRecord, chunks_table, files_table
 from dcp_nvme.storage.local_dir import LocalStore
 
@@ -52,7 +52,7 @@ def reseal(path: Path, doc: dict[str, Any]) -> None:
 def write_index(path: Path, chunks: list[ChunkRecord], doc: dict[str, Any] | None = None) -> None:
     """Replace the index with ``chunks`` and re-seal the manifest around it."""
     doc = doc or doc_of(path)
-    data = chunks_table(chunks)
+    data = chunks_table(chunks, fqn_keys(doc))  # null keys mean what the checkpoint's version says
     (path / doc["index"]["name"]).write_bytes(data)
     doc["index"] = table_entry(doc["index"]["name"], data)
     reseal(path, doc)

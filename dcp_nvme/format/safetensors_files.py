@@ -47,6 +47,8 @@ def what_is(path: str | os.PathLike) -> str | None:
     dcp_nvme manifest or data file); None for anything else."""
     location = os.fspath(path)
     if os.path.isfile(location):
+        if save_key_of(os.path.basename(location)) and os.path.isfile(os.path.join(os.path.dirname(location), MANIFEST)):
+            return None  # a rank file of one of our checkpoints: the checkpoint is what to open
         return SAFETENSORS_FILE if location.endswith(SUFFIX) else None
     if not os.path.isdir(location) or os.path.isfile(os.path.join(location, MANIFEST)):
         return None

@@ -160,9 +160,9 @@ def chunk_rows(chunks: Sequence[ChunkRecord], fqn_keys: bool = False) -> pa.Tabl
     return pa.Table.from_arrays(columns, schema=_CHUNK_SCHEMA)
 
 
-def chunks_table(chunks: Sequence[ChunkRecord]) -> bytes:
-    """The index table's bytes."""
-    return index_table_bytes(chunk_rows(chunks))
+def chunks_table(chunks: Sequence[ChunkRecord], fqn_keys: bool = False) -> bytes:
+    """The index table's bytes (``fqn_keys``: of a format-4 checkpoint, see ``chunk_rows``)."""
+    return index_table_bytes(chunk_rows(chunks, fqn_keys))
 
 
 def index_table_bytes(rows: pa.Table) -> bytes:
