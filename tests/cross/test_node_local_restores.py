@@ -1,50 +1,18 @@
 """Restores of trainers' node-local states (issue 39) from the other nodes, over the ranks' own
 gloo group (``peers=True``): a wiped node, a range that arrives damaged, a new empty node, and
 replicas of a data-parallel state that move nothing. Split from test_node_local_states.py, whose
-helpers it uses, so that the two files run on different workers."""
+helpers it uses, so that the two files run on different workers; a wiped node's restore is part
+of that file's layout test (it reuses the layout's save)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
 from multinode import all_records
-from test_node_local_states import SCRIPT, STEP, _failures, _run
+from test_node_local_states import SCRIPT, STEP, _failures, _wipe
 
 pytestmark = pytest.mark.slow
-
-
-def _wipe(cluster, node):
-    shutil.rmtree(cluster.node_disk(node) / "run")
-    (cluster.node_disk(node) / "run").mkdir()
-
-
-@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
-def test_a_wiped_node_restores_each_item_from_a_node_that_holds_it(cluster, layout):
-    """A replacement node (empty disk), no replicas, no mirror: every item its ranks need is on
-    the other node (data-parallel replicas, and its copies), so ``peers=True`` restores it there
-    over the ranks' own gloo group, bitwise, and the node keeps the manifest for its next start."""
-    results, records = _run(cluster, "save", layout)
-    assert not _failures(results, records, 4)
-    _wipe(cluster, 1)
-    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
-                          timeout=150, check=False)
-    records = all_records(results)
-    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
-    remote = {rec["rank"]: rec["read"]["remote_bytes"] for rec in records}
-    assert all(rec["bitwise"] is True for rec in records), records
-    assert remote[0] == remote[1] == 0 and remote[2] + remote[3] > 0, remote
-    if layout == "ddp":  # both ranks of node 1 need every parameter: it came to the node once
-        assert min(remote[2], remote[3]) == 0, remote
-    step = cluster.node_disk(1) / "run" / STEP
-    assert (step / "manifest.json").exists()
-    assert list((step / ".ranges").glob("*.spans")), sorted(os.listdir(step))  # what came is kept
-    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
-                          timeout=150, check=False)  # the healed node's next restart: its own disk
-    records = all_records(results)
-    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
-    assert all(rec["bitwise"] is True and rec["read"]["remote_bytes"] == 0 for rec in records), records
 
 
 def test_a_range_that_arrives_damaged_comes_from_the_next_holder(cluster3):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -27,6 +28,7 @@ SCRIPT = SCRIPTS / "train_states.py"
 LAYOUTS = ("ddp", "fsdp2", "hsdp", "tpdp", "sharded")
 STEP = "step_1"
 ONE_NODE_FEWER = ("ddp", "hsdp", "fsdp2")
+WIPED = ("ddp", "hsdp")
 
 
 def _run(cluster, action, layout, timeout=150):
@@ -114,6 +116,8 @@ def test_trainer_state_restarts_on_the_same_nodes_from_their_own_disks(cluster, 
 
     if layout in ONE_NODE_FEWER:
         _restart_on_one_node_fewer(cluster, layout)
+    if layout in WIPED:
+        _a_wiped_node_restores_from_the_node_that_holds_it(cluster, layout)
 
 
 def _restart_on_one_node_fewer(cluster, layout):
@@ -131,3 +135,33 @@ def _restart_on_one_node_fewer(cluster, layout):
         else:
             assert rec.get("error") is None and rec["bitwise"] is True, rec
             assert rec["read"]["remote_bytes"] == 0, rec
+
+
+def _wipe(cluster, node):
+    shutil.rmtree(cluster.node_disk(node) / "run")
+    (cluster.node_disk(node) / "run").mkdir()
+
+
+def _a_wiped_node_restores_from_the_node_that_holds_it(cluster, layout):
+    """A replacement node (empty disk), no replicas, no mirror: every item its ranks need is on
+    the other node (data-parallel replicas, and its copies), so ``peers=True`` restores it there
+    over the ranks' own gloo group, bitwise, and the node keeps the manifest for its next start.
+    (Part of the layout test: it reuses that save.)"""
+    _wipe(cluster, 1)
+    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
+                          timeout=150, check=False)
+    records = all_records(results)
+    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
+    remote = {rec["rank"]: rec["read"]["remote_bytes"] for rec in records}
+    assert all(rec["bitwise"] is True for rec in records), records
+    assert remote[0] == remote[1] == 0 and remote[2] + remote[3] > 0, remote
+    if layout == "ddp":  # both ranks of node 1 need every parameter: it came to the node once
+        assert min(remote[2], remote[3]) == 0, remote
+    step = cluster.node_disk(1) / "run" / STEP
+    assert (step / "manifest.json").exists()
+    assert list((step / ".ranges").glob("*.spans")), sorted(os.listdir(step))  # what came is kept
+    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
+                          timeout=150, check=False)  # the healed node's next restart: its own disk
+    records = all_records(results)
+    assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
+    assert all(rec["bitwise"] is True and rec["read"]["remote_bytes"] == 0 for rec in records), records
