@@ -32,6 +32,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,6 +62,10 @@ log = logging.getLogger(__name__)
 
 WAVE_BYTES = 256 << 20
 """At most this many bytes a rank sends, and receives, in one wave (what it holds in memory)."""
+MIRROR_RANGE = 8 << 20
+MIRROR_IN_FLIGHT = 8
+"""What no node holds comes from the mirror in ranged reads of ``MIRROR_RANGE`` bytes, this
+many at once (the reader's default ``block_size`` and ``queue_depth``)."""
 
 _group: Any = None
 
@@ -360,19 +365,9 @@ def _nowhere(path: str, manifest: Manifest, records: dict[str, FileRecord], aske
     """The asks no node can serve (every rank knows which): their needers read the mirror,
     then every rank hears how it went (an optional ask that fails is left out)."""
     me = dist.get_rank()
-    why, got = None, []
-    for needer, index in nowhere:
-        if needer != me or (optional and mirror is None):
-            continue
-        span = asked[needer][0][index][0]  # the mirror holds every file: the index's place
-        try:
-            _from_mirror(path, manifest, records[span.file], span, mirror, out)
-            out.chosen[index] = 0
-            got.append(span)
-        except (DCPNVMeError, OSError) as exc:
-            if not optional:
-                why = f"{type(exc).__name__}: {exc}"
-                break
+    mine = [(index, asked[needer][0][index][0])  # the mirror holds every file: the index's place
+            for needer, index in nowhere if needer == me and not (optional and mirror is None)]
+    why, got = _from_mirror_all(path, manifest, records, mine, mirror, optional, out)
     reports = _gather((why, got))
     _raise_first(path, [w for w, _ in reports])
     for rank, (_, spans) in enumerate(reports):
@@ -413,22 +408,23 @@ def _run_wave(path: str, wave: list[tuple[int, int, Span, int]], records: dict[s
         except (OSError, KeyError, DCPNVMeError) as exc:
             refusals.append((slot, f"{type(exc).__name__}: {exc}"))
     refused = {slot: why for per_rank in _gather(refusals) for slot, why in per_rank}
-    ops, incoming = [], {}
+    sends, incoming = [], {}
     group = _exchange_group()
+    # every transfer is posted at once; each that arrives is checked and kept while the rest
+    # still come (waiting for all of them first left the link idle during the checks and writes)
     for slot, (needer, _, span, holder) in enumerate(wave):
         if slot in refused:
             continue
         if holder == me:
-            ops.append(dist.P2POp(dist.isend, torch.frombuffer(outgoing[slot], dtype=torch.uint8), needer,
-                                  group=group, tag=slot))
+            sends.append(dist.isend(torch.frombuffer(outgoing[slot], dtype=torch.uint8), needer, group=group,
+                                    tag=slot))
         elif needer == me:
-            incoming[slot] = torch.empty(span.length, dtype=torch.uint8)
-            ops.append(dist.P2POp(dist.irecv, incoming[slot], holder, group=group, tag=slot))
-    for request in dist.batch_isend_irecv(ops) if ops else []:
-        request.wait()
+            tensor = torch.empty(span.length, dtype=torch.uint8)
+            incoming[slot] = (tensor, dist.irecv(tensor, holder, group=group, tag=slot))
     damaged: list[tuple[int, str]] = []
     fatal = None
-    for slot, tensor in incoming.items():
+    for slot, (tensor, request) in incoming.items():
+        request.wait()
         _, _, span, holder = wave[slot]
         data = memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's buffer stub before 3.12
         try:
@@ -440,6 +436,8 @@ def _run_wave(path: str, wave: list[tuple[int, int, Span, int]], records: dict[s
             out.keep(records[span.file], span.start, data, "peer")
         except OSError as exc:
             fatal = fatal or f"cannot keep what came of {span.file}: {exc}"
+    for request in sends:
+        request.wait()
     reports = _gather((damaged, fatal))
     _raise_first(path, [f for _, f in reports])
     for per_rank, _ in reports:
@@ -460,6 +458,60 @@ def _read_checked(local: str, record: FileRecord, span: Span, node: str) -> byte
         raise OSError(f"{local}: read {got} of {span.length} bytes at {span.start}")
     verify_piece(record, span.start, memoryview(data), f"{local} on node {node}")
     return data
+
+
+def _from_mirror_all(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
+                     mirror: MirrorSource | None, optional: bool, out: Fetch) -> tuple[str | None, list[Span]]:
+    """This rank's asks that no node holds, from the mirror: ranged reads of ``MIRROR_RANGE``
+    bytes, ``MIRROR_IN_FLIGHT`` at once (one span at a time, one read each, left the link
+    mostly idle), each span checked and kept as soon as all of it came; at most
+    ``WAVE_BYTES`` of spans in memory. Returns (why it stopped, the spans that came)."""
+    got: list[Span] = []
+    if mirror is None:
+        for _index, span in mine:  # raises the error that names what is missing, unless optional
+            try:
+                _from_mirror(path, manifest, records[span.file], span, mirror, out)
+            except (DCPNVMeError, OSError) as exc:
+                if not optional:
+                    return f"{type(exc).__name__}: {exc}", got
+        return None, got
+
+    def part(span: Span, offset: int, into: memoryview) -> None:
+        into[:] = mirror.read_range(span.file, span.start + offset, len(into))
+
+    groups: list[list[tuple[int, Span]]] = []
+    size = 0
+    for index, span in mine:
+        if not groups or (size + span.length > WAVE_BYTES and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append((index, span))
+        size += span.length
+    with ThreadPoolExecutor(MIRROR_IN_FLIGHT, thread_name_prefix="dcp-nvme-mirror") as pool:
+        for group in groups:
+            posted = []
+            for index, span in group:
+                view = memoryview(bytearray(span.length))
+                parts = [pool.submit(part, span, offset, view[offset:offset + MIRROR_RANGE])
+                         for offset in range(0, span.length, MIRROR_RANGE)]
+                posted.append((index, span, view, parts))
+            for at, (index, span, view, parts) in enumerate(posted):
+                try:
+                    for future in parts:
+                        future.result()
+                    record = records[span.file]
+                    verify_piece(record, span.start, view, mirror.describe(span.file))
+                    out.keep(record, span.start, view, "mirror")
+                    out.chosen[index] = 0
+                    got.append(span)
+                except (DCPNVMeError, OSError) as exc:
+                    if not optional:
+                        for _, _, _, rest in posted[at + 1:]:
+                            for future in rest:
+                                future.cancel()
+                        return f"{type(exc).__name__}: {exc}", got
+                posted[at] = (index, span, memoryview(b""), [])  # its bytes are kept: free them
+    return None, got
 
 
 def _from_mirror(path: str, manifest: Manifest, record: FileRecord, span: Span,

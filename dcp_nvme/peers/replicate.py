@@ -27,7 +27,7 @@ import secrets
 import shutil
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,21 +292,42 @@ def _replicate(group: Any, directory: str, node: str, copies: int, bandwidth: fl
     _write_record(directory, record)
     files = read_files(LocalStore(directory), manifest, directory)
     limiter = Limiter(bandwidth)
-    for owner, holder in pairs:
-        names = manifest.files_by_node().get(owner, [])
-        if owner == node:
-            _send(group, rank_of[holder], directory, [files[n] for n in names], limiter)
-        elif holder == node:
-            try:
-                result.bytes += _receive(group, rank_of[owner], directory, manifest, [files[n] for n in names],
-                                         owner, key)
-                result.pulled[owner] = "ok"
-                log.info("dcp_nvme: node %s holds a verified replica of node %s's files of %s", node, owner,
-                         directory)
-            except Exception as exc:  # noqa: BLE001  recorded, and told to the owner
-                result.pulled[owner] = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("dcp_nvme: node %s: replica of node %s's files of %s not made: %s", node, owner,
-                            directory, result.pulled[owner])
+    by_node = manifest.files_by_node()
+    # Every node sends its files and receives the others' at once: its sends on a thread of
+    # their own, its receives here, each in round order (a holder's k-th replica of an owner
+    # is round k). One after another, only one link of the job was busy at a time. Each pair
+    # of ranks has one transfer, so the two directions never mix up their messages.
+    rounds = {(owner, holder): k for owner, holder in pairs
+              for k, h in enumerate(placement(nodes, owner, copies, stride)[0]) if h == holder}
+    sends = [holder for owner, holder in pairs if owner == node]
+    receives = sorted((owner for owner, holder in pairs if holder == node),
+                      key=lambda owner: (rounds[(owner, node)], nodes.index(owner)))
+    send_error: list[BaseException] = []
+
+    def send_all() -> None:
+        try:
+            for holder in sends:
+                _send(group, rank_of[holder], directory, [files[n] for n in by_node.get(node, [])], limiter)
+        except BaseException as exc:  # noqa: BLE001  raised by the replicating thread below
+            send_error.append(exc)
+
+    sender = threading.Thread(target=send_all, name=f"dcp-nvme-replicate-send-{node}", daemon=True)
+    sender.start()
+    for owner in receives:
+        names = by_node.get(owner, [])
+        try:
+            result.bytes += _receive(group, rank_of[owner], directory, manifest, [files[n] for n in names],
+                                     owner, key)
+            result.pulled[owner] = "ok"
+            log.info("dcp_nvme: node %s holds a verified replica of node %s's files of %s", node, owner,
+                     directory)
+        except Exception as exc:  # noqa: BLE001  recorded, and told to the owner
+            result.pulled[owner] = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("dcp_nvme: node %s: replica of node %s's files of %s not made: %s", node, owner,
+                        directory, result.pulled[owner])
+    sender.join()
+    if send_error:
+        raise send_error[0]
     said: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(said, (node, result.pulled), group=group)
     for holder, pulled in said:
@@ -329,16 +350,30 @@ def _send(group: Any, holder: int, directory: str, records: list[FileRecord], li
     import torch
     import torch.distributed as dist
 
-    for record in records:
-        fd = open_regular(os.path.join(directory, record.name))
-        try:
-            for piece in plan_pieces(record.size, record.data_start, record.checksum_block, PIECE):
-                data = _read_piece(fd, record, piece, os.path.join(directory, record.name))
+    # the next piece is read and checked while this one is sent (one ahead: two pieces in memory)
+    fds: dict[str, int] = {}
+    try:
+        jobs = []
+        for record in records:
+            fds[record.name] = open_regular(os.path.join(directory, record.name))
+            jobs += [(record, piece) for piece in plan_pieces(record.size, record.data_start, record.checksum_block,
+                                                              PIECE)]
+
+        def read(job: tuple[FileRecord, Any]) -> bytearray | None:
+            record, piece = job
+            return _read_piece(fds[record.name], record, piece, os.path.join(directory, record.name))
+
+        with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-replica-read") as pool:
+            ahead = pool.submit(read, jobs[0]) if jobs else None
+            for at, (_, piece) in enumerate(jobs):
+                data = ahead.result()
+                ahead = pool.submit(read, jobs[at + 1]) if at + 1 < len(jobs) else None
                 dist.send(torch.tensor([int(data is not None)]), holder, group=group)
                 if data is not None:
                     limiter.take(piece.length)
                     dist.send(torch.frombuffer(data, dtype=torch.uint8), holder, group=group)
-        finally:
+    finally:
+        for fd in fds.values():
             os.close(fd)
 
 
@@ -368,33 +403,50 @@ def _receive(group: Any, owner_rank: int, directory: str, manifest: Any, records
     replica_dir = make_private_dir(os.path.join(directory, REPLICAS_DIR, owner))
     clear_replica(replica_dir)
     problem, copied = None, 0
-    for record in records:
-        temp = os.path.join(replica_dir, f".{record.name}.fetch-{secrets.token_hex(4)}")
-        fd = create_no_follow(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            for piece in plan_pieces(record.size, record.data_start, record.checksum_block, PIECE):
-                status = torch.zeros(1, dtype=torch.int64)
-                dist.recv(status, owner_rank, group=group)
-                if not status.item():
-                    problem = problem or f"node {owner} holds a damaged {record.name} [{piece.offset}, " \
-                                         f"{piece.offset + piece.length})"
-                    continue
-                buffer = torch.empty(piece.length, dtype=torch.uint8)
-                dist.recv(buffer, owner_rank, group=group)
+
+    def check_and_write(fd: int, record: FileRecord, piece: Any, buffer: Any) -> int:
+        data = memoryview(buffer.numpy()).cast("B")  # numpy's buffer stub before 3.12
+        verify_piece(record, piece.offset, data, f"{record.name} from node {owner}")
+        pwrite_all(fd, data, piece.offset)
+        return piece.length
+
+    # each piece is checked and written on a thread while the next one comes
+    with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-replica-write") as pool:
+        pending: Future | None = None
+
+        def settle() -> None:
+            nonlocal pending, problem, copied
+            if pending is not None:
+                try:
+                    copied += pending.result()
+                except (ChecksumMismatchError, OSError) as exc:
+                    problem = problem or f"{type(exc).__name__}: {exc}"
+                pending = None
+
+        for record in records:
+            temp = os.path.join(replica_dir, f".{record.name}.fetch-{secrets.token_hex(4)}")
+            fd = create_no_follow(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                for piece in plan_pieces(record.size, record.data_start, record.checksum_block, PIECE):
+                    status = torch.zeros(1, dtype=torch.int64)
+                    dist.recv(status, owner_rank, group=group)
+                    if not status.item():
+                        problem = problem or f"node {owner} holds a damaged {record.name} [{piece.offset}, " \
+                                             f"{piece.offset + piece.length})"
+                        continue
+                    buffer = torch.empty(piece.length, dtype=torch.uint8)
+                    dist.recv(buffer, owner_rank, group=group)
+                    settle()
+                    if problem is None:
+                        pending = pool.submit(check_and_write, fd, record, piece, buffer)
+                settle()
                 if problem is None:
-                    data = memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stub
-                    try:
-                        verify_piece(record, piece.offset, data, f"{record.name} from node {owner}")
-                        pwrite_all(fd, data, piece.offset)
-                        copied += piece.length
-                    except (ChecksumMismatchError, OSError) as exc:
-                        problem = f"{type(exc).__name__}: {exc}"
+                    os.fsync(fd)
+            finally:
+                settle()
+                os.close(fd)
             if problem is None:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if problem is None:
-            os.replace(temp, os.path.join(replica_dir, record.name))
+                os.replace(temp, os.path.join(replica_dir, record.name))
     if problem is not None:
         clear_replica(replica_dir)
         raise ManifestError(problem)
