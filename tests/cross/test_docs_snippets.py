@@ -176,9 +176,16 @@ def test_the_seaweedfs_command_of_the_tiers_doc_serves_s3():
     commands = "\n".join(f"{line} >/dev/null 2>&1 &" if line.startswith("weed ") else line for line in fence)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # as the doc says
     env["DOC_S3_CLIENT"] = _S3_CLIENT  # (the tmpfs hides tmp_path)
-    env["PATH"] = os.pathsep.join([os.path.dirname(weed_binary() or ""), env.get("PATH", "")])
-    shell = (f'set -e; ip link set lo up; mount -t tmpfs tmpfs /tmp\n{commands}\n'
-             f'{sys.executable} -c "$DOC_S3_CLIENT"')
+    weed_dir = os.path.dirname(weed_binary() or "")
+    env["PATH"] = os.pathsep.join([weed_dir, env.get("PATH", "")])
+    # the tmpfs on /tmp hides a checkout or environment under /tmp (CI clones there): each is
+    # opened first and bound back at its path after (mount -c: by the fd, not by its name)
+    keep = sorted({path for path in (sys.prefix, weed_dir, str(REPO)) if path.startswith("/tmp/")})
+    opened = " ".join(f'{3 + i}<"{path}"' for i, path in enumerate(keep))
+    back = "".join(f'mkdir -p "{path}"; mount -c --bind /proc/self/fd/{3 + i} "{path}"\n'
+                   for i, path in enumerate(keep))
+    shell = (f'set -e; ip link set lo up\n{"exec " + opened if keep else ""}\nmount -t tmpfs tmpfs /tmp\n'
+             f'{back}{commands}\n{sys.executable} -c "$DOC_S3_CLIENT"')
     proc = subprocess.run(["unshare", "--net", "--mount", "--propagation", "private", "--fork", "--pid",
                            "--kill-child", "sh", "-c", shell],
                           capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
