@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 from multinode import all_records
-from test_node_local_states import SCRIPT, STEP, _failures, _wipe
+from test_node_local_states import SCRIPT, STEP, _failures, _records, _wipe
 
 pytestmark = pytest.mark.slow
 
@@ -33,27 +33,46 @@ def test_a_range_that_arrives_damaged_comes_from_the_next_holder(cluster3):
     assert named, [rec["warnings"] for rec in on_node2]
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
-def test_a_new_empty_node_joins_the_restart(cluster3, layout):
+JOINED = ("hsdp", "ddp")
+
+
+@pytest.fixture(scope="module")
+def joined(tmp_path_factory, lan):
+    """Both layouts saved on 2 nodes x 2 ranks, then restarted on 3 (``peers=True``), each in the
+    same two launches (every process imports torch: a launch costs more than a layout)."""
+    from multinode import Cluster, unshare_unavailable
+
+    reason = unshare_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Cluster(tmp_path_factory.mktemp("joined") / "cluster", nodes=3, ranks_per_node=2, network=lan) as cluster:
+        runs, run = f"{cluster.mount}/runs/{{layout}}", dict(timeout=300, check=False)
+        saved = cluster.run(SCRIPT, "save", ",".join(JOINED), runs, nodes=[0, 1], **run)
+        for layout in JOINED:
+            for local in (0, 1):  # what rank 4 + local of the new node must hold: what rank `local` saved
+                kept = cluster._tmp(0) / f"train_states-{layout}-rank{local:05d}.pt"
+                if kept.exists():
+                    shutil.copy(kept, cluster._tmp(2) / f"train_states-{layout}-rank{4 + local:05d}.pt")
+        loaded = cluster.run(SCRIPT, "load", ",".join(JOINED), runs, env={"READER_PEERS": "1"}, **run)
+        yield cluster, saved, loaded
+
+
+@pytest.mark.parametrize("layout", JOINED)
+def test_a_new_empty_node_joins_the_restart(joined, layout):
     """Saved on 2 nodes x 2 ranks, restarted on 3 (world 4 -> 6): the new node's disk is empty,
     so its ranks get the manifest and every chunk they need from the others (``peers=True``);
     a data-parallel state is the same on every node, so each rank compares bitwise with what
     the rank of its local index saved."""
-    run = dict(ranks_per_node=2, timeout=180, check=False)
-    results = cluster3.run(SCRIPT, "save", layout, f"{cluster3.mount}/run", nodes=[0, 1], **run)
-    assert not _failures(results, all_records(results), 4)
-    for local in (0, 1):  # what rank 4 + local of the new node must hold: what rank `local` saved
-        saved = cluster3._tmp(0) / f"train_states-{layout}-rank{local:05d}.pt"
-        shutil.copy(saved, cluster3._tmp(2) / f"train_states-{layout}-rank{4 + local:05d}.pt")
-    results = cluster3.run(SCRIPT, "load", layout, f"{cluster3.mount}/run", env={"READER_PEERS": "1"}, **run)
-    records = all_records(results)
-    assert not _failures(results, records, 6), "\n".join(_failures(results, records, 6))
+    cluster3, saved, loaded = joined
+    assert not _failures(saved, _records(saved, layout), 4)
+    records = _records(loaded, layout)
+    assert not _failures(loaded, records, 6), "\n".join(_failures(loaded, records, 6))
     assert all(rec["bitwise"] is True for rec in records), records
     remote = {rec["rank"]: rec["read"]["remote_bytes"] for rec in records}
     assert not any(remote[rank] for rank in range(4)) and remote[4] + remote[5] > 0, remote
     if layout == "ddp":  # the new node's two ranks need the same items: they came to it once
         assert min(remote[4], remote[5]) == 0, remote
-    assert (cluster3.node_disk(2) / "run" / STEP / "manifest.json").exists()
+    assert (cluster3.node_disk(2) / "runs" / layout / STEP / "manifest.json").exists()
 
 
 def test_replicas_of_a_data_parallel_state_need_no_transfer(cluster):

@@ -9,6 +9,10 @@ with a plain NVMeWriter on 2 simulated nodes x 2 ranks (tests/multinode.py), the
 the same nodes with a plain NVMeReader (no peers, no mirror): every rank must get back bitwise
 what it saved, and each node's disk must hold a copy of every item. ``sharded`` is the control:
 fsdp2's model alone, nothing that two ranks hold.
+
+Every layout runs in the same torchrun launches, one after another (``states``: each launch
+costs more than the layouts in it, every process imports torch), each in its own directory; a
+test per layout checks what its layout got.
 """
 
 from __future__ import annotations
@@ -26,14 +30,15 @@ from dcp_nvme import NVMeReader
 pytestmark = pytest.mark.slow
 SCRIPT = SCRIPTS / "train_states.py"
 LAYOUTS = ("ddp", "fsdp2", "hsdp", "tpdp", "sharded")
+RUNS = "runs/{layout}"
+"""Each layout's run directory on a node's disk (the script puts ``step_1`` in it)."""
 STEP = "step_1"
-ONE_NODE_FEWER = ("ddp", "hsdp", "fsdp2")
+ONE_NODE_FEWER = ("ddp", "hsdp", "fsdp2")  # fsdp2 last: its load fails
 WIPED = ("ddp", "hsdp")
 
 
-def _run(cluster, action, layout, timeout=150):
-    results = cluster.run(SCRIPT, action, layout, f"{cluster.mount}/run", timeout=timeout, check=False)
-    return results, all_records(results)
+def _records(results, layout):
+    return [r for r in all_records(results) if r.get("layout") == layout]
 
 
 def _failures(results, records, world):
@@ -50,10 +55,10 @@ def _failures(results, records, world):
     return out
 
 
-def _disk(cluster, node):
+def _disk(cluster, node, run="run"):
     """What node ``node``'s own disk holds of the checkpoint: its rank files, the files the
     manifest says this node's ranks wrote, and the items with no chunk in any file here."""
-    step = cluster.node_disk(node) / "run" / STEP
+    step = cluster.node_disk(node) / run / STEP
     names = sorted(os.listdir(step)) if step.is_dir() else []
     report = {"rank_files": [n for n in names if n.startswith("rank_")], "manifest": "manifest.json" in names}
     if not report["manifest"]:
@@ -74,29 +79,75 @@ def _disk(cluster, node):
     return report
 
 
+def _wipe(cluster, node, run="run"):
+    shutil.rmtree(cluster.node_disk(node) / run)
+    (cluster.node_disk(node) / run).mkdir()
+
+
+@pytest.fixture(scope="module")
+def states(tmp_path_factory, lan):
+    """Every launch of this file, once: save all layouts; each layout's node disks and status;
+    the restart on the same nodes; the restart on node 0 alone; node 1 wiped and restored from
+    node 0 (peers); that node's next restart. Each step's results, or the error that stopped it."""
+    from multinode import Cluster, unshare_unavailable
+
+    reason = unshare_unavailable()
+    if reason:
+        pytest.skip(reason)
+    out: dict = {}
+    root = tmp_path_factory.mktemp("states")
+    with Cluster(root / "cluster", nodes=2, ranks_per_node=2, network=lan) as cluster:
+        out["cluster"] = cluster
+        runs = f"{cluster.mount}/{RUNS}"
+
+        def launch(name, layouts, **kw):
+            out[name] = cluster.run(SCRIPT, kw.pop("action", "load"), ",".join(layouts), runs, timeout=400,
+                                    check=False, **kw)
+
+        launch("save", LAYOUTS, action="save")
+        for layout in LAYOUTS:
+            run = RUNS.format(layout=layout)
+            out[("disks", layout)] = {node: _disk(cluster, node, run) for node in range(cluster.nodes)}
+            out[("status", layout)] = cluster.on_node(
+                0, [sys.executable, "-m", "dcp_nvme", "status", f"{cluster.mount}/{run}/{STEP}"]).stdout
+        launch("load", LAYOUTS)
+        launch("one_node_fewer", ONE_NODE_FEWER, nodes=[0])
+        for layout in WIPED:
+            _wipe(cluster, 1, RUNS.format(layout=layout))
+        launch("restore", WIPED, env={"READER_PEERS": "1"})
+        out["kept"] = {layout: sorted(os.listdir(cluster.node_disk(1) / RUNS.format(layout=layout) / STEP))
+                       for layout in WIPED}
+        out["spans"] = {layout: list((cluster.node_disk(1) / RUNS.format(layout=layout) / STEP / ".ranges")
+                                     .glob("*.spans")) for layout in WIPED}
+        launch("next_restart", WIPED, env={"READER_PEERS": "1"})
+        yield out
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_trainer_state_restarts_on_the_same_nodes_from_their_own_disks(cluster, layout):
+def test_trainer_state_restarts_on_the_same_nodes_from_their_own_disks(states, layout):
+    cluster = states["cluster"]
     world = cluster.nodes * cluster.ranks_per_node
-    results, records = _run(cluster, "save", layout)
+    results = states["save"]
+    records = _records(results, layout)
     failures = _failures(results, records, world)
     assert not failures, f"{layout}: save failed:\n" + "\n".join(failures)
     if layout == "hsdp":
         assert all(r["placements"].get("(Replicate(), Shard(dim=0))") == 12 for r in records), records
-    disks = {node: _disk(cluster, node) for node in range(cluster.nodes)}
+    disks = states[("disks", layout)]
     for node, disk in disks.items():
         print(f"{layout}: node{node} holds {disk['rank_files']}; items not on its disk: "
               f"{disk.get('items_not_here')}")
 
     # how many nodes hold each item: all of them on both for data-parallel replicas
-    status = cluster.on_node(0, [sys.executable, "-m", "dcp_nvme", "status", f"{cluster.mount}/run/{STEP}"],
-                             check=True).stdout
+    status = states[("status", layout)]
     if layout in ("ddp", "hsdp"):
         assert "every item on 2 nodes; protected" in status, status
     else:
         assert "items on one node only; unprotected" in status, status  # never replicated
 
     # the restart: the same 2 nodes x 2 ranks, each rank reading its own node's disk
-    results, records = _run(cluster, "load", layout)
+    results = states["load"]
+    records = _records(results, layout)
     for rec in records:
         print(f"{layout}: rank {rec['rank']} read {rec.get('read')}")
     failures = _failures(results, records, world)
@@ -114,19 +165,14 @@ def test_trainer_state_restarts_on_the_same_nodes_from_their_own_disks(cluster, 
         assert disk["rank_files"] and disk["rank_files"] == disk["expected_files"], (node, disk)
         assert not disk["items_not_here"], f"node{node}'s disk lacks {disk['items_not_here']}"
 
-    if layout in ONE_NODE_FEWER:
-        _restart_on_one_node_fewer(cluster, layout)
-    if layout in WIPED:
-        _a_wiped_node_restores_from_the_node_that_holds_it(cluster, layout)
 
-
-def _restart_on_one_node_fewer(cluster, layout):
+@pytest.mark.parametrize("layout", ONE_NODE_FEWER)
+def test_a_restart_on_one_node_fewer_reads_what_its_disk_holds(states, layout):
     """World 4 -> 2 on node 0 alone: a DDP or HSDP state is all on node 0's disk (its copies), so
     it loads bitwise with nothing from elsewhere; an FSDP2 state's other half is on node 1 only,
-    and the load fails naming the file and the node that holds it. (Part of the test above: it
-    reuses that save rather than paying for another launch.)"""
-    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", nodes=[0], timeout=150, check=False)
-    records = all_records(results)
+    and the load fails naming the file and the node that holds it."""
+    results = states["one_node_fewer"]
+    records = _records(results, layout)
     assert sorted(r["rank"] for r in records) == [0, 1], describe(results)
     for rec in records:
         if layout == "fsdp2":
@@ -137,31 +183,22 @@ def _restart_on_one_node_fewer(cluster, layout):
             assert rec["read"]["remote_bytes"] == 0, rec
 
 
-def _wipe(cluster, node):
-    shutil.rmtree(cluster.node_disk(node) / "run")
-    (cluster.node_disk(node) / "run").mkdir()
-
-
-def _a_wiped_node_restores_from_the_node_that_holds_it(cluster, layout):
+@pytest.mark.parametrize("layout", WIPED)
+def test_a_wiped_node_restores_each_item_from_a_node_that_holds_it(states, layout):
     """A replacement node (empty disk), no replicas, no mirror: every item its ranks need is on
     the other node (data-parallel replicas, and its copies), so ``peers=True`` restores it there
-    over the ranks' own gloo group, bitwise, and the node keeps the manifest for its next start.
-    (Part of the layout test: it reuses that save.)"""
-    _wipe(cluster, 1)
-    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
-                          timeout=150, check=False)
-    records = all_records(results)
+    over the ranks' own gloo group, bitwise, and the node keeps the manifest for its next start."""
+    results = states["restore"]
+    records = _records(results, layout)
     assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
     remote = {rec["rank"]: rec["read"]["remote_bytes"] for rec in records}
     assert all(rec["bitwise"] is True for rec in records), records
     assert remote[0] == remote[1] == 0 and remote[2] + remote[3] > 0, remote
     if layout == "ddp":  # both ranks of node 1 need every parameter: it came to the node once
         assert min(remote[2], remote[3]) == 0, remote
-    step = cluster.node_disk(1) / "run" / STEP
-    assert (step / "manifest.json").exists()
-    assert list((step / ".ranges").glob("*.spans")), sorted(os.listdir(step))  # what came is kept
-    results = cluster.run(SCRIPT, "load", layout, f"{cluster.mount}/run", env={"READER_PEERS": "1"},
-                          timeout=150, check=False)  # the healed node's next restart: its own disk
-    records = all_records(results)
+    assert "manifest.json" in states["kept"][layout], states["kept"][layout]
+    assert states["spans"][layout], states["kept"][layout]  # what came is kept
+    results = states["next_restart"]  # the healed node's next restart: its own disk
+    records = _records(results, layout)
     assert not _failures(results, records, 4), "\n".join(_failures(results, records, 4))
     assert all(rec["bitwise"] is True and rec["read"]["remote_bytes"] == 0 for rec in records), records

@@ -1,6 +1,10 @@
 """Trainers' state dicts, saved and restored on simulated nodes (issue 39: replicated items).
 
-    python train_states.py ACTION LAYOUT RUN_DIR        (under torchrun: N nodes x R ranks)
+    python train_states.py ACTION LAYOUT[,LAYOUT...] RUN_DIR    (under torchrun: N nodes x R ranks)
+
+Several layouts run one after another in one launch (a launch costs more than a layout: every
+process imports torch); each layout's checkpoint is RUN_DIR/step_1, where a ``{layout}`` in
+RUN_DIR is the layout's name.
 
 LAYOUT, each built the way a trainer builds it (seeded; a small MLP Linear(16,8)-ReLU-Linear(8,4),
 AdamW stepped twice on per-rank data, ``get_state_dict(model, optim)``):
@@ -49,7 +53,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dcp_nvme import NVMeReader, NVMeWriter
 
-action, layout, run_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+action, LAYOUTS, RUN_DIR = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+layout, run_dir = LAYOUTS[0], RUN_DIR  # this layout's, set for each in turn below
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 per_node = int(os.environ["LOCAL_WORLD_SIZE"])
 nodes = world // per_node
@@ -180,12 +185,15 @@ def corrupt_what_this_node_sends() -> None:
     from dcp_nvme.peers import exchange
 
     checked = exchange._read_checked
+    if getattr(checked, "flips", False):  # once: a second flip would undo the first
+        return
 
     def flipped(*args, **kwargs):
         data = checked(*args, **kwargs)
         data[len(data) // 2] ^= 0xFF
         return data
 
+    flipped.flips = True  # type: ignore[attr-defined]
     exchange._read_checked = flipped
 
 
@@ -253,12 +261,16 @@ def do_load(record: dict) -> None:
     record["bitwise"] = True
 
 
-record = {"rank": rank, "host": os.uname().nodename, "action": action, "layout": layout}
-try:
-    {"save": do_save, "load": do_load}[action](record)
-except BaseException as exc:  # noqa: BLE001  DCP raises CheckpointException (a BaseException)
-    traceback.print_exc()
-    record["error"] = describe_error(exc)[:2500]
-report(record)
+failed = False
+for layout in LAYOUTS:
+    run_dir = RUN_DIR.replace("{layout}", layout)
+    record = {"rank": rank, "host": os.uname().nodename, "action": action, "layout": layout}
+    try:
+        {"save": do_save, "load": do_load}[action](record)
+    except BaseException as exc:  # noqa: BLE001  DCP raises CheckpointException (a BaseException)
+        traceback.print_exc()
+        record["error"] = describe_error(exc)[:2500]
+        failed = True
+    report(record)
 dist.destroy_process_group()
-sys.exit(1 if "error" in record else 0)  # a failed rank ends its node at once (see node_local.py)
+sys.exit(1 if failed else 0)  # a failed rank ends its node at once (see node_local.py)
