@@ -1,4 +1,4 @@
-"""Checkpoint transfers between nodes against the link they cross (issue 41, item 3).
+"""Checkpoint transfers between nodes against the link they cross.
 
     sudo .venv/bin/python benchmarks/cluster_bench.py --out docs/results/cluster_bench.json
 
@@ -17,7 +17,7 @@ FUSE file system through one ``weed mount`` per node, run on that node's network
   drain to S3      the same to SeaweedFS's S3
   restore from S3  node 2's copy removed: NVMeReader(mirror=s3://...) on all ranks (the exchange: what no node holds comes from the mirror)
   (before)         with --mirror-before (default): the same restore with the exchange's mirror
-                   reads as they were before issue 41 (a span at a time, one read each)
+                   reads as the exchange made them before its ranged reads (a span at a time, one read each)
   drain cap        node 0 drains a third of the state at --cap-fraction x rate while every rank
                    runs gloo all-reduces over the same links; the all-reduces alone before
 
@@ -301,7 +301,7 @@ class Bench:
                  note=f"plain: boto3 ranged GETs, {QUEUE_DEPTH} x {BLOCK >> 20} MiB in flight", sources=r2["sources"],
                  profile=r2.get("profile"))
         if before is not None:
-            self.row("the same, mirror spans read one at a time (the code before issue 41)",
+            self.row("the same, mirror spans read one at a time (the code before ranged mirror reads)",
                      before["remote_bytes"] or before["bytes_needed"], before["seconds"], limit=link, plain=plain,
                      note="the same launch of the bench, just before", profile=before.get("profile"))
 
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ar-bytes", default="32MiB", help="each all-reduce's tensor")
     parser.add_argument("--ar-iters", type=int, default=12)
     parser.add_argument("--mirror-before", action=argparse.BooleanOptionalAction, default=True,
-                        help="also restore from S3 the way the exchange did before issue 41 (a span at a time)")
+                        help="also restore from S3 the way the exchange did before its ranged reads (a span at a time)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--dir", default=None, help="where the nodes' disks and SeaweedFS go (default: a temp dir)")
     parser.add_argument("--out", default=None, help="the JSON of every figure")

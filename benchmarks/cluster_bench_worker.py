@@ -298,7 +298,7 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
             if rank == world - 1:
                 shutil.rmtree(plain)
             dist.barrier()
-            if os.environ.get("MIRROR_SEQUENTIAL") == "1":  # as before issue 41: a span at a time, one read each
+            if os.environ.get("MIRROR_SEQUENTIAL") == "1":  # as before ranged mirror reads: a span at a time, one read each
                 import dcp_nvme.peers.exchange as ex
 
                 ex.MIRROR_IN_FLIGHT, ex.MIRROR_RANGE = 1, 1 << 40

@@ -1,6 +1,6 @@
-"""Safetensors files dcp_nvme did not write, as sources (pure, no torch): what a path holds
-(``what_is``: a Hugging Face model directory, a single ``.safetensors`` file, a stock DCP
-checkpoint), the files of a Hugging Face directory (``model.safetensors.index.json``'s, else
+"""Safetensors files dcp_nvme did not write, as sources (no torch; unlike the rest of ``format``
+it reads files): what a path holds (``what_is``: a Hugging Face model directory, a single
+``.safetensors`` file, a stock DCP checkpoint), the files of a Hugging Face directory (``model.safetensors.index.json``'s, else
 every top-level ``*.safetensors``) and each file's entries (``scan_file``).
 
 Every name and number read from these files is checked here, before it is used: the header by
