@@ -237,7 +237,11 @@ class Bench:
         recs = self.torchrun("restore", timeout=self.args.timeout)
         r2 = recs[2]
         assert all(r["equal"] for r in recs), recs
-        print(f"  node 2's seconds in the exchange: {r2.get('profile')}", flush=True)
+        print(f"  node 2's seconds in the exchange: {r2.get('profile')}; in the load: {r2.get('phases')}", flush=True)
+        for r in recs:
+            print(f"  rank {r['rank']}: {r['seconds']:.2f} s, steps began/ended {r.get('marks')}, load {r.get('phases')}",
+                  flush=True)
+        extra["per_rank"] = [{k: r.get(k) for k in ("rank", "seconds", "marks", "phases")} for r in recs]
         fetch = (r2.get("profile") or {}).get("fetch")
         if fetch:  # the exchange alone (peers.exchange.fetch): the rest of the load reads the kept copy
             rate = r2["remote_bytes"] / fetch
@@ -246,7 +250,7 @@ class Bench:
             extra.update(exchange_seconds=round(fetch, 3), exchange_x_limit=round(rate / limit, 3),
                          exchange_x_plain=round(rate * plain["seconds"] / plain["bytes"], 3))
         return self.row(name, r2["remote_bytes"], r2["seconds"], limit=limit, plain=plain, note=note,
-                        sources=r2["sources"], profile=r2.get("profile"), **extra)
+                        sources=r2["sources"], profile=r2.get("profile"), phases=r2.get("phases"), **extra)
 
     def drains(self, third: int, link: float) -> None:
         a = self.args
@@ -296,7 +300,7 @@ class Bench:
             plain = self.result_of(self.in_node(2, "s3-get", self.srv.node_endpoint_url, BUCKET, key, BLOCK,
                                                 QUEUE_DEPTH))
         nbytes = r2["remote_bytes"] or r2["bytes_needed"]
-        print(f"  node 2's seconds in the exchange: {r2.get('profile')}", flush=True)
+        print(f"  node 2's seconds in the exchange: {r2.get('profile')}; in the load: {r2.get('phases')}", flush=True)
         self.row("restore of node 2 from SeaweedFS S3 (mirror)", nbytes, r2["seconds"], limit=link, plain=plain,
                  note=f"plain: boto3 ranged GETs, {QUEUE_DEPTH} x {BLOCK >> 20} MiB in flight", sources=r2["sources"],
                  profile=r2.get("profile"))

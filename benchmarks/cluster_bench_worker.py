@@ -235,6 +235,7 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
                             ("_nowhere", "from_mirror"), ("_keep_record", "keep_record")):
             wrap(ex, name, label)
         wrap(ex.Fetch, "keep", "keep (pwrite)")
+        wrap(ex.Fetch, "adopt", "adopt (fsync, rename)")
         wrap(ex.dist, "batch_isend_irecv", "post p2p")
         return spent
 
@@ -242,14 +243,32 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
         spent = profiled()
         out = state(False)
         reader = NVMeReader(path, **reader_kw)
+        marks: dict = {}
+
+        def marked(name: str) -> None:  # when each of the reader's steps began and ended, from the load's start
+            fn = getattr(reader, name)
+
+            def timed(*a, **k):
+                marks[name] = [round(time.perf_counter() - began, 3)]
+                try:
+                    return fn(*a, **k)
+                finally:
+                    marks[name].append(round(time.perf_counter() - began, 3))
+
+            setattr(reader, name, timed)
+
+        for name in ("read_metadata", "prepare_local_plan", "prepare_global_plan", "read_data"):
+            marked(name)
         dist.barrier()
         began = time.perf_counter()
         dcp.load(out, storage_reader=reader)
+        record["marks"] = marks
         record["seconds"] = time.perf_counter() - began
         stats = reader.last_stats or {}
         record["remote_bytes"] = int(stats.get("remote_bytes", 0))
         record["bytes_needed"] = int(stats.get("bytes_needed", 0))
         record["sources"] = stats.get("sources")
+        record["phases"] = stats.get("phases")
         record["equal"] = check(out)
         record["profile"] = {k: round(v, 3) for k, v in spent.items()}
 

@@ -4,11 +4,13 @@ or the ranges a restore fetched and kept (``KeptRanges``)."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -177,3 +179,43 @@ def kept_file(directory: str, record: FileRecord) -> str:
     finally:
         os.close(fd)
     return target
+
+
+class ReceivedBytes:
+    """Checked bytes a restore received, held in memory up to ``budget`` bytes, so that the same
+    load copies them into its tensors instead of reading back what it just wrote (and checking
+    it a second time). The rest is read from the kept copy on disk as usual."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.size = budget, 0
+        self._starts: dict[str, list[int]] = {}
+        self._pieces: dict[str, list[memoryview]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, start: int, data: memoryview) -> None:
+        """Hold ``data`` (already checked against the blocks table), the bytes at ``start`` of file
+        ``name``; nothing is held once the budget is spent."""
+        with self._lock:
+            if self.size + len(data) > self.budget:
+                return
+            starts = self._starts.setdefault(name, [])
+            at = bisect.bisect(starts, start)
+            starts.insert(at, start)
+            self._pieces.setdefault(name, []).insert(at, data)
+            self.size += len(data)
+
+    def take(self, name: str, start: int, length: int) -> list[memoryview] | None:
+        """The held bytes ``[start, start + length)`` of ``name`` as consecutive views, or None
+        when some of them are not held."""
+        out, at, end = [], start, start + length
+        with self._lock:
+            starts, pieces = self._starts.get(name, []), self._pieces.get(name, [])
+            while at < end:
+                index = bisect.bisect(starts, at) - 1
+                if index < 0 or starts[index] + len(pieces[index]) <= at:
+                    return None
+                offset = at - starts[index]
+                view = pieces[index][offset: offset + end - at]
+                out.append(view)
+                at += len(view)
+        return out

@@ -16,9 +16,11 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol, cast
 
+import numpy
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -37,7 +39,7 @@ from dcp_nvme.config import (
 from dcp_nvme.engines import shared_engine
 from dcp_nvme.engines.fsspec import FsspecEngine
 from dcp_nvme.engines.host_io import tensor_bytes
-from dcp_nvme.engines.requests import IOStats, PhaseTimer
+from dcp_nvme.engines.requests import SCRATCH, IOStats, PhaseTimer
 from dcp_nvme.errors import (
     ChecksumMismatchError,
     InvalidInputError,
@@ -53,7 +55,7 @@ from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import check_container
 from dcp_nvme.host.job import node_identity
 from dcp_nvme.load.foreign import open_foreign
-from dcp_nvme.load.local_copies import KeptRanges, local_copies, places_of
+from dcp_nvme.load.local_copies import KeptRanges, ReceivedBytes, local_copies, places_of
 from dcp_nvme.load.node_index import shared_columns
 from dcp_nvme.load.objects import bytes_for_planner, check_destination_kind
 from dcp_nvme.load.planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
@@ -76,6 +78,10 @@ MAX_DIRECT_RUNS = 64
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
 """Bytes of temporaries (resharded slices, non-tensor items) held at once per rank."""
+
+RECEIVED_HOLD = 1 << 30
+"""A restore holds at most this many of the bytes that came to a rank in memory, for its load
+to copy into the tensors; beyond, it reads them back from the copy it kept on disk."""
 
 
 class _Sources(Protocol):
@@ -107,6 +113,24 @@ class _Batch:
         self.needs.setdefault(chunk.file, []).append(Need(chunk.byte_offset + start, length, dest, dest_offset))
         self.owners.setdefault(chunk.file, []).append(
             (chunk.byte_offset, chunk.byte_offset + chunk.length, chunk.key))
+
+
+def _copy_pieces(views: list[memoryview], pieces: list[tuple[int, int, int]], dests: list[torch.Tensor]) -> None:
+    """A request's bytes, given as consecutive ``views``, into its pieces' destinations
+    (``SCRATCH`` pieces are skipped)."""
+    index, offset = 0, 0
+    for dest, dest_offset, length in pieces:
+        while length:
+            view = views[index]
+            n = min(length, len(view) - offset)
+            if dest != SCRATCH:
+                target = dests[dest].numpy()
+                target[dest_offset:dest_offset + n] = numpy.frombuffer(view, numpy.uint8, n, offset)
+                dest_offset += n
+            length -= n
+            offset += n
+            if offset == len(view):
+                index, offset = index + 1, 0
 
 
 def check_one_save(plans: list[LoadPlan]) -> None:
@@ -199,6 +223,10 @@ class NVMeReader(StorageReader):
         """The ranges of other nodes' files this node keeps: earlier restores', this one's."""
         self._came: dict[str, Any] = {}
         """Bytes this load received, per source kind, and the damaged ranges it was offered."""
+        self._received: ReceivedBytes | None = None
+        """What came to this rank in this load, held for its reads (``RECEIVED_HOLD``)."""
+        self._from_received = 0
+        """Bytes this load copied from ``_received`` instead of reading them."""
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
@@ -227,6 +255,7 @@ class NVMeReader(StorageReader):
         self._manifest = None
         self._checked = set()
         self._moved, self._here, self._exchange, self._kept, self._came = None, None, None, None, {}
+        self._received, self._from_received = None, 0
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         self._sources = None
@@ -297,37 +326,33 @@ class NVMeReader(StorageReader):
             self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")  # raises everywhere
             raise
         if self._exchange is not None:  # every rank, even one that needs nothing from elsewhere
-            with timer.span("fetch"):
-                self._restore_own_files()
-                try:
-                    asks, where = self._elsewhere(items)
-                except Exception as exc:
-                    self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")
-                    raise
-                fetched = self._exchange.fetch(self.manifest(), asks)
-                for places, chosen in zip(where, fetched.chosen):  # read each where it came from
-                    place = places[chosen]
-                    assert self._moved is not None  # set by _planned_items
-                    self._moved[(place.fqn, place.offsets if place.kind == "tensor" else None)] = place
-                self._kept = KeptRanges(self._dir, read_files(self.store, self.manifest(), self._dir))
-                self._report(fetched)
+            self._received, self._from_received = ReceivedBytes(RECEIVED_HOLD), 0
+            # what this node's disk holds is read on a thread while the exchange runs: a holder
+            # sends and loads at once, and the load ends with the last transfer
+            here = self._here or set()
+            beside = [item for item in items if self._chunk(item).file in here]
+            items = [item for item in items if self._chunk(item).file not in here]
+            beside_stats, beside_timer = IOStats("read"), PhaseTimer()
+            with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-load-here") as pool:
+                early = pool.submit(self._run_items, beside, planner, beside_stats, beside_timer)
+                with timer.span("fetch"):
+                    self._fetch_elsewhere(items)
+            needed += early.result()
+            stats.merge(beside_stats)
+            for name, seconds in beside_timer.phases.items():
+                timer.add(f"{name} (beside the exchange)", seconds)
         if self._sources is not None:  # each file this rank needs, here or from the nearest copy
             with timer.span("fetch"):
                 self._sources.ensure_files(self.manifest(), {self._chunk(i).file for i in items})
-        batch = _Batch()
-        for item in items:
-            with timer.span("plan"):
-                self._add_item(batch, item, planner)
-            if batch.temp_bytes >= self.memory_budget:
-                needed += self._run(batch, stats, timer)
-                batch = _Batch()
-        needed += self._run(batch, stats, timer)
+        needed += self._run_items(items, planner, stats, timer)
+        self._received = None  # what came is in the tensors, and kept on disk
         stats.seconds = time.perf_counter() - started
         sources = self._sources.stats(stats, timer.phases.get("io", 0.0)) if self._sources is not None else {}
         if self._exchange is not None:
             sources = {"read": {"bytes": int(stats.bytes)}, **self._came}
         remote = sum(v["bytes"] for k, v in sources.items() if k not in ("read", "local", "damaged"))
         self.last_stats = {"bytes_needed": needed, **stats.to_dict(), "remote_bytes": int(remote),
+                           **({"from_received_bytes": self._from_received} if self._exchange is not None else {}),
                            "phases": {k: round(v, 6) for k, v in timer.phases.items()},
                            **({"sources": sources} if sources else {})}
         log.info("dcp_nvme: read %.3f GB (%.3f GB needed) in %.3f s (%.2f GB/s), %d requests, depth %d",
@@ -336,6 +361,36 @@ class NVMeReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _fetch_elsewhere(self, items: list[ReadItem]) -> None:
+        """Collective (``peers.exchange``): this node's own files if it lacks them, then the
+        chunks ``items`` need that its disk lacks, each read afterwards where it came to."""
+        assert self._exchange is not None
+        self._restore_own_files()
+        try:
+            asks, where = self._elsewhere(items)
+        except Exception as exc:
+            self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")
+            raise
+        fetched = self._exchange.fetch(self.manifest(), asks, hold=self._received)
+        for places, chosen in zip(where, fetched.chosen):  # read each where it came from
+            place = places[chosen]
+            assert self._moved is not None  # set by _planned_items
+            self._moved[(place.fqn, place.offsets if place.kind == "tensor" else None)] = place
+        self._kept = KeptRanges(self._dir, read_files(self.store, self.manifest(), self._dir))
+        self._report(fetched)
+
+    def _run_items(self, items: list[ReadItem], planner: LoadPlanner, stats: IOStats, timer: PhaseTimer) -> int:
+        """Read ``items`` in batches of at most ``memory_budget`` bytes of temporaries; returns
+        the bytes they needed."""
+        needed, batch = 0, _Batch()
+        for item in items:
+            with timer.span("plan"):
+                self._add_item(batch, item, planner)
+            if batch.temp_bytes >= self.memory_budget:
+                needed += self._run(batch, stats, timer)
+                batch = _Batch()
+        return needed + self._run(batch, stats, timer)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -369,7 +424,7 @@ class NVMeReader(StorageReader):
         asks = [(Span(record.name, piece.offset, piece.offset + piece.length),) for record in lacking
                 for piece in plan_pieces(record.size, record.data_start, record.checksum_block, RESTORE_PIECE)
                 ] if torch.distributed.get_rank() == min(ranks) else []
-        fetched = self._exchange.fetch(self.manifest(), asks, optional=True)
+        fetched = self._exchange.fetch(self.manifest(), asks, optional=True, hold=self._received)
         came: dict[str, int] = {}
         for rank in ranks:
             for span in fetched.arrived[rank]:
@@ -496,7 +551,9 @@ class NVMeReader(StorageReader):
             engine, _ = shared_engine(config, has_device, self.path)
         try:
             with timer.span("io"):
-                stats.merge(engine.read(requests, batch.dests))
+                requests = self._take_received(requests, batch.dests)
+                if requests:
+                    stats.merge(engine.read(requests, batch.dests))
         except ChecksumMismatchError as exc:
             if self._sources is None or not self._sources.replace_damaged(self.manifest(), exc):
                 raise exc.with_items(_items_in(batch, exc)) from None
@@ -506,6 +563,21 @@ class NVMeReader(StorageReader):
             for action in batch.after:
                 action()
         return sum(n.length for needs in batch.needs.values() for n in needs)
+
+    def _take_received(self, requests: list, dests: list[torch.Tensor]) -> list:
+        """The requests whose bytes came to this rank in this load and are held in memory (checked
+        on arrival) are copied from there into host destinations; the others are returned, to read."""
+        if self._received is None or not self._received.size:
+            return requests
+        rest = []
+        for request in requests:
+            views = self._received.take(os.path.basename(request.file), request.file_offset, request.length)
+            if views is None or any(d != SCRATCH and dests[d].device.type != "cpu" for d, _, _ in request.pieces):
+                rest.append(request)
+                continue
+            _copy_pieces(views, request.pieces, dests)
+            self._from_received += request.length
+        return rest
 
     def _plan_requests(self, batch: _Batch) -> tuple[list, int]:
         """The batch's requests, and the largest request size they were cut to."""

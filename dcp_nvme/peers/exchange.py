@@ -11,15 +11,17 @@ group of their own, on what each node's disk holds and who sends what to whom:
 - ``fetch`` (in ``read_data``): every rank names the chunks its items need that its node lacks,
   each with its places -- the index's, then its copies' -- as spans of whole checksum blocks.
   Each is asked of a rank of another node that holds the first place any node holds, the least
-  loaded first, in waves of at most ``WAVE_BYTES`` a rank. The holder reads the range and checks
-  it against the blocks table before it sends; the receiver checks it again; a range that fails
-  either check goes to the next holder, then to the next place, and a warning names the node
-  that had it damaged. What no node holds comes from the mirror, if the load has one, else the
-  load fails naming the file, the range and the node that wrote it. A chunk that several ranks
+  loaded first. Every pair of ranks streams its transfers on a thread of each (``_run_wave``),
+  in pieces of at most ``PIECE`` bytes: the holder reads and checks the next piece against the
+  blocks table while one is sent; the receiver checks each again and keeps it while the next
+  comes. A range that fails either check goes to the next holder, then to the next place, and a
+  warning names the node that had it damaged. What no node holds comes from the mirror, if
+  the load has one, else the load fails naming the file, the range and the node that wrote it. A chunk that several ranks
   of one node need comes once, to the first of them. Received ranges land at their own offsets
   in a sparse file in the checkpoint's ``.ranges/``, which the node keeps, with a record of
-  them written once they are on disk (``load.local_copies.KeptRanges``): the reader reads and
-  verifies them like any local container, and the next restart on this node reads them there.
+  them written once they are on disk (``load.local_copies.KeptRanges``): the next restart on
+  this node reads them there. The load that asked copies what came to its rank from memory
+  (``ReceivedBytes``, within a budget) instead of reading back what it just wrote.
 
 The group is its own (made once per process, by every rank at the same point of its first
 restore): the transfers never interleave with the training group's collectives, and a peer that
@@ -31,8 +33,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,7 +50,7 @@ from dcp_nvme.format.pieces import Span, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import fsync_dir, open_regular, pwrite_all
 from dcp_nvme.host.job import node_identity
-from dcp_nvme.load.local_copies import keep_spans, kept_file
+from dcp_nvme.load.local_copies import ReceivedBytes, keep_spans, kept_file
 from dcp_nvme.peers.fetching import (
     MemoryStore,
     MirrorSource,
@@ -60,8 +64,15 @@ from dcp_nvme.storage.local_dir import LocalStore, drop_kept
 
 log = logging.getLogger(__name__)
 
+PIECE = 16 << 20
+"""A transfer goes in pieces of at most this many bytes (whole checksum blocks), each checked
+on its own: what a rank holds in memory is a few pieces per peer."""
+MAX_PEERS = 8
+"""In one wave a rank sends to, and receives from, at most this many other ranks (a thread each)."""
+KEEP_AHEAD = 4
+"""Pieces a rank has received and not yet checked and kept (the receiving threads wait beyond)."""
 WAVE_BYTES = 256 << 20
-"""At most this many bytes a rank sends, and receives, in one wave (what it holds in memory)."""
+"""What no node holds comes from the mirror in groups of at most this many bytes a rank."""
 MIRROR_RANGE = 8 << 20
 MIRROR_IN_FLIGHT = 8
 """What no node holds comes from the mirror in ranged reads of ``MIRROR_RANGE`` bytes, this
@@ -204,29 +215,46 @@ def _keep_metadata(path: str, payload: Any, key: str, node: str, problem: str | 
                 problem or "missing", node if "/" in node else f"node {node}")
 
 
-def _waves(assigned: list[tuple[int, int, Span, int]], world: int) -> list[list[tuple[int, int, Span, int]]]:
-    """The transfers in waves: no rank sends or receives more than ``WAVE_BYTES`` in one
-    (a larger single span goes alone)."""
-    waves: list[list[tuple[int, int, Span, int]]] = []
-    sent, got = [0] * world, [0] * world
-    current: list[tuple[int, int, Span, int]] = []
-    for needer, index, span, holder in assigned:
-        if current and (sent[holder] + span.length > WAVE_BYTES or got[needer] + span.length > WAVE_BYTES):
-            waves.append(current)
-            current, sent, got = [], [0] * world, [0] * world
-        current.append((needer, index, span, holder))
-        sent[holder] += span.length
-        got[needer] += span.length
-    if current:
-        waves.append(current)
+def _waves(assigned: list[tuple[int, int, Span, int]]) -> list[list[int]]:
+    """The transfers (their indexes) in waves in which no rank sends to, or receives from, more
+    than ``MAX_PEERS`` others: a thread each, a few pieces each in memory."""
+    waves: list[list[int]] = []
+    sends: dict[int, set[int]] = defaultdict(set)
+    receives: dict[int, set[int]] = defaultdict(set)
+    for slot, (needer, _, _, holder) in enumerate(assigned):
+        new_send = needer not in sends[holder] and len(sends[holder]) >= MAX_PEERS
+        new_receive = holder not in receives[needer] and len(receives[needer]) >= MAX_PEERS
+        if waves and (new_send or new_receive):
+            waves.append([])
+            sends, receives = defaultdict(set), defaultdict(set)
+        if not waves:
+            waves.append([])
+        waves[-1].append(slot)
+        sends[holder].add(needer)
+        receives[needer].add(holder)
     return waves
+
+
+def _cut(record: FileRecord, span: Span) -> list[tuple[int, int]]:
+    """``span`` as pieces (offset, length) of whole checksum blocks, at most ``PIECE`` bytes
+    each (the first may also hold the header): each is checked on its own."""
+    step = max(record.checksum_block, PIECE // record.checksum_block * record.checksum_block)
+    pieces, at = [], span.start
+    while at < span.end:
+        done = (at - record.data_start) // step + 1 if at >= record.data_start else 1
+        end = min(span.end, record.data_start + done * step)
+        pieces.append((at, end - at))
+        at = end
+    return pieces
 
 
 class Fetch:
     """One load's received ranges, kept in this node's ``.ranges/`` (``load.local_copies``)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, hold: ReceivedBytes | None = None) -> None:
         self.checkpoint = directory
+        self.hold = hold
+        """Where the load that asked holds what came, to copy it into its tensors."""
         self._kept: dict[str, str] = {}
         """File name -> its kept-ranges file, made at the first range that came of it."""
         self.taken: dict[str, dict[str, float]] = {}
@@ -246,6 +274,8 @@ class Fetch:
             pwrite_all(fd, data, start)
         finally:
             os.close(fd)
+        if self.hold is not None:
+            self.hold.add(record.name, start, data)
         entry = self.taken.setdefault(kind, {"files": 0, "bytes": 0, "seconds": 0.0})
         entry["bytes"] += len(data)
 
@@ -264,7 +294,8 @@ class Fetch:
 
 
 def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[tuple[Span, ...]],
-          mirror: MirrorSource | None = None, problem: str | None = None, optional: bool = False) -> Fetch:
+          mirror: MirrorSource | None = None, problem: str | None = None, optional: bool = False,
+          hold: ReceivedBytes | None = None) -> Fetch:
     """Collective: every rank calls it in ``read_data``, with what its node lacks ([] when
     none) and any error it hit before (then every rank raises, none waits for it).
 
@@ -273,10 +304,11 @@ def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[t
     holder; a transfer that fails its check goes to the next holder, then to the next place;
     what no node holds comes from the mirror. ``Fetch.chosen`` says, for each of this rank's
     asks, which place came; ``Fetch.arrived``, for every rank, the spans that came to it. With
-    ``optional``, an ask nothing can serve is left out instead of failing the load."""
+    ``optional``, an ask nothing can serve is left out instead of failing the load; ``hold``
+    keeps in memory what came to this rank (within its budget)."""
     records = read_files(LocalStore(path), manifest, path)
     me, world = dist.get_rank(), dist.get_world_size()
-    out = Fetch(path)
+    out = Fetch(path, hold)
     asked: list[tuple[list[tuple[Span, ...]], str | None]] = _gather((list(asks) if problem is None else [],
                                                                       problem))
     _raise_first(path, [why for _, why in asked])
@@ -301,9 +333,7 @@ def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[t
             placed[(needer, index)] = place
         if nowhere:
             _nowhere(path, manifest, records, asked, nowhere, mirror, optional, out)
-        bad: list[tuple[int, int, Span, int, str]] = []
-        for wave in _waves(assigned, world):
-            bad += _run_wave(path, wave, records, views, here, out)
+        bad = _transfer(path, assigned, records, views, here, out) if assigned else []
         failed = {(needer, index) for needer, index, _, _, _ in bad}
         for needer, index, span, _ in assigned:
             if (needer, index) not in failed:
@@ -393,57 +423,121 @@ def _raise_first(path: str, problems: Sequence[str | None]) -> None:
             raise DCPNVMeError(f"{path}: the restore stopped on rank {rank}: {why}")
 
 
-def _run_wave(path: str, wave: list[tuple[int, int, Span, int]], records: dict[str, FileRecord],
+def _transfer(path: str, assigned: list[tuple[int, int, Span, int]], records: dict[str, FileRecord],
               views: list[NodeView], here: dict[str, str], out: Fetch) -> list[tuple[int, int, Span, int, str]]:
-    """One wave: the holders read and check what they send and say which they cannot; the rest
-    is sent, checked again on arrival and kept. Every rank returns the same failed transfers."""
-    me = dist.get_rank()
-    outgoing: dict[int, bytearray] = {}
-    refusals: list[tuple[int, str]] = []
-    for slot, (_, _, span, holder) in enumerate(wave):
-        if holder != me:
-            continue
-        try:
-            outgoing[slot] = _read_checked(here[span.file], records[span.file], span, views[me].node)
-        except (OSError, KeyError, DCPNVMeError) as exc:
-            refusals.append((slot, f"{type(exc).__name__}: {exc}"))
-    refused = {slot: why for per_rank in _gather(refusals) for slot, why in per_rank}
-    sends, incoming = [], {}
-    group = _exchange_group()
-    # every transfer is posted at once; each that arrives is checked and kept while the rest
-    # still come (waiting for all of them first left the link idle during the checks and writes)
-    for slot, (needer, _, span, holder) in enumerate(wave):
-        if slot in refused:
-            continue
+    """Every transfer, wave by wave; then every rank hears which failed (the holder could not
+    read it intact, or it failed its check on arrival) and why, and every rank returns them."""
+    refused: dict[int, str] = {}
+    damaged: dict[int, str] = {}
+    fatal: list[str] = []
+    for tag, wave in enumerate(_waves(assigned)):
+        _run_wave(tag, [(slot, assigned[slot]) for slot in wave], records, views, here, out, refused, damaged,
+                  fatal)
+    reports = _gather((refused, damaged, fatal[0] if fatal else None))
+    _raise_first(path, [f for _, _, f in reports])
+    bad: dict[int, str] = {}
+    for holder_said, needer_said, _ in reports:
+        bad.update(holder_said)
+        bad.update(needer_said)
+    return [(*assigned[slot], why) for slot, why in sorted(bad.items())]
+
+
+def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], records: dict[str, FileRecord],
+              views: list[NodeView], here: dict[str, str], out: Fetch, refused: dict[int, str],
+              damaged: dict[int, str], fatal: list[str]) -> None:
+    """One wave on this rank: a thread for each rank it sends to and each it receives from, so
+    that every link of the wave is busy at once (the transfers of one pair go in order). A
+    transfer goes in pieces (``_cut``), each behind a status (1: it follows; 0: the holder could
+    not read it intact, and the rest of that transfer is not sent): the holder reads and checks
+    the next piece while one is sent; the receiver checks and keeps each on a thread while the
+    next comes (a wave read whole before its first send, and kept after its last, left the link
+    idle meanwhile). Fills ``refused`` (as the holder), ``damaged`` (as the receiver), ``fatal``."""
+    me, group = dist.get_rank(), _exchange_group()
+    sends: dict[int, list[tuple[int, Span]]] = defaultdict(list)
+    receives: dict[int, list[tuple[int, Span]]] = defaultdict(list)
+    for slot, (needer, _, span, holder) in wave:
         if holder == me:
-            sends.append(dist.isend(torch.frombuffer(outgoing[slot], dtype=torch.uint8), needer, group=group,
-                                    tag=slot))
+            sends[needer].append((slot, span))
         elif needer == me:
-            tensor = torch.empty(span.length, dtype=torch.uint8)
-            incoming[slot] = (tensor, dist.irecv(tensor, holder, group=group, tag=slot))
-    damaged: list[tuple[int, str]] = []
-    fatal = None
-    for slot, (tensor, request) in incoming.items():
-        request.wait()
-        _, _, span, holder = wave[slot]
-        data = memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's buffer stub before 3.12
+            receives[holder].append((slot, span))
+    if not sends and not receives:
+        return
+    room = threading.BoundedSemaphore(KEEP_AHEAD)  # pieces received and not yet kept
+    errors: list[BaseException] = []
+
+    def send_to(needer: int, jobs: list[tuple[int, Span]]) -> None:
+        pieces = [(slot, span.file, at, length) for slot, span in jobs for at, length in _cut(records[span.file], span)]
+
+        def read(piece: tuple[int, str, int, int]) -> bytearray:
+            _, name, at, length = piece
+            return _read_checked(here[name], records[name], Span(name, at, at + length), views[me].node)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-exchange-read") as reader:
+            ahead: Future[bytearray] | None = reader.submit(read, pieces[0])
+            for at, piece in enumerate(pieces):
+                future, ahead = ahead, (reader.submit(read, pieces[at + 1]) if at + 1 < len(pieces) else None)
+                assert future is not None
+                if piece[0] in refused:
+                    continue  # the rest of a transfer this holder could not read
+                try:
+                    data = future.result()
+                except (OSError, KeyError, DCPNVMeError) as exc:
+                    refused[piece[0]] = f"{type(exc).__name__}: {exc}"
+                    dist.send(torch.zeros(1, dtype=torch.int64), needer, group=group, tag=tag)
+                    continue
+                dist.send(torch.ones(1, dtype=torch.int64), needer, group=group, tag=tag)
+                dist.send(torch.frombuffer(data, dtype=torch.uint8), needer, group=group, tag=tag)
+
+    def keep(slot: int, holder: int, name: str, at: int, piece: Any) -> None:
         try:
-            verify_piece(records[span.file], span.start, data, f"{span.file} from node {views[holder].node}")
-        except ChecksumMismatchError as exc:
-            damaged.append((slot, str(exc)))
-            continue
+            if slot in damaged or fatal:
+                return
+            data = memoryview(piece.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's buffer stub before 3.12
+            try:
+                verify_piece(records[name], at, data, f"{name} from node {views[holder].node}")
+            except ChecksumMismatchError as exc:
+                damaged[slot] = str(exc)
+                return
+            try:
+                out.keep(records[name], at, data, "peer")
+            except OSError as exc:
+                fatal.append(f"cannot keep what came of {name}: {exc}")
+        finally:
+            room.release()
+
+    def receive_from(holder: int, jobs: list[tuple[int, Span]], keeper: ThreadPoolExecutor) -> None:
+        for slot, span in jobs:
+            for at, length in _cut(records[span.file], span):
+                status = torch.zeros(1, dtype=torch.int64)
+                dist.recv(status, holder, group=group, tag=tag)
+                if not status.item():
+                    break  # the holder could not read it intact: nothing more of it comes
+                room.acquire()
+                piece = torch.empty(length, dtype=torch.uint8)
+                try:
+                    dist.recv(piece, holder, group=group, tag=tag)
+                except BaseException:
+                    room.release()
+                    raise
+                keeper.submit(keep, slot, holder, span.file, at, piece)
+
+    def guarded(fn: Any, *args: Any) -> None:
         try:
-            out.keep(records[span.file], span.start, data, "peer")
-        except OSError as exc:
-            fatal = fatal or f"cannot keep what came of {span.file}: {exc}"
-    for request in sends:
-        request.wait()
-    reports = _gather((damaged, fatal))
-    _raise_first(path, [f for _, f in reports])
-    for per_rank, _ in reports:
-        for slot, why in per_rank:
-            refused[slot] = why
-    return [(*wave[slot], why) for slot, why in sorted(refused.items())]
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001  raised below, once every thread ended
+            errors.append(exc)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-exchange-keep") as keeper:
+        threads = [threading.Thread(target=guarded, args=(send_to, needer, jobs), daemon=True,
+                                    name=f"dcp-nvme-exchange-send-{needer}") for needer, jobs in sends.items()]
+        threads += [threading.Thread(target=guarded, args=(receive_from, holder, jobs, keeper), daemon=True,
+                                     name=f"dcp-nvme-exchange-receive-{holder}") for holder, jobs in receives.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
 
 
 def _read_checked(local: str, record: FileRecord, span: Span, node: str) -> bytearray:
@@ -545,8 +639,8 @@ class PeerRestore:
         return set().union(*(v.files for v in self.views))
 
     def fetch(self, manifest: Manifest, asks: Sequence[tuple[Span, ...]], problem: str | None = None,
-              optional: bool = False) -> Fetch:
-        return fetch(self.path, self.views, manifest, asks, self.mirror, problem, optional)
+              optional: bool = False, hold: ReceivedBytes | None = None) -> Fetch:
+        return fetch(self.path, self.views, manifest, asks, self.mirror, problem, optional, hold)
 
     def node_ranks(self) -> list[int]:
         """The ranks of this node (by the views: one node name each)."""

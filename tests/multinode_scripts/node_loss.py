@@ -107,6 +107,7 @@ def do_restore(record: dict) -> None:
             want = saved(step, saved_world)[rank * (total // world):(rank + 1) * (total // world)]
             entry["equal"] = bool(torch.equal(loaded["w"].to_local(), want))
             entry["sources"] = (reader.last_stats or {}).get("sources")
+            entry["from_received"] = (reader.last_stats or {}).get("from_received_bytes", 0)
         except BaseException as exc:  # noqa: BLE001  DCP raises CheckpointException (a BaseException)
             entry["error"] = f"{type(exc).__name__}: {str(exc).strip()[-600:]}"
         entry["seconds"] = round(time.perf_counter() - began, 3)

@@ -1,0 +1,131 @@
+"""The exchange's transfers between real ranks (``peers.exchange``; gloo on loopback, each rank
+a node of its own with its own directory): transfers in many pieces from two holders at once, a
+holder that cannot read a piece mid-transfer, the bytes kept on disk and held for the load.
+tests/cross/test_node_local_restores.py runs the same exchange inside trainers' loads on
+simulated nodes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_nvme import NVMeWriter
+from dcp_nvme.engines.requests import SCRATCH
+from dcp_nvme.format.container import RANGES_DIR
+from dcp_nvme.format.manifest import read_files, read_manifest
+from dcp_nvme.format.pieces import Span
+from dcp_nvme.format.tables import FileRecord
+from dcp_nvme.load.local_copies import ReceivedBytes
+from dcp_nvme.load.reader import _copy_pieces
+from dcp_nvme.peers import exchange
+from dcp_nvme.storage.local_dir import LocalStore
+
+PIECE = 128 << 10  # the checkpoint's checksum block is 64 KiB: a transfer goes in many pieces
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One checkpoint of one file (64 KiB checksum blocks) and that file's name."""
+    path = str(tmp_path_factory.mktemp("exchange") / "step_1")
+    torch.manual_seed(0)
+    dcp.save({"w": torch.randn(300_000)}, storage_writer=NVMeWriter(path, block_size="64KiB"), no_dist=True)
+    return path, read_manifest(LocalStore(path), path).file_names[0]
+
+
+def _record(size: int = 1 << 20, block: int = 64 << 10) -> FileRecord:
+    return FileRecord(name="rank_00000.abcd1234.safetensors", rank=0, size=size, data_start=4096,
+                      checksum_block=block, header_crc=0, crcs=())
+
+
+def test_a_transfer_is_cut_into_pieces_of_whole_checksum_blocks(monkeypatch):
+    monkeypatch.setattr(exchange, "PIECE", 256 << 10)
+    record = _record(size=4096 + 10 * (64 << 10) + 123)  # a short last block
+    for span in (Span(record.name, 0, record.size), Span(record.name, 4096 + (64 << 10), record.size),
+                 Span(record.name, 4096 + 3 * (64 << 10), 4096 + 4 * (64 << 10))):
+        pieces = exchange._cut(record, span)
+        assert pieces[0][0] == span.start and sum(n for _, n in pieces) == span.length
+        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))  # contiguous
+        for at, n in pieces:
+            end = at + n
+            assert end == span.end or (end - record.data_start) % record.checksum_block == 0
+            assert n <= (256 << 10) + (record.data_start if at == 0 else 0)
+
+
+def test_waves_keep_each_rank_to_a_bounded_number_of_peers(monkeypatch):
+    monkeypatch.setattr(exchange, "MAX_PEERS", 3)
+    span = Span("f", 0, 10)
+    assigned = [(needer, 0, span, 0) for needer in range(1, 8)] + [(1, 1, span, 0)]  # rank 0 sends to 7
+    waves = exchange._waves(assigned)
+    assert sorted(slot for wave in waves for slot in wave) == list(range(len(assigned)))
+    for wave in waves:
+        assert len({assigned[slot][0] for slot in wave}) <= 3
+    assert len(waves) == 3
+
+
+def test_received_bytes_are_taken_across_pieces_and_only_when_all_are_held():
+    held = ReceivedBytes(budget=300)
+    held.add("f", 100, memoryview(bytes(range(100))))
+    held.add("f", 0, memoryview(bytes(range(100, 200))))
+    held.add("f", 300, memoryview(bytes(200)))  # beyond the budget: not held
+    assert held.size == 200
+    views = held.take("f", 50, 100)
+    assert b"".join(bytes(v) for v in views) == bytes(range(150, 200)) + bytes(range(50))
+    assert held.take("f", 150, 60) is None  # 200..210 never came
+    assert held.take("g", 0, 1) is None
+
+    # into a request's pieces: scratch skipped, the rest at their destinations' offsets
+    dests = [torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)]
+    _copy_pieces([memoryview(b"abc"), memoryview(b"defghij")], [(0, 2, 4), (SCRATCH, 0, 2), (1, 0, 4)], dests)
+    assert bytes(dests[0].numpy()) == b"\0\0abcd\0\0" and bytes(dests[1].numpy()) == b"ghij"
+    assert numpy.array_equal(dests[1].numpy(), numpy.frombuffer(b"ghij", numpy.uint8))
+
+
+def _transfer_rank(rank: int, world: int, dirs: list[str], name: str) -> None:
+    exchange.PIECE = PIECE
+    path = dirs[rank]
+    manifest = read_manifest(LocalStore(path), path)
+    record = read_files(LocalStore(path), manifest, path)[name]
+    views = [exchange.NodeView(str(r), manifest.save_key, frozenset([name] if r < 2 else [])) for r in range(world)]
+    middle = record.data_start + (record.size - record.data_start) // 2 // record.checksum_block * record.checksum_block
+    halves = [Span(name, 0, middle), Span(name, middle, record.size)]
+    hold = ReceivedBytes(1 << 30)
+    got = exchange.fetch(path, views, manifest, [(half,) for half in halves] if rank == 2 else [], hold=hold)
+    assert sorted(got.arrived[2]) == halves and got.arrived[0] == got.arrived[1] == []
+    if rank != 2:
+        return
+    with open(os.path.join(dirs[1], name), "rb") as f:
+        original = f.read()
+    with open(os.path.join(path, RANGES_DIR, name), "rb") as f:
+        assert f.read() == original  # the first half from node 1 after node 0 stopped, the second from node 1
+    assert b"".join(bytes(v) for v in hold.take(name, 0, record.size) or []) == original
+    assert len(got.damaged) == 1 and "from node 0" in got.damaged[0] and "ChecksumMismatchError" in got.damaged[0]
+    assert got.taken["peer"]["bytes"] >= record.size
+
+
+def test_ranges_come_in_pieces_from_two_holders_and_a_holder_that_cannot_read_one_stops(saved, tmp_path):
+    """Ranks 0 and 1 hold the file, rank 2 asks both halves: one from each holder at once. Node
+    0's copy is damaged in its half's third piece: it sends a status instead of that piece and
+    nothing more of the half; rank 2 takes the half from node 1, and names node 0."""
+    from dist_utils import run_ranks
+
+    path, name = saved
+    dirs = []
+    for rank in range(3):
+        copy = tmp_path / f"node{rank}"
+        shutil.copytree(path, copy)
+        dirs.append(str(copy))
+    os.remove(os.path.join(dirs[2], name))
+    manifest = read_manifest(LocalStore(path), path)
+    record = read_files(LocalStore(path), manifest, path)[name]
+    with open(os.path.join(dirs[0], name), "r+b") as f:
+        at = record.data_start + 2 * PIECE + 100
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0xFF]))
+    run_ranks(3, _transfer_rank, dirs, name)
