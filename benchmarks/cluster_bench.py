@@ -242,6 +242,13 @@ class Bench:
             print(f"  rank {r['rank']}: {r['seconds']:.2f} s, steps began/ended {r.get('marks')}, load {r.get('phases')}",
                   flush=True)
         extra["per_rank"] = [{k: r.get(k) for k in ("rank", "seconds", "marks", "phases")} for r in recs]
+        marks = r2.get("marks") or {}
+        if "read_metadata" in marks and "prepare_local_plan" in marks:
+            # DCP's own planning, between read_metadata and prepare_local_plan: the same with any
+            # storage reader (a replacement node's own files come meanwhile)
+            planning = marks["prepare_local_plan"][0] - marks["read_metadata"][1]
+            note = "; ".join(filter(None, [note, f"DCP's planning {planning:.2f} s of it"]))
+            extra.update(dcp_planning_seconds=round(planning, 3))
         fetch = (r2.get("profile") or {}).get("fetch")
         if fetch:  # the exchange alone (peers.exchange.fetch): the rest of the load reads the kept copy
             rate = r2["remote_bytes"] / fetch

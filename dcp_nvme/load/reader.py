@@ -11,8 +11,10 @@ whole checksum blocks and is verified before the data is handed to DCP.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -113,6 +115,20 @@ class _Batch:
         self.needs.setdefault(chunk.file, []).append(Need(chunk.byte_offset + start, length, dest, dest_offset))
         self.owners.setdefault(chunk.file, []).append(
             (chunk.byte_offset, chunk.byte_offset + chunk.length, chunk.key))
+
+
+def _in_background(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
+    """``fn()`` on a thread of its own; its result or exception in the future."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001  handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def _copy_pieces(views: list[memoryview], pieces: list[tuple[int, int, int]], dests: list[torch.Tensor]) -> None:
@@ -223,6 +239,11 @@ class NVMeReader(StorageReader):
         """The ranges of other nodes' files this node keeps: earlier restores', this one's."""
         self._came: dict[str, Any] = {}
         """Bytes this load received, per source kind, and the damaged ranges it was offered."""
+        self._own_files: concurrent.futures.Future[set[str]] | None = None
+        """A replacement node's restore of its own files, started once the ranks agreed on the
+        save (``read_metadata``): it runs while DCP plans the load; ``read_data`` waits for it."""
+        self._own_whole: set[str] = set()
+        """The files of this node's ranks it got whole from elsewhere in this load."""
         self._received: ReceivedBytes | None = None
         """What came to this rank in this load, held for its reads (``RECEIVED_HOLD``)."""
         self._from_received = 0
@@ -256,6 +277,7 @@ class NVMeReader(StorageReader):
         self._checked = set()
         self._moved, self._here, self._exchange, self._kept, self._came = None, None, None, None, {}
         self._received, self._from_received = None, 0
+        self._own_files, self._own_whole = None, set()
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         self._sources = None
@@ -287,6 +309,10 @@ class NVMeReader(StorageReader):
         metadata = self.manifest().to_metadata()
         assert metadata.storage_meta is not None  # to_metadata always makes one
         metadata.storage_meta.load_id = self.load_id
+        if self._exchange is not None:
+            # a replacement node's own files need no plan: they come while DCP plans the load
+            self._received, self._from_received = ReceivedBytes(RECEIVED_HOLD), 0
+            self._own_files = _in_background(self._restore_own_files, "dcp-nvme-restore-own-files")
         return metadata
 
     @property
@@ -323,10 +349,10 @@ class NVMeReader(StorageReader):
         except Exception as exc:
             if self._exchange is None:
                 raise
+            self._own_files_came()  # the group's collectives in one order on every rank
             self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")  # raises everywhere
             raise
         if self._exchange is not None:  # every rank, even one that needs nothing from elsewhere
-            self._received, self._from_received = ReceivedBytes(RECEIVED_HOLD), 0
             # what this node's disk holds is read on a thread while the exchange runs: a holder
             # sends and loads at once, and the load ends with the last transfer
             here = self._here or set()
@@ -335,6 +361,8 @@ class NVMeReader(StorageReader):
             beside_stats, beside_timer = IOStats("read"), PhaseTimer()
             with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-load-here") as pool:
                 early = pool.submit(self._run_items, beside, planner, beside_stats, beside_timer)
+                with timer.span("fetch (own files, after DCP planned)"):
+                    self._own_files_came()
                 with timer.span("fetch"):
                     self._fetch_elsewhere(items)
             needed += early.result()
@@ -362,11 +390,19 @@ class NVMeReader(StorageReader):
         future.set_result(None)
         return future
 
+    def _own_files_came(self) -> None:
+        """Wait for the restore of this node's own files (``read_metadata`` started it): its
+        error is every rank's; the files that came whole are this node's from now on."""
+        if self._own_files is not None:
+            own, self._own_files = self._own_files, None
+            self._own_whole = own.result()
+            if self._here is not None:
+                self._here |= self._own_whole
+
     def _fetch_elsewhere(self, items: list[ReadItem]) -> None:
-        """Collective (``peers.exchange``): this node's own files if it lacks them, then the
-        chunks ``items`` need that its disk lacks, each read afterwards where it came to."""
+        """Collective (``peers.exchange``): the chunks ``items`` need that this node's disk
+        lacks, each read afterwards where it came to."""
         assert self._exchange is not None
-        self._restore_own_files()
         try:
             asks, where = self._elsewhere(items)
         except Exception as exc:
@@ -404,22 +440,23 @@ class NVMeReader(StorageReader):
         if self._moved is None:  # once per load: what this node's disk holds, and its copies
             manifest = self.manifest()
             local = not is_remote_url(self._dir) and (manifest.copies or self._exchange is not None)
-            self._here = set(self.store.names()) if local else None
+            self._here = set(self.store.names()) | self._own_whole if local else None
             self._moved = local_copies(manifest, self._here, self.storage_data, self._dir) if self._here else {}
             if self._exchange is not None:  # a chunk whose file no node holds: a copy some node holds
                 anywhere = local_copies(manifest, self._exchange.held_anywhere(), self.storage_data, self._dir)
                 self._moved = {**anywhere, **self._moved}
         return sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
 
-    def _restore_own_files(self) -> None:
-        """A node that lacks its own ranks' files (a replacement node) gets them whole from a
-        node that holds them (a replica) or the mirror, and keeps them: asked by the node's
+    def _restore_own_files(self) -> set[str]:
+        """Collective: a node that lacks its own ranks' files (a replacement node) gets them whole
+        from a node that holds them (a replica) or the mirror, and keeps them: asked by the node's
         first rank, in pieces of whole checksum blocks; a file no one holds is left out (its
-        chunks are then asked one by one, from their copies)."""
-        assert self._here is not None and self._exchange is not None
+        chunks are then asked one by one, from their copies). Returns the files that came whole."""
+        assert self._exchange is not None
         files = read_files(self.store, self.manifest(), self._dir)
         ranks = self._exchange.node_ranks()
-        lacking = [record for record in files.values() if record.name not in self._here
+        here = set(self.store.names())
+        lacking = [record for record in files.values() if record.name not in here
                    and self.manifest().node_of(record.rank) == node_identity()]
         asks = [(Span(record.name, piece.offset, piece.offset + piece.length),) for record in lacking
                 for piece in plan_pieces(record.size, record.data_start, record.checksum_block, RESTORE_PIECE)
@@ -430,11 +467,16 @@ class NVMeReader(StorageReader):
             for span in fetched.arrived[rank]:
                 came[span.file] = came.get(span.file, 0) + span.length
         whole = {name for name, nbytes in came.items() if nbytes == files[name].size}
+        problem = None
         if torch.distributed.get_rank() == min(ranks):
-            for name in sorted(whole):
-                fetched.adopt(name)
-        self._here |= whole
+            try:
+                for name in sorted(whole):
+                    fetched.adopt(name)
+            except OSError as exc:
+                problem = f"cannot keep the files that came to node {node_identity()}: {exc}"
+        self._exchange.settle(problem)  # no rank of the node reads them before they are in place
         self._report(fetched)
+        return whole
 
     def _report(self, fetched: Any) -> None:
         """What came from elsewhere, per source kind, and what was damaged there (last_stats)."""

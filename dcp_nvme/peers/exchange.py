@@ -70,7 +70,8 @@ on its own: what a rank holds in memory is a few pieces per peer."""
 MAX_PEERS = 8
 """In one wave a rank sends to, and receives from, at most this many other ranks (a thread each)."""
 KEEP_AHEAD = 4
-"""Pieces a rank has received and not yet checked and kept (the receiving threads wait beyond)."""
+"""Pieces a rank is receiving or has received and not yet checked and kept, from all its holders
+together (its receiving threads wait beyond)."""
 WAVE_BYTES = 256 << 20
 """What no node holds comes from the mirror in groups of at most this many bytes a rank."""
 MIRROR_RANGE = 8 << 20
@@ -641,6 +642,11 @@ class PeerRestore:
     def fetch(self, manifest: Manifest, asks: Sequence[tuple[Span, ...]], problem: str | None = None,
               optional: bool = False, hold: ReceivedBytes | None = None) -> Fetch:
         return fetch(self.path, self.views, manifest, asks, self.mirror, problem, optional, hold)
+
+    def settle(self, problem: str | None) -> None:
+        """Collective: every rank raises the first rank's problem, if any (after a step some
+        ranks did alone, so that none reads before it is done and all fail alike)."""
+        _raise_first(self.path, _gather(problem))
 
     def node_ranks(self) -> list[int]:
         """The ranks of this node (by the views: one node name each)."""
