@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -67,11 +67,15 @@ log = logging.getLogger(__name__)
 PIECE = 16 << 20
 """A transfer goes in pieces of at most this many bytes (whole checksum blocks), each checked
 on its own: what a rank holds in memory is a few pieces per peer."""
-MAX_PEERS = 8
+MAX_PEERS = 4
 """In one wave a rank sends to, and receives from, at most this many other ranks (a thread each)."""
+IN_FLIGHT = 2
+"""Pieces of one pair on the wire at once: the next is asked for while one arrives."""
 KEEP_AHEAD = 4
 """Pieces a rank is receiving or has received and not yet checked and kept, from all its holders
 together (its receiving threads wait beyond)."""
+SYNC_EVERY = 64 << 20
+"""What came is flushed to disk after every this many bytes kept, while the rest still comes."""
 WAVE_BYTES = 256 << 20
 """What no node holds comes from the mirror in groups of at most this many bytes a rank."""
 MIRROR_RANGE = 8 << 20
@@ -256,6 +260,7 @@ class Fetch:
         self.checkpoint = directory
         self.hold = hold
         """Where the load that asked holds what came, to copy it into its tensors."""
+        self._unsynced = 0
         self._kept: dict[str, str] = {}
         """File name -> its kept-ranges file, made at the first range that came of it."""
         self.taken: dict[str, dict[str, float]] = {}
@@ -273,6 +278,10 @@ class Fetch:
         fd = open_regular(self._kept[record.name], os.O_WRONLY)
         try:
             pwrite_all(fd, data, start)
+            self._unsynced += len(data)
+            if self._unsynced >= SYNC_EVERY:  # on disk as it comes: the fsync before the record is short
+                os.fdatasync(fd)
+                self._unsynced = 0
         finally:
             os.close(fd)
         if self.hold is not None:
@@ -466,6 +475,8 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
     room = threading.BoundedSemaphore(KEEP_AHEAD)  # pieces received and not yet kept
     errors: list[BaseException] = []
 
+    statuses, data = 2 * tag, 2 * tag + 1  # a tag each: a pair's statuses run ahead of its pieces
+
     def send_to(needer: int, jobs: list[tuple[int, Span]]) -> None:
         pieces = [(slot, span.file, at, length) for slot, span in jobs for at, length in _cut(records[span.file], span)]
 
@@ -473,6 +484,8 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
             _, name, at, length = piece
             return _read_checked(here[name], records[name], Span(name, at, at + length), views[me].node)
 
+        said: list[tuple[Any, Any]] = []  # status sends (a tensor each, alive until sent)
+        sending: deque[tuple[Any, Any]] = deque()
         with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-exchange-read") as reader:
             ahead: Future[bytearray] | None = reader.submit(read, pieces[0])
             for at, piece in enumerate(pieces):
@@ -481,13 +494,19 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
                 if piece[0] in refused:
                     continue  # the rest of a transfer this holder could not read
                 try:
-                    data = future.result()
+                    payload = torch.frombuffer(future.result(), dtype=torch.uint8)
+                    flag = torch.ones(1, dtype=torch.int64)
                 except (OSError, KeyError, DCPNVMeError) as exc:
                     refused[piece[0]] = f"{type(exc).__name__}: {exc}"
-                    dist.send(torch.zeros(1, dtype=torch.int64), needer, group=group, tag=tag)
+                    flag, payload = torch.zeros(1, dtype=torch.int64), None
+                said.append((dist.isend(flag, needer, group=group, tag=statuses), flag))
+                if payload is None:
                     continue
-                dist.send(torch.ones(1, dtype=torch.int64), needer, group=group, tag=tag)
-                dist.send(torch.frombuffer(data, dtype=torch.uint8), needer, group=group, tag=tag)
+                if len(sending) >= IN_FLIGHT:
+                    sending.popleft()[0].wait()
+                sending.append((dist.isend(payload, needer, group=group, tag=data), payload))
+        for request, _ in [*said, *sending]:
+            request.wait()
 
     def keep(slot: int, holder: int, name: str, at: int, piece: Any) -> None:
         try:
@@ -507,20 +526,36 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
             room.release()
 
     def receive_from(holder: int, jobs: list[tuple[int, Span]], keeper: ThreadPoolExecutor) -> None:
-        for slot, span in jobs:
-            for at, length in _cut(records[span.file], span):
-                status = torch.zeros(1, dtype=torch.int64)
-                dist.recv(status, holder, group=group, tag=tag)
-                if not status.item():
-                    break  # the holder could not read it intact: nothing more of it comes
-                room.acquire()
-                piece = torch.empty(length, dtype=torch.uint8)
-                try:
-                    dist.recv(piece, holder, group=group, tag=tag)
-                except BaseException:
-                    room.release()
-                    raise
-                keeper.submit(keep, slot, holder, span.file, at, piece)
+        pieces = [(slot, span.file, at, length) for slot, span in jobs for at, length in _cut(records[span.file], span)]
+        index = 0  # the next piece whose status is awaited
+        coming: deque[tuple[int, str, int, int]] = deque()  # said to follow, not yet asked for
+        asked: deque[tuple[int, str, int, Any, Any]] = deque()  # receives posted, oldest first
+        try:
+            while index < len(pieces) or coming or asked:
+                if index < len(pieces) and not coming and len(asked) < IN_FLIGHT:
+                    flag = torch.zeros(1, dtype=torch.int64)
+                    dist.recv(flag, holder, group=group, tag=statuses)
+                    if flag.item():
+                        coming.append(pieces[index])
+                        index += 1
+                    else:  # the holder could not read it intact: nothing more of that transfer comes
+                        slot = pieces[index][0]
+                        while index < len(pieces) and pieces[index][0] == slot:
+                            index += 1
+                # the next piece is asked for while one arrives; room is waited for only with
+                # nothing asked (a thread holding room while it waits for room could stall them all)
+                elif coming and len(asked) < IN_FLIGHT and room.acquire(blocking=not asked):
+                    slot, name, at, length = coming.popleft()
+                    piece = torch.empty(length, dtype=torch.uint8)
+                    asked.append((slot, name, at, dist.irecv(piece, holder, group=group, tag=data), piece))
+                else:
+                    slot, name, at, request, piece = asked[0]
+                    request.wait()
+                    asked.popleft()
+                    keeper.submit(keep, slot, holder, name, at, piece)
+        finally:
+            for _ in asked:  # a transfer that failed: what it held is free for the other threads
+                room.release()
 
     def guarded(fn: Any, *args: Any) -> None:
         try:
