@@ -349,7 +349,9 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
         result.bytes_skipped += sum(pieces[i].length for i in confirmed)
         work.append((record, pieces, [p for p in pieces if p.index not in confirmed]))
 
-    bucket = TokenBucket(options.bandwidth, max(options.bandwidth or 0, part_size) if options.bandwidth else None)
+    # at most one piece ahead of the cap: a second's burst let the drain run 10 % over it for
+    # seconds beside training's collectives
+    bucket = TokenBucket(options.bandwidth, part_size if options.bandwidth else None)
     _send_all(source, sink, journal, work, options, bucket, result, progress,
               [(name, part_size) for name in streamed])
     for name in streamed:  # coded by now: the plan of the finished file, as every other file's

@@ -191,8 +191,8 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 class TokenBucket:
     """A bandwidth cap shared by the transfer threads: ``take(n)`` sleeps until n bytes may go.
 
-    ``rate`` bytes/s with a burst of one second's worth (at least one piece), so a cap well
-    below the link speed keeps the training job's network traffic flowing.
+    ``rate`` bytes/s with a burst of ``burst`` bytes (one second's worth when not given); a
+    piece larger than the burst goes once the bucket is full.
     """
 
     def __init__(self, rate: float | None, burst: float | None = None) -> None:

@@ -131,6 +131,34 @@ def test_drain_to_second_directory_plain_and_file_url(tmp_path):
     assert drain_state(local).target == url
 
 
+def test_a_capped_drain_keeps_to_its_cap_with_at_most_one_piece_ahead(tmp_path, monkeypatch):
+    """The cap's bucket holds one piece: over any window the drain sends at most one piece more
+    than the cap allows (a second's burst ran 10 % over a 0.25x-link cap for seconds)."""
+    from types import SimpleNamespace
+
+    from dcp_nvme.tiers import drainer, transfer
+
+    made: list = []
+
+    class Recorded(transfer.TokenBucket):
+        def __init__(self, rate, burst=None) -> None:
+            super().__init__(rate, burst)
+            made.append(self)
+
+    monkeypatch.setattr(drainer, "TokenBucket", Recorded)
+    local = save(tmp_path / "nvme" / "step_1", make_state(1))
+    drain(local, str(tmp_path / "pfs" / "step_1"), options=DrainOptions(**{**FAST, "bandwidth": 500 * MiB}))
+    assert [bucket.capacity for bucket in made] == [FAST["part_size"]]
+
+    clock = [0.0]  # the bucket's arithmetic on a clock of its own: 10 pieces at 4 pieces a second
+    monkeypatch.setattr(transfer, "time", SimpleNamespace(monotonic=lambda: clock[0],
+                                                          sleep=lambda s: clock.__setitem__(0, clock[0] + s)))
+    bucket = transfer.TokenBucket(4 * MiB, MiB)
+    for _ in range(10):
+        bucket.take(MiB)
+    assert clock[0] == pytest.approx(9 / 4)  # the first piece at once, then one every 0.25 s
+
+
 @pytest.mark.parametrize("kind", ["empty", "stock-dcp", "uncommitted"])
 def test_a_refused_drain_leaves_nothing_in_a_directory_without_a_committed_checkpoint(tmp_path, capsys, kind):
     """A directory that holds no committed dcp_nvme checkpoint is refused, by the API and the
