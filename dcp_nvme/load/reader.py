@@ -273,6 +273,8 @@ class NVMeReader(StorageReader):
         if checkpoint_id is not None:
             self.path = reader_location(checkpoint_id)
             self._store = None
+        if self._own_files is not None:  # a load that failed while DCP planned: its restore ends first,
+            concurrent.futures.wait([self._own_files])  # so that the group's collectives keep one order
         self._manifest = None
         self._checked = set()
         self._moved, self._here, self._exchange, self._kept, self._came = None, None, None, None, {}

@@ -457,11 +457,12 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
               damaged: dict[int, str], fatal: list[str]) -> None:
     """One wave on this rank: a thread for each rank it sends to and each it receives from, so
     that every link of the wave is busy at once (the transfers of one pair go in order). A
-    transfer goes in pieces (``_cut``), each behind a status (1: it follows; 0: the holder could
-    not read it intact, and the rest of that transfer is not sent): the holder reads and checks
-    the next piece while one is sent; the receiver checks and keeps each on a thread while the
-    next comes (a wave read whole before its first send, and kept after its last, left the link
-    idle meanwhile). Fills ``refused`` (as the holder), ``damaged`` (as the receiver), ``fatal``."""
+    transfer goes in pieces (``_cut``), each announced by a status on a tag of its own (1: it
+    follows; 0: the holder could not read it intact, and the rest of that transfer is not sent):
+    the holder reads and checks the next piece while ``IN_FLIGHT`` are sent; the receiver asks
+    for the next piece while one arrives, and checks and keeps each on a thread (a wave read
+    whole before its first send, and kept after its last, left the link idle meanwhile).
+    Fills ``refused`` (as the holder), ``damaged`` (as the receiver), ``fatal``."""
     me, group = dist.get_rank(), _exchange_group()
     sends: dict[int, list[tuple[int, Span]]] = defaultdict(list)
     receives: dict[int, list[tuple[int, Span]]] = defaultdict(list)
@@ -475,7 +476,7 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
     room = threading.BoundedSemaphore(KEEP_AHEAD)  # pieces received and not yet kept
     errors: list[BaseException] = []
 
-    statuses, data = 2 * tag, 2 * tag + 1  # a tag each: a pair's statuses run ahead of its pieces
+    status_tag, piece_tag = 2 * tag, 2 * tag + 1  # a tag each: a pair's statuses run ahead of its pieces
 
     def send_to(needer: int, jobs: list[tuple[int, Span]]) -> None:
         pieces = [(slot, span.file, at, length) for slot, span in jobs for at, length in _cut(records[span.file], span)]
@@ -499,12 +500,12 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
                 except (OSError, KeyError, DCPNVMeError) as exc:
                     refused[piece[0]] = f"{type(exc).__name__}: {exc}"
                     flag, payload = torch.zeros(1, dtype=torch.int64), None
-                said.append((dist.isend(flag, needer, group=group, tag=statuses), flag))
+                said.append((dist.isend(flag, needer, group=group, tag=status_tag), flag))
                 if payload is None:
                     continue
                 if len(sending) >= IN_FLIGHT:
                     sending.popleft()[0].wait()
-                sending.append((dist.isend(payload, needer, group=group, tag=data), payload))
+                sending.append((dist.isend(payload, needer, group=group, tag=piece_tag), payload))
         for request, _ in [*said, *sending]:
             request.wait()
 
@@ -534,7 +535,7 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
             while index < len(pieces) or coming or asked:
                 if index < len(pieces) and not coming and len(asked) < IN_FLIGHT:
                     flag = torch.zeros(1, dtype=torch.int64)
-                    dist.recv(flag, holder, group=group, tag=statuses)
+                    dist.recv(flag, holder, group=group, tag=status_tag)
                     if flag.item():
                         coming.append(pieces[index])
                         index += 1
@@ -547,7 +548,7 @@ def _run_wave(tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], reco
                 elif coming and len(asked) < IN_FLIGHT and room.acquire(blocking=not asked):
                     slot, name, at, length = coming.popleft()
                     piece = torch.empty(length, dtype=torch.uint8)
-                    asked.append((slot, name, at, dist.irecv(piece, holder, group=group, tag=data), piece))
+                    asked.append((slot, name, at, dist.irecv(piece, holder, group=group, tag=piece_tag), piece))
                 else:
                     slot, name, at, request, piece = asked[0]
                     request.wait()
