@@ -127,19 +127,9 @@ class Bench:
         return self.result_of(recv)
 
     def set_downlink(self, i: int, rate: str) -> None:
-        """The switch port's egress towards node ``i`` (its downlink) at ``rate``.
-
-        tests/netns.py shapes every link alike; it offers no per-node rate, so this changes the
-        port's tbf in the switch's namespace as netns._qdisc made it."""
-        bps = parse_rate(rate)
-        burst = max(bps // 500, 2 * 65536 + 2 * self.net.mtu)
-        where = "parent 1:1 handle 10:" if self.net.delay_shaped else "root handle 1:"
-        port = self.node(i).port
-        argv = [*self.net._switch.enter(), "tc", "qdisc", "change", "dev", port, *where.split(), "tbf", "rate", rate,
-                "burst", str(burst), "latency", "20ms"]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        if proc.returncode != 0:
-            raise SystemExit(f"tc change on {port} failed: {proc.stderr.strip()}")
+        """The switch port's egress towards node ``i`` (its downlink) at ``rate``."""
+        assert self.net is not None
+        self.net.set_downlink(self.node(i), rate)
 
     # -- the host's view of node disks -------------------------------------------------------
     def step(self, i: int, name: str) -> Path:

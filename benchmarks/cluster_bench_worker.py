@@ -215,6 +215,7 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
     def profiled() -> dict:
         """Cumulative seconds of the exchange's steps on this rank (where a restore's time goes)."""
         import dcp_nvme.peers.exchange as ex
+        import dcp_nvme.peers.streams as st
 
         spent: dict = {}
 
@@ -230,10 +231,13 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
 
             setattr(owner, name, timed)
 
-        for name, label in (("agree_metadata", "agree_metadata"), ("fetch", "fetch"), ("_run_wave", "waves"),
-                            ("_read_checked", "holder_read_verify"), ("verify_piece", "verify (read or received)"),
-                            ("_nowhere", "from_mirror"), ("_keep_record", "keep_record")):
+        for name, label in (("agree_metadata", "agree_metadata"), ("fetch", "fetch"),
+                            ("_nowhere", "from_mirror"), ("_keep_record", "keep_record"),
+                            ("verify_piece", "verify (read or received)")):
             wrap(ex, name, label)
+        for name, label in (("run_wave", "waves"), ("read_checked", "holder_read_verify"),
+                            ("verify_piece", "verify (read or received)")):
+            wrap(st, name, label)
         wrap(ex.Fetch, "keep", "keep (pwrite)")
         wrap(ex.Fetch, "adopt", "adopt (fsync, rename)")
         wrap(ex.dist, "batch_isend_irecv", "post p2p")

@@ -15,7 +15,8 @@ these addresses: a host-side client reaches a node through ``Forwarder`` instead
 Each link is shaped in both directions (the node's ``eth0`` egress and the switch port's egress)
 with tc: ``tbf`` at ``rate``, and ``netem`` for half of ``delay_ms`` at each end (so one way
 between two nodes takes ``delay_ms``) where the kernel has netem; where it has not,
-``delay_shaped`` is False and ``shaping`` says why (the rate still holds).
+``delay_shaped`` is False and ``shaping`` says why (the rate still holds). ``set_downlink``
+changes one node's downlink rate afterwards (a fat or thin port of the switch).
 
 A namespace lives as long as a process in it: each is held by an ``unshare --net sleep`` child
 that dies with the thread that started it (PR_SET_PDEATHSIG), and no named namespace
@@ -193,13 +194,7 @@ class Network:
         """The tc commands that shape egress of ``dev`` (half the delay: one end of a link)."""
         cmds = []
         delay = f"{self.delay_ms / 2:.4f}ms"
-        tbf = ""
-        if self.rate is not None:
-            rate = parse_rate(self.rate)
-            # the bucket holds at least 2 ms of the rate, and two 64 KiB GSO packets of a veth,
-            # so a bulk TCP stream is not cut into a burst per timer tick; the queue, 20 ms
-            burst = max(rate // 500, 2 * 65536 + 2 * self.mtu)
-            tbf = f"tbf rate {self.rate} burst {burst} latency 20ms"
+        tbf = self._tbf(self.rate) if self.rate is not None else ""
         if self.delay_ms > 0 and self._netem:
             cmds.append(f"tc qdisc add dev {dev} root handle 1: netem delay {delay} limit 100000")
             if tbf:
@@ -207,6 +202,20 @@ class Network:
         elif tbf:
             cmds.append(f"tc qdisc add dev {dev} root handle 1: {tbf}")
         return "\n".join(cmds)
+
+    def _tbf(self, rate: str) -> str:
+        # the bucket holds at least 2 ms of the rate, and two 64 KiB GSO packets of a veth, so a
+        # bulk TCP stream is not cut into a burst per timer tick; the queue, 20 ms
+        burst = max(parse_rate(rate) // 500, 2 * 65536 + 2 * self.mtu)
+        return f"tbf rate {rate} burst {burst} latency 20ms"
+
+    def set_downlink(self, node: NetNode, rate: str) -> None:
+        """The switch port's egress towards ``node`` (its downlink) at ``rate`` from now on; every
+        other link, and ``node``'s uplink, as they are. Needs a network made with a rate."""
+        if self.rate is None:
+            raise ValueError("this network shapes no rate: make it with one to change a link's")
+        where = "parent 1:1 handle 10:" if self.delay_shaped and self.delay_ms > 0 else "root handle 1:"
+        _sh(self._switch, f"tc qdisc change dev {node.port} {where} {self._tbf(rate)}", f"downlink of {node.name}")
 
     def _probe_netem(self, holder: _Holder, dev: str) -> None:
         if self._netem is not None or self.delay_ms == 0:

@@ -11,10 +11,8 @@ whole checksum blocks and is verified before the data is handed to DCP.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -22,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol, cast
 
-import numpy
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -41,7 +38,7 @@ from dcp_nvme.config import (
 from dcp_nvme.engines import shared_engine
 from dcp_nvme.engines.fsspec import FsspecEngine
 from dcp_nvme.engines.host_io import tensor_bytes
-from dcp_nvme.engines.requests import SCRATCH, IOStats, PhaseTimer
+from dcp_nvme.engines.requests import IOStats, PhaseTimer
 from dcp_nvme.errors import (
     ChecksumMismatchError,
     InvalidInputError,
@@ -52,14 +49,14 @@ from dcp_nvme.errors import (
 from dcp_nvme.format.checksums import items_in
 from dcp_nvme.format.container import MANIFEST, parse_dtype
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
-from dcp_nvme.format.pieces import Span, plan_pieces, span_of
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import check_container
 from dcp_nvme.host.job import node_identity
 from dcp_nvme.load.foreign import open_foreign
-from dcp_nvme.load.local_copies import KeptRanges, ReceivedBytes, local_copies, places_of
+from dcp_nvme.load.local_copies import KeptRanges, local_copies
 from dcp_nvme.load.node_index import shared_columns
 from dcp_nvme.load.objects import bytes_for_planner, check_destination_kind
+from dcp_nvme.load.peer_load import PeerLoad, lacking_asks
 from dcp_nvme.load.planning import FileBlocks, Need, count_runs, covering_rows, plan_reads, slice_runs
 from dcp_nvme.storage.fsspec_dir import FsspecStore, open_store
 from dcp_nvme.storage.local_dir import (
@@ -72,18 +69,11 @@ from dcp_nvme.storage.local_dir import (
 
 log = logging.getLogger(__name__)
 
-RESTORE_PIECE = 64 << 20
-"""A replacement node asks for its own ranks' files in pieces of about this many bytes."""
-
 MAX_DIRECT_RUNS = 64
 """Above this many runs a slice is read as the whole rows that cover it, then narrowed."""
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
 """Bytes of temporaries (resharded slices, non-tensor items) held at once per rank."""
-
-RECEIVED_HOLD = 1 << 30
-"""A restore holds at most this many of the bytes that came to a rank in memory, for its load
-to copy into the tensors; beyond, it reads them back from the copy it kept on disk."""
 
 
 class _Sources(Protocol):
@@ -115,38 +105,6 @@ class _Batch:
         self.needs.setdefault(chunk.file, []).append(Need(chunk.byte_offset + start, length, dest, dest_offset))
         self.owners.setdefault(chunk.file, []).append(
             (chunk.byte_offset, chunk.byte_offset + chunk.length, chunk.key))
-
-
-def _in_background(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
-    """``fn()`` on a thread of its own; its result or exception in the future."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001  handed to whoever waits on the future
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
-
-
-def _copy_pieces(views: list[memoryview], pieces: list[tuple[int, int, int]], dests: list[torch.Tensor]) -> None:
-    """A request's bytes, given as consecutive ``views``, into its pieces' destinations
-    (``SCRATCH`` pieces are skipped)."""
-    index, offset = 0, 0
-    for dest, dest_offset, length in pieces:
-        while length:
-            view = views[index]
-            n = min(length, len(view) - offset)
-            if dest != SCRATCH:
-                target = dests[dest].numpy()
-                target[dest_offset:dest_offset + n] = numpy.frombuffer(view, numpy.uint8, n, offset)
-                dest_offset += n
-            length -= n
-            offset += n
-            if offset == len(view):
-                index, offset = index + 1, 0
 
 
 def check_one_save(plans: list[LoadPlan]) -> None:
@@ -237,17 +195,8 @@ class NVMeReader(StorageReader):
         """``seams.peer_restore`` of the current load: several ranks, ``peers``."""
         self._kept: KeptRanges | None = None
         """The ranges of other nodes' files this node keeps: earlier restores', this one's."""
-        self._came: dict[str, Any] = {}
-        """Bytes this load received, per source kind, and the damaged ranges it was offered."""
-        self._own_files: concurrent.futures.Future[set[str]] | None = None
-        """A replacement node's restore of its own files, started once the ranks agreed on the
-        save (``read_metadata``): it runs while DCP plans the load; ``read_data`` waits for it."""
-        self._own_whole: set[str] = set()
-        """The files of this node's ranks it got whole from elsewhere in this load."""
-        self._received: ReceivedBytes | None = None
-        """What came to this rank in this load, held for its reads (``RECEIVED_HOLD``)."""
-        self._from_received = 0
-        """Bytes this load copied from ``_received`` instead of reading them."""
+        self._peer_load: PeerLoad | None = None
+        """This load's use of the exchange (``load.peer_load``), made once the ranks agreed on the save."""
         self.storage_data: dict[Any, ChunkRecord] = {}
         self.last_stats: dict[str, Any] | None = None
         """This rank's figures for its last load: bytes read, seconds, GB/s, requests."""
@@ -273,13 +222,11 @@ class NVMeReader(StorageReader):
         if checkpoint_id is not None:
             self.path = reader_location(checkpoint_id)
             self._store = None
-        if self._own_files is not None:  # a load that failed while DCP planned: its restore ends first,
-            concurrent.futures.wait([self._own_files])  # so that the group's collectives keep one order
+        if self._peer_load is not None:  # a load that failed while DCP planned: its restore ends first
+            self._peer_load.finish()
         self._manifest = None
         self._checked = set()
-        self._moved, self._here, self._exchange, self._kept, self._came = None, None, None, None, {}
-        self._received, self._from_received = None, 0
-        self._own_files, self._own_whole = None, set()
+        self._moved, self._here, self._exchange, self._kept, self._peer_load = None, None, None, None, None
         self.storage_data = {}
         self.load_id = str(uuid.uuid4())
         self._sources = None
@@ -311,10 +258,9 @@ class NVMeReader(StorageReader):
         metadata = self.manifest().to_metadata()
         assert metadata.storage_meta is not None  # to_metadata always makes one
         metadata.storage_meta.load_id = self.load_id
-        if self._exchange is not None:
-            # a replacement node's own files need no plan: they come while DCP plans the load
-            self._received, self._from_received = ReceivedBytes(RECEIVED_HOLD), 0
-            self._own_files = _in_background(self._restore_own_files, "dcp-nvme-restore-own-files")
+        if self._exchange is not None:  # a replacement node's own files come while DCP plans
+            files = read_files(self.store, self.manifest(), self._dir)
+            self._peer_load = PeerLoad(self._exchange, files, self.manifest(), set(self.store.names()))
         return metadata
 
     @property
@@ -349,24 +295,23 @@ class NVMeReader(StorageReader):
         try:
             items = self._planned_items(plan, planner)
         except Exception as exc:
-            if self._exchange is None:
+            if self._peer_load is None:
                 raise
-            self._own_files_came()  # the group's collectives in one order on every rank
-            self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")  # raises everywhere
+            self._peer_load.refuse(self.manifest(), exc)  # raises everywhere
             raise
-        if self._exchange is not None:  # every rank, even one that needs nothing from elsewhere
+        if self._peer_load is not None:  # every rank, even one that needs nothing from elsewhere
             # what this node's disk holds is read on a thread while the exchange runs: a holder
             # sends and loads at once, and the load ends with the last transfer
-            here = self._here or set()
-            beside = [item for item in items if self._chunk(item).file in here]
-            items = [item for item in items if self._chunk(item).file not in here]
+            assert self._here is not None  # a local path: _planned_items listed it
+            beside = [item for item in items if self._chunk(item).file in self._here]
+            items = [item for item in items if self._chunk(item).file not in self._here]
             beside_stats, beside_timer = IOStats("read"), PhaseTimer()
             with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-load-here") as pool:
                 early = pool.submit(self._run_items, beside, planner, beside_stats, beside_timer)
                 with timer.span("fetch (own files, after DCP planned)"):
-                    self._own_files_came()
+                    self._here |= self._peer_load.own_files_came()  # this node's from now on
                 with timer.span("fetch"):
-                    self._fetch_elsewhere(items)
+                    self._fetch_elsewhere(items, self._peer_load)
             needed += early.result()
             stats.merge(beside_stats)
             for name, seconds in beside_timer.phases.items():
@@ -375,14 +320,15 @@ class NVMeReader(StorageReader):
             with timer.span("fetch"):
                 self._sources.ensure_files(self.manifest(), {self._chunk(i).file for i in items})
         needed += self._run_items(items, planner, stats, timer)
-        self._received = None  # what came is in the tensors, and kept on disk
+        if self._peer_load is not None:
+            self._peer_load.finish()  # what came is in the tensors, and kept on disk
         stats.seconds = time.perf_counter() - started
         sources = self._sources.stats(stats, timer.phases.get("io", 0.0)) if self._sources is not None else {}
-        if self._exchange is not None:
-            sources = {"read": {"bytes": int(stats.bytes)}, **self._came}
+        if self._peer_load is not None:
+            sources = {"read": {"bytes": int(stats.bytes)}, **self._peer_load.came}
         remote = sum(v["bytes"] for k, v in sources.items() if k not in ("read", "local", "damaged"))
         self.last_stats = {"bytes_needed": needed, **stats.to_dict(), "remote_bytes": int(remote),
-                           **({"from_received_bytes": self._from_received} if self._exchange is not None else {}),
+                           **({"from_received_bytes": self._peer_load.from_received} if self._peer_load else {}),
                            "phases": {k: round(v, 6) for k, v in timer.phases.items()},
                            **({"sources": sources} if sources else {})}
         log.info("dcp_nvme: read %.3f GB (%.3f GB needed) in %.3f s (%.2f GB/s), %d requests, depth %d",
@@ -392,31 +338,24 @@ class NVMeReader(StorageReader):
         future.set_result(None)
         return future
 
-    def _own_files_came(self) -> None:
-        """Wait for the restore of this node's own files (``read_metadata`` started it): its
-        error is every rank's; the files that came whole are this node's from now on."""
-        if self._own_files is not None:
-            own, self._own_files = self._own_files, None
-            self._own_whole = own.result()
-            if self._here is not None:
-                self._here |= self._own_whole
-
-    def _fetch_elsewhere(self, items: list[ReadItem]) -> None:
+    def _fetch_elsewhere(self, items: list[ReadItem], peers: PeerLoad) -> None:
         """Collective (``peers.exchange``): the chunks ``items`` need that this node's disk
         lacks, each read afterwards where it came to."""
-        assert self._exchange is not None
+        assert self._here is not None and self._moved is not None  # set by _planned_items
+        files = read_files(self.store, self.manifest(), self._dir)
         try:
-            asks, where = self._elsewhere(items)
+            self._kept = KeptRanges(self._dir, files)
+            asks, where, kept_here = lacking_asks([self._chunk(i) for i in items], self._here, self.manifest(),
+                                                  self.storage_data, files, self._kept, self._dir)
         except Exception as exc:
-            self._exchange.fetch(self.manifest(), [], problem=f"{type(exc).__name__}: {exc}")
+            peers.refuse(self.manifest(), exc)
             raise
-        fetched = self._exchange.fetch(self.manifest(), asks, hold=self._received)
+        self._moved.update(kept_here)
+        fetched = peers.fetch(self.manifest(), asks)
         for places, chosen in zip(where, fetched.chosen):  # read each where it came from
             place = places[chosen]
-            assert self._moved is not None  # set by _planned_items
             self._moved[(place.fqn, place.offsets if place.kind == "tensor" else None)] = place
-        self._kept = KeptRanges(self._dir, read_files(self.store, self.manifest(), self._dir))
-        self._report(fetched)
+        self._kept = KeptRanges(self._dir, files)
 
     def _run_items(self, items: list[ReadItem], planner: LoadPlanner, stats: IOStats, timer: PhaseTimer) -> int:
         """Read ``items`` in batches of at most ``memory_budget`` bytes of temporaries; returns
@@ -442,77 +381,12 @@ class NVMeReader(StorageReader):
         if self._moved is None:  # once per load: what this node's disk holds, and its copies
             manifest = self.manifest()
             local = not is_remote_url(self._dir) and (manifest.copies or self._exchange is not None)
-            self._here = set(self.store.names()) | self._own_whole if local else None
+            self._here = set(self.store.names()) if local else None
             self._moved = local_copies(manifest, self._here, self.storage_data, self._dir) if self._here else {}
             if self._exchange is not None:  # a chunk whose file no node holds: a copy some node holds
                 anywhere = local_copies(manifest, self._exchange.held_anywhere(), self.storage_data, self._dir)
                 self._moved = {**anywhere, **self._moved}
         return sorted(plan.items, key=lambda i: (self._chunk(i).file, self._chunk(i).byte_offset))
-
-    def _restore_own_files(self) -> set[str]:
-        """Collective: a node that lacks its own ranks' files (a replacement node) gets them whole
-        from a node that holds them (a replica) or the mirror, and keeps them: asked by the node's
-        first rank, in pieces of whole checksum blocks; a file no one holds is left out (its
-        chunks are then asked one by one, from their copies). Returns the files that came whole."""
-        assert self._exchange is not None
-        files = read_files(self.store, self.manifest(), self._dir)
-        ranks = self._exchange.node_ranks()
-        here = set(self.store.names())
-        lacking = [record for record in files.values() if record.name not in here
-                   and self.manifest().node_of(record.rank) == node_identity()]
-        asks = [(Span(record.name, piece.offset, piece.offset + piece.length),) for record in lacking
-                for piece in plan_pieces(record.size, record.data_start, record.checksum_block, RESTORE_PIECE)
-                ] if torch.distributed.get_rank() == min(ranks) else []
-        fetched = self._exchange.fetch(self.manifest(), asks, optional=True, hold=self._received)
-        came: dict[str, int] = {}
-        for rank in ranks:
-            for span in fetched.arrived[rank]:
-                came[span.file] = came.get(span.file, 0) + span.length
-        whole = {name for name, nbytes in came.items() if nbytes == files[name].size}
-        problem = None
-        if torch.distributed.get_rank() == min(ranks):
-            try:
-                for name in sorted(whole):
-                    fetched.adopt(name)
-            except OSError as exc:
-                problem = f"cannot keep the files that came to node {node_identity()}: {exc}"
-        self._exchange.settle(problem)  # no rank of the node reads them before they are in place
-        self._report(fetched)
-        return whole
-
-    def _report(self, fetched: Any) -> None:
-        """What came from elsewhere, per source kind, and what was damaged there (last_stats)."""
-        for kind, entry in fetched.taken.items():
-            mine = self._came.setdefault(kind, {"files": 0, "bytes": 0, "seconds": 0.0})
-            mine["bytes"] += entry["bytes"]
-        if fetched.damaged:
-            self._came.setdefault("damaged", []).extend(fetched.damaged)
-
-    def _elsewhere(self, items: list[ReadItem]) -> tuple[list[tuple], list[list[ChunkRecord]]]:
-        """The chunks ``items`` need that this node's disk lacks: each as its places (the
-        index's row, then its copies) and their spans of whole checksum blocks, to ask of
-        other nodes."""
-        if self._here is None:
-            return [], []
-        files = read_files(self.store, self.manifest(), self._dir)
-        self._kept = kept = KeptRanges(self._dir, files)
-        lacking: dict[tuple, ChunkRecord] = {}
-        for item in items:
-            chunk = self._chunk(item)
-            if chunk.file not in self._here:
-                lacking.setdefault((chunk.fqn, chunk.offsets if chunk.kind == "tensor" else None), chunk)
-        places = places_of(self.manifest(), self.storage_data, set(lacking), self._dir)
-        asks, where = [], []
-        for key, chunk in lacking.items():
-            spans = [(p, span_of(files[p.file], p.byte_offset, p.byte_offset + p.length)) for p in places.get(key, [chunk])]
-            kept_place = next((p for p, span in spans if kept.covers(span)), None)
-            if kept_place is not None:  # an earlier restore fetched it for this node
-                assert self._moved is not None  # set by _planned_items
-                self._moved[key] = kept_place
-                continue
-            asks.append(tuple(span for _, span in spans))
-            where.append([p for p, _ in spans])
-        return asks, where
 
     # ------------------------------------------------------------------ planning
 
@@ -595,7 +469,8 @@ class NVMeReader(StorageReader):
             engine, _ = shared_engine(config, has_device, self.path)
         try:
             with timer.span("io"):
-                requests = self._take_received(requests, batch.dests)
+                if self._peer_load is not None:  # what came to this rank, from memory
+                    requests = self._peer_load.take_received(requests, batch.dests)
                 if requests:
                     stats.merge(engine.read(requests, batch.dests))
         except ChecksumMismatchError as exc:
@@ -607,21 +482,6 @@ class NVMeReader(StorageReader):
             for action in batch.after:
                 action()
         return sum(n.length for needs in batch.needs.values() for n in needs)
-
-    def _take_received(self, requests: list, dests: list[torch.Tensor]) -> list:
-        """The requests whose bytes came to this rank in this load and are held in memory (checked
-        on arrival) are copied from there into host destinations; the others are returned, to read."""
-        if self._received is None or not self._received.size:
-            return requests
-        rest = []
-        for request in requests:
-            views = self._received.take(os.path.basename(request.file), request.file_offset, request.length)
-            if views is None or any(d != SCRATCH and dests[d].device.type != "cpu" for d, _, _ in request.pieces):
-                rest.append(request)
-                continue
-            _copy_pieces(views, request.pieces, dests)
-            self._from_received += request.length
-        return rest
 
     def _plan_requests(self, batch: _Batch) -> tuple[list, int]:
         """The batch's requests, and the largest request size they were cut to."""

@@ -97,28 +97,39 @@ def test_the_nodes_network_is_private_and_has_no_way_out(cluster):
         server.stdout.close()
 
 
-def test_a_link_carries_no_more_than_its_rate():
-    if network_unavailable():  # not at collection: the probe builds a network (~0.3 s)
-        pytest.skip(network_unavailable())
-    rate = "200mbit"  # 25 MB/s: 8 MB take 0.32 s at least (less the first burst)
+def _send_8mb(net: Network, a, b) -> float:
+    """Seconds for 8 MB from node ``a`` to node ``b`` over one TCP stream."""
     sink = ("import socket; s = socket.socket(); s.bind(('0.0.0.0', 5000)); s.listen(); print('up', flush=True); "
             "c, _ = s.accept(); n = 0\nwhile (d := c.recv(1 << 20)): n += len(d)\nprint(n, flush=True)")
     send = ("import socket, sys, time; s = socket.create_connection((sys.argv[1], 5000)); t = time.monotonic(); "
             "s.sendall(bytes(8 << 20)); s.shutdown(socket.SHUT_WR); s.recv(1); print(time.monotonic() - t)")
+    server = subprocess.Popen([*net.enter(b), sys.executable, "-c", sink], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "up"
+        took = float(net.run(a, [sys.executable, "-c", send, b.addr], timeout=30, check=True).stdout)
+        assert int(server.stdout.readline()) == 8 << 20
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+    return took
+
+
+def test_a_link_carries_no_more_than_its_rate():
+    """And a node's downlink set to half the rate carries half as much (the benchmarks' fat or
+    thin downlink)."""
+    if network_unavailable():  # not at collection: the probe builds a network (~0.3 s)
+        pytest.skip(network_unavailable())
+    rate = "200mbit"  # 25 MB/s: 8 MB take 0.32 s at least (less the first burst)
     with Network(rate=rate, delay_ms=0.2) as net:
         a, b = net.add_node("a"), net.add_node("b")
-        server = subprocess.Popen([*net.enter(b), sys.executable, "-c", sink], stdout=subprocess.PIPE, text=True)
-        try:
-            assert server.stdout.readline().strip() == "up"
-            took = float(net.run(a, [sys.executable, "-c", send, b.addr], timeout=30, check=True).stdout)
-            assert int(server.stdout.readline()) == 8 << 20
-        finally:
-            server.kill()
-            server.wait()
-            server.stdout.close()
+        took = _send_8mb(net, a, b)
         floor = ((8 << 20) - 2 * 256 * 1024) / parse_rate(rate)
         assert floor * 0.9 < took < 5, (took, net.shaping)
         assert net.delay_shaped or "netem" in net.shaping  # without netem the reason is given
+        net.set_downlink(b, "100mbit")
+        took = _send_8mb(net, a, b)
+        assert 2 * floor * 0.9 < took < 10, (took, net.shaping)
 
 
 def test_a_cluster_takes_its_nodes_off_a_shared_network_when_closed(tmp_path):

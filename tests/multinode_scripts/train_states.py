@@ -182,9 +182,9 @@ def describe_error(exc: BaseException) -> str:
 def corrupt_what_this_node_sends() -> None:
     """A fault of this test: every range this node sends has one byte flipped after the holder's
     own check (a bad link, or a disk that returned other bytes the second time)."""
-    from dcp_nvme.peers import exchange
+    from dcp_nvme.peers import streams
 
-    checked = exchange._read_checked
+    checked = streams.read_checked
     if getattr(checked, "flips", False):  # once: a second flip would undo the first
         return
 
@@ -194,7 +194,7 @@ def corrupt_what_this_node_sends() -> None:
         return data
 
     flipped.flips = True  # type: ignore[attr-defined]
-    exchange._read_checked = flipped
+    streams.read_checked = flipped
 
 
 def do_save(record: dict) -> None:

@@ -1,4 +1,4 @@
-"""The exchange's transfers between real ranks (``peers.exchange``; gloo on loopback, each rank
+"""The exchange's transfers between real ranks (``peers.exchange``, ``peers.streams``; gloo on loopback, each rank
 a node of its own with its own directory): transfers in many pieces from two holders at once, a
 holder that cannot read a piece mid-transfer, the bytes kept on disk and held for the load.
 tests/cross/test_node_local_restores.py runs the same exchange inside trainers' loads on
@@ -21,8 +21,8 @@ from dcp_nvme.format.manifest import read_files, read_manifest
 from dcp_nvme.format.pieces import Span
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.load.local_copies import ReceivedBytes
-from dcp_nvme.load.reader import _copy_pieces
-from dcp_nvme.peers import exchange
+from dcp_nvme.load.peer_load import copy_pieces
+from dcp_nvme.peers import exchange, streams
 from dcp_nvme.storage.local_dir import LocalStore
 
 PIECE = 128 << 10  # the checkpoint's checksum block is 64 KiB: a transfer goes in many pieces
@@ -43,11 +43,11 @@ def _record(size: int = 1 << 20, block: int = 64 << 10) -> FileRecord:
 
 
 def test_a_transfer_is_cut_into_pieces_of_whole_checksum_blocks(monkeypatch):
-    monkeypatch.setattr(exchange, "PIECE", 256 << 10)
+    monkeypatch.setattr(streams, "PIECE", 256 << 10)
     record = _record(size=4096 + 10 * (64 << 10) + 123)  # a short last block
     for span in (Span(record.name, 0, record.size), Span(record.name, 4096 + (64 << 10), record.size),
                  Span(record.name, 4096 + 3 * (64 << 10), 4096 + 4 * (64 << 10))):
-        pieces = exchange._cut(record, span)
+        pieces = streams.cut(record, span)
         assert pieces[0][0] == span.start and sum(n for _, n in pieces) == span.length
         assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))  # contiguous
         for at, n in pieces:
@@ -57,10 +57,10 @@ def test_a_transfer_is_cut_into_pieces_of_whole_checksum_blocks(monkeypatch):
 
 
 def test_waves_keep_each_rank_to_a_bounded_number_of_peers(monkeypatch):
-    monkeypatch.setattr(exchange, "MAX_PEERS", 3)
+    monkeypatch.setattr(streams, "MAX_PEERS", 3)
     span = Span("f", 0, 10)
     assigned = [(needer, 0, span, 0) for needer in range(1, 8)] + [(1, 1, span, 0)]  # rank 0 sends to 7
-    waves = exchange._waves(assigned)
+    waves = streams.waves(assigned)
     assert sorted(slot for wave in waves for slot in wave) == list(range(len(assigned)))
     for wave in waves:
         assert len({assigned[slot][0] for slot in wave}) <= 3
@@ -80,13 +80,13 @@ def test_received_bytes_are_taken_across_pieces_and_only_when_all_are_held():
 
     # into a request's pieces: scratch skipped, the rest at their destinations' offsets
     dests = [torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)]
-    _copy_pieces([memoryview(b"abc"), memoryview(b"defghij")], [(0, 2, 4), (SCRATCH, 0, 2), (1, 0, 4)], dests)
+    copy_pieces([memoryview(b"abc"), memoryview(b"defghij")], [(0, 2, 4), (SCRATCH, 0, 2), (1, 0, 4)], dests)
     assert bytes(dests[0].numpy()) == b"\0\0abcd\0\0" and bytes(dests[1].numpy()) == b"ghij"
     assert numpy.array_equal(dests[1].numpy(), numpy.frombuffer(b"ghij", numpy.uint8))
 
 
 def _transfer_rank(rank: int, world: int, dirs: list[str], name: str) -> None:
-    exchange.PIECE = PIECE
+    streams.PIECE = PIECE
     path = dirs[rank]
     manifest = read_manifest(LocalStore(path), path)
     record = read_files(LocalStore(path), manifest, path)[name]
