@@ -41,21 +41,21 @@ together (its receiving threads wait beyond)."""
 def waves(assigned: list[tuple[int, int, Span, int]]) -> list[list[int]]:
     """The transfers (their indexes) in waves in which no rank sends to, or receives from, more
     than ``MAX_PEERS`` others: a thread each, a few pieces each in memory."""
-    waves: list[list[int]] = []
+    out: list[list[int]] = []
     sends: dict[int, set[int]] = defaultdict(set)
     receives: dict[int, set[int]] = defaultdict(set)
     for slot, (needer, _, _, holder) in enumerate(assigned):
         new_send = needer not in sends[holder] and len(sends[holder]) >= MAX_PEERS
         new_receive = holder not in receives[needer] and len(receives[needer]) >= MAX_PEERS
-        if waves and (new_send or new_receive):
-            waves.append([])
+        if out and (new_send or new_receive):
+            out.append([])
             sends, receives = defaultdict(set), defaultdict(set)
-        if not waves:
-            waves.append([])
-        waves[-1].append(slot)
+        if not out:
+            out.append([])
+        out[-1].append(slot)
         sends[holder].add(needer)
         receives[needer].add(holder)
-    return waves
+    return out
 
 
 def cut(record: FileRecord, span: Span) -> list[tuple[int, int]]:
