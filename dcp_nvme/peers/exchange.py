@@ -14,10 +14,10 @@ group of their own, on what each node's disk holds and who sends what to whom:
   loaded first. Every pair of ranks streams its transfers on a thread of each (``peers.streams``),
   in pieces of whole checksum blocks: the holder reads and checks the next piece against the
   blocks table while others are on the wire; the receiver checks each again and keeps it while
-  the next comes. A range that fails either check goes to the next holder, then to the next place, and a
-  warning names the node that had it damaged. What no node holds comes from the mirror, if
-  the load has one, else the load fails naming the file, the range and the node that wrote it. A chunk that several ranks
-  of one node need comes once, to the first of them. Received ranges land at their own offsets
+  the next comes. A range that fails either check goes to the next holder, then to the next
+  place, and a warning names the node that had it damaged. What no node holds comes from the
+  mirror, if the load has one, else the load fails naming the file, the range and the node
+  that wrote it. A chunk that several ranks of one node need comes once, to the first of them. Received ranges land at their own offsets
   in a sparse file in the checkpoint's ``.ranges/``, which the node keeps, with a record of
   them written once they are on disk (``load.local_copies.KeptRanges``): the next restart on
   this node reads them there. The load that asked copies what came to its rank from memory
