@@ -7,7 +7,8 @@ switch, tbf at --rate on both ends of each link, netem delay where the kernel ha
 simulated nodes of one rank each on it (tests/multinode.py: own disk, own host name, torchrun
 over gloo on eth0) and SeaweedFS on a node of its own (tests/seaweed.py: S3, and its filer as a
 FUSE file system through one ``weed mount`` per node, run on that node's network: the
-"filesystem node"). Then, in one run, on --size bytes of state (each rank a third, 16 tensors):
+"filesystem node"). Then, in one run, on --size bytes of state (16 matrices of --cols columns,
+each rank a third of their rows):
 
   replication      a node-local save with replicas=2: every node pulls both others' files
   restore 1 holder node 2 wiped, its files' replica on node 1 only: NVMeReader(peers=True)
@@ -75,7 +76,7 @@ class Bench:
 
     # -- set-up --------------------------------------------------------------------------
     def start(self) -> None:
-        self.net = Network(rate=self.args.rate, delay_ms=self.args.delay_ms)
+        self.net = Network(rate=self.args.rate, delay_ms=self.args.delay_ms, mtu=self.args.mtu)
         self.srv = SeaweedFS(self.root / "s3", network=self.net, name="s3").start()
         self.srv.s3fs().mkdir(BUCKET)
         self.cluster = Cluster(self.root / "cluster", nodes=NODES, ranks_per_node=1, network=self.net)
@@ -97,7 +98,8 @@ class Bench:
         env = {"S3_ROOT": f"s3://{BUCKET}", "S3_OPTIONS": json.dumps(self.srv.storage_options(node=True))}
         t0 = time.monotonic()
         results = self.cluster.run(WORKER, phase, f"{self.cluster.mount}/bench", "--size", self.args.size_bytes,
-                                   *extra, env=env, env_per_node=env_per_node, timeout=timeout, check=False)
+                                   "--cols", self.args.cols, *extra, env=env, env_per_node=env_per_node,
+                                   timeout=timeout, check=False)
         records = all_records(results)
         if not all(r.ok for r in results) or any("error" in r for r in records) or len(records) != NODES:
             raise SystemExit(f"phase {phase} failed: {[r.get('error') for r in records]}\n{describe(results)}")
@@ -298,9 +300,13 @@ class Bench:
                                                 QUEUE_DEPTH))
         nbytes = r2["remote_bytes"] or r2["bytes_needed"]
         print(f"  node 2's seconds in the exchange: {r2.get('profile')}; in the load: {r2.get('phases')}", flush=True)
+        for r in recs:
+            print(f"  rank {r['rank']}: {r['seconds']:.2f} s, steps began/ended {r.get('marks')}, load {r.get('phases')}",
+                  flush=True)
         self.row("restore of node 2 from SeaweedFS S3 (mirror)", nbytes, r2["seconds"], limit=link, plain=plain,
                  note=f"plain: boto3 ranged GETs, {QUEUE_DEPTH} x {BLOCK >> 20} MiB in flight", sources=r2["sources"],
-                 profile=r2.get("profile"))
+                 profile=r2.get("profile"), phases=r2.get("phases"),
+                 per_rank=[{k: r.get(k) for k in ("rank", "seconds", "marks", "phases")} for r in recs])
         if before is not None:
             self.row("the same, mirror spans read one at a time (the code before ranged mirror reads)",
                      before["remote_bytes"] or before["bytes_needed"], before["seconds"], limit=link, plain=plain,
@@ -344,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", default="1gbit", help="every link's rate, tc spelling")
     parser.add_argument("--delay-ms", type=float, default=0.2, help="one-way delay between nodes (netem, if any)")
     parser.add_argument("--size", default="1GiB", help="the whole state; each of the 3 ranks saves a third")
+    parser.add_argument("--mtu", type=int, default=1500,
+                        help="every link's MTU (9000: jumbo frames, as cluster fabrics run; the rate counts headers)")
+    parser.add_argument("--cols", type=int, default=1024,
+                        help="columns of each matrix of the state (1: the flat tensors of earlier runs, for which "
+                             "DCP's planning builds an index per element)")
     parser.add_argument("--fat-factor", type=float, default=3.0, help="node 2's downlink for the two-holder row")
     parser.add_argument("--cap-fraction", type=float, default=0.25,
                         help="the drain's cap, x the link rate (below what SeaweedFS takes here)")
@@ -371,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         net = bench.net
         config = {"rate": args.rate, "rate_bytes_per_s": bench.link, "delay_ms": args.delay_ms,
                   "delay_shaped": net.delay_shaped, "shaping": net.shaping, "nodes": NODES, "ranks_per_node": 1,
-                  "size_bytes": args.size_bytes, "fat_factor": args.fat_factor, "cap_fraction": args.cap_fraction,
-                  "cpus": os.cpu_count()}
-        print(f"link: {args.rate} ({bench.link / 1e6:.0f} MB/s) each way, delay {args.delay_ms} ms asked, "
+                  "mtu": args.mtu, "size_bytes": args.size_bytes, "cols": args.cols, "fat_factor": args.fat_factor,
+                  "cap_fraction": args.cap_fraction, "cpus": os.cpu_count()}
+        print(f"link: {args.rate} ({bench.link / 1e6:.0f} MB/s) each way, MTU {args.mtu}, delay {args.delay_ms} ms asked, "
               f"{'shaped' if net.delay_shaped else 'NOT shaped'} ({net.shaping})", flush=True)
         bench.run()
     finally:

@@ -6,7 +6,7 @@
 Torchrun phases (every rank prints one ``RESULT {json}`` line, with one os.write):
 
   save     two node-local saves of a state of --size bytes (each rank a Shard(0) DTensor slice of
-           --tensors float32 tensors): ``rep`` with ``replicas=--replicas`` (the replication is
+           --tensors float32 matrices of --cols columns): ``rep`` with ``replicas=--replicas`` (the replication is
            waited for; its ReplicationResult reported) and ``plain`` without replicas (for the drains)
   restore  ``dcp.load`` of ``rep`` with ``NVMeReader(path, peers=True)`` on every rank; the host
            wiped the restoring node's copy before: its rank reports seconds, remote bytes, sources
@@ -185,6 +185,7 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
     parser.add_argument("run_dir")
     parser.add_argument("--size", type=int, default=1 << 30)
     parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--tag", default="x")
     parser.add_argument("--cap", type=float, default=0)
@@ -195,16 +196,18 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,))
-    per_tensor = args.size // 4 // args.tensors // world * world  # float32 elements, divisible by world
-    shard = per_tensor // world
+    # weight matrices of --cols columns, rows sharded: with a 1-D tensor DCP's planning builds an
+    # int64 index per element of each local shard (torch 2.13), which no trained state pays
+    rows = args.size // 4 // args.tensors // args.cols // world * world
+    shard = rows // world
     record: dict = {"rank": rank, "host": os.uname().nodename, "phase": args.phase}
     s3_options = json.loads(os.environ["S3_OPTIONS"]) if os.environ.get("S3_OPTIONS") else None
 
     def state(fill: bool) -> dict:
         out = {}
         for i in range(args.tensors):
-            local = (torch.arange(shard, dtype=torch.float32) + (1000.0 * i + 1e7 * rank)) if fill \
-                else torch.full((shard,), -1.0)
+            local = (torch.arange(shard * args.cols, dtype=torch.float32).view(shard, args.cols)
+                     + (1000.0 * i + 1e7 * rank)) if fill else torch.full((shard, args.cols), -1.0)
             out[f"layer{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)])
         return out
 

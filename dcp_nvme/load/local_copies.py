@@ -190,7 +190,7 @@ class ReceivedBytes:
         self.budget, self.size = budget, 0
         self._starts: dict[str, list[int]] = {}
         self._pieces: dict[str, list[memoryview]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
     def add(self, name: str, start: int, data: memoryview) -> None:
         """Hold ``data`` (already checked against the blocks table), the bytes at ``start`` of file
@@ -203,6 +203,13 @@ class ReceivedBytes:
             starts.insert(at, start)
             self._pieces.setdefault(name, []).insert(at, data)
             self.size += len(data)
+            self._lock.notify_all()
+
+    def wait_beyond(self, held: int, timeout: float) -> int:
+        """Wait at most ``timeout`` seconds for more than ``held`` bytes to be held; the bytes held."""
+        with self._lock:
+            self._lock.wait_for(lambda: self.size > held, timeout)
+            return self.size
 
     def take(self, name: str, start: int, length: int) -> list[memoryview] | None:
         """The held bytes ``[start, start + length)`` of ``name`` as consecutive views, or None

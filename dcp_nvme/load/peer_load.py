@@ -5,16 +5,16 @@ over the exchange of ``peers.exchange`` (reached through ``seams.peer_restore``)
 restore of a replacement node's own files on a thread at once (they need no load plan, so they
 come while DCP plans), holds what comes to this rank in memory (``ReceivedBytes``, up to
 ``RECEIVED_HOLD``) for the load to copy into its tensors instead of reading back what it just
-wrote, and counts what came per source. ``lacking_asks`` says what a rank's items need that its
-node's disk lacks, as the exchange asks for it.
+wrote (even while the rest still comes: ``more_came``, ``holds``), and counts what came per
+source. ``lacking_asks`` says what a rank's items need that its node's disk lacks, as the
+exchange asks for it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy
@@ -25,6 +25,7 @@ from dcp_nvme.format.manifest import Manifest
 from dcp_nvme.format.pieces import Span, plan_pieces, span_of
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.host.job import node_identity
+from dcp_nvme.host.threads import in_background
 from dcp_nvme.load.local_copies import KeptRanges, ReceivedBytes, places_of
 
 RESTORE_PIECE = 64 << 20
@@ -45,7 +46,7 @@ class PeerLoad:
         """Bytes the load copied from ``received`` instead of reading them."""
         self.came: dict[str, Any] = {}
         """Bytes received per source kind, and the damaged ranges this rank was offered."""
-        self._own: concurrent.futures.Future[set[str]] | None = _in_background(
+        self._own: concurrent.futures.Future[set[str]] | None = in_background(
             lambda: self._restore_own_files(files, manifest, here), "dcp-nvme-restore-own-files")
 
     def own_files_came(self) -> set[str]:
@@ -53,6 +54,19 @@ class PeerLoad:
         waits here before its next collective on the group). Returns the files that came whole."""
         own, self._own = self._own, None
         return own.result() if own is not None else set()
+
+    def more_came(self, held: int) -> int | None:
+        """While this node's own files come: wait briefly for more than ``held`` bytes to be held
+        here, and return the bytes held; None once they came (or nothing is held)."""
+        own = self._own
+        if own is None or own.done() or self.received is None:
+            return None
+        return self.received.wait_beyond(held, timeout=0.05)
+
+    def holds(self, record: FileRecord, chunk: ChunkRecord) -> bool:
+        """Whether the whole checksum blocks of ``chunk`` came to this rank and are held."""
+        span = span_of(record, chunk.byte_offset, chunk.byte_offset + chunk.length)
+        return self.received is not None and self.received.take(span.file, span.start, span.length) is not None
 
     def finish(self) -> None:
         """Wait for a restore a failed load left running (without its error), so that the
@@ -112,13 +126,13 @@ class PeerLoad:
 
     def take_received(self, requests: list, dests: list[torch.Tensor]) -> list:
         """The requests whose bytes came to this rank in this load and are held in memory (checked
-        on arrival) are copied from there into host destinations; the others are returned, to read."""
+        on arrival) are copied from there into their destinations; the others are returned, to read."""
         if self.received is None or not self.received.size:
             return requests
         rest = []
         for request in requests:
             views = self.received.take(os.path.basename(request.file), request.file_offset, request.length)
-            if views is None or any(d != SCRATCH and dests[d].device.type != "cpu" for d, _, _ in request.pieces):
+            if views is None:
                 rest.append(request)
                 continue
             copy_pieces(views, request.pieces, dests)
@@ -158,24 +172,14 @@ def copy_pieces(views: list[memoryview], pieces: list[tuple[int, int, int]], des
             view = views[index]
             n = min(length, len(view) - offset)
             if dest != SCRATCH:
-                target = dests[dest].numpy()
-                target[dest_offset:dest_offset + n] = numpy.frombuffer(view, numpy.uint8, n, offset)
+                source = numpy.frombuffer(view, numpy.uint8, n, offset)
+                if dests[dest].device.type == "cpu":
+                    dests[dest].numpy()[dest_offset:dest_offset + n] = source
+                else:  # a device tensor: one copy from host memory
+                    dests[dest][dest_offset:dest_offset + n].copy_(torch.from_numpy(source))
                 dest_offset += n
             length -= n
             offset += n
             if offset == len(view):
                 index, offset = index + 1, 0
 
-
-def _in_background(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
-    """``fn()`` on a thread of its own; its result or exception in the future."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001  handed to whoever waits on the future
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future

@@ -309,6 +309,7 @@ class NVMeReader(StorageReader):
             with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-load-here") as pool:
                 early = pool.submit(self._run_items, beside, planner, beside_stats, beside_timer)
                 with timer.span("fetch (own files, after DCP planned)"):
+                    items = self._take_while_coming(items, planner, stats, timer)
                     self._here |= self._peer_load.own_files_came()  # this node's from now on
                 with timer.span("fetch"):
                     self._fetch_elsewhere(items, self._peer_load)
@@ -357,17 +358,38 @@ class NVMeReader(StorageReader):
             self._moved[(place.fqn, place.offsets if place.kind == "tensor" else None)] = place
         self._kept = KeptRanges(self._dir, files)
 
-    def _run_items(self, items: list[ReadItem], planner: LoadPlanner, stats: IOStats, timer: PhaseTimer) -> int:
+    def _take_while_coming(self, items: list[ReadItem], planner: LoadPlanner, stats: IOStats,
+                           timer: PhaseTimer) -> list[ReadItem]:
+        """While this node's own files come, the items whose bytes came to this rank whole go into
+        their tensors from memory (the load ends soon after the last piece, not a copy of all
+        later); returns the others."""
+        assert self._peer_load is not None
+        files = read_files(self.store, self.manifest(), self._dir)
+        held = 0
+        while items and (now := self._peer_load.more_came(held)) is not None:
+            if now == held:
+                continue
+            held = now
+            ready = [self._peer_load.holds(files[self._chunk(item).file], self._chunk(item)) for item in items]
+            try:
+                self._run_items([i for i, r in zip(items, ready) if r], planner, stats, timer, held_only=True)
+            except Exception:  # raised again where they are read after the exchange: no rank leaves it early
+                return items
+            items = [i for i, r in zip(items, ready) if not r]
+        return items
+
+    def _run_items(self, items: list[ReadItem], planner: LoadPlanner, stats: IOStats, timer: PhaseTimer,
+                   held_only: bool = False) -> int:
         """Read ``items`` in batches of at most ``memory_budget`` bytes of temporaries; returns
-        the bytes they needed."""
+        the bytes they needed (``held_only``: every byte is held in memory, none is read)."""
         needed, batch = 0, _Batch()
         for item in items:
             with timer.span("plan"):
                 self._add_item(batch, item, planner)
             if batch.temp_bytes >= self.memory_budget:
-                needed += self._run(batch, stats, timer)
+                needed += self._run(batch, stats, timer, held_only)
                 batch = _Batch()
-        return needed + self._run(batch, stats, timer)
+        return needed + self._run(batch, stats, timer, held_only)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -452,11 +474,11 @@ class NVMeReader(StorageReader):
 
         batch.after.append(copy_then_commit)
 
-    def _run(self, batch: _Batch, stats: IOStats, timer: PhaseTimer) -> int:
+    def _run(self, batch: _Batch, stats: IOStats, timer: PhaseTimer, held_only: bool = False) -> int:
         if not batch.after:
             return 0
         with timer.span("plan"):
-            requests, request_size = self._plan_requests(batch)
+            requests, request_size = self._plan_requests(batch, held_only)
         # the checkpoint's checksum block, not this reader's block_size, sets the smallest request
         config = self.config if request_size <= self.config.block_size else \
             replace(self.config, block_size=request_size)
@@ -471,6 +493,7 @@ class NVMeReader(StorageReader):
             with timer.span("io"):
                 if self._peer_load is not None:  # what came to this rank, from memory
                     requests = self._peer_load.take_received(requests, batch.dests)
+                    assert not (held_only and requests), "the items taken from memory need a read"
                 if requests:
                     stats.merge(engine.read(requests, batch.dests))
         except ChecksumMismatchError as exc:
@@ -483,13 +506,15 @@ class NVMeReader(StorageReader):
                 action()
         return sum(n.length for needs in batch.needs.values() for n in needs)
 
-    def _plan_requests(self, batch: _Batch) -> tuple[list, int]:
-        """The batch's requests, and the largest request size they were cut to."""
+    def _plan_requests(self, batch: _Batch, held_only: bool = False) -> tuple[list, int]:
+        """The batch's requests, and the largest request size they were cut to (``held_only``:
+        the bytes are held in memory, checked on arrival; the file may not be on disk yet)."""
         files = read_files(self.store, self.manifest(), self._dir)
         requests, largest = [], self.config.block_size
         for name, needs in batch.needs.items():
             record = files[name]  # read_manifest checked that every row's file is listed
-            self._check_container(record)
+            if not held_only:
+                self._check_container(record)
             blocks, max_request = None, self.config.block_size
             if self.config.verify:
                 blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
@@ -497,8 +522,8 @@ class NVMeReader(StorageReader):
                 granule = record.checksum_block
                 max_request = max(granule, max_request // granule * granule)
                 largest = max(largest, max_request)
-            requests += plan_reads(self._kept_path(name) or self.store.path(name), needs, max_request=max_request,
-                                   blocks=blocks)
+            where = self.store.path(name) if held_only else self._kept_path(name) or self.store.path(name)
+            requests += plan_reads(where, needs, max_request=max_request, blocks=blocks)
         return requests, largest
 
     def _check_container(self, record: FileRecord) -> None:

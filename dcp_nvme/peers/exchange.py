@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,6 +48,7 @@ from dcp_nvme.format.pieces import Span, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import fsync_dir, open_regular, pwrite_all
 from dcp_nvme.host.job import node_identity
+from dcp_nvme.host.threads import in_background
 from dcp_nvme.load.local_copies import ReceivedBytes, keep_spans, kept_file
 from dcp_nvme.peers import streams
 from dcp_nvme.peers.fetching import (
@@ -65,7 +67,7 @@ log = logging.getLogger(__name__)
 SYNC_EVERY = 64 << 20
 """What came is flushed to disk after every this many bytes kept, while the rest still comes."""
 WAVE_BYTES = 256 << 20
-"""What no node holds comes from the mirror in groups of at most this many bytes a rank."""
+"""What no node holds is read from the mirror at most this many bytes a rank ahead of what is kept."""
 MIRROR_RANGE = 8 << 20
 MIRROR_IN_FLIGHT = 8
 """What no node holds comes from the mirror in ranged reads of ``MIRROR_RANGE`` bytes, this
@@ -124,10 +126,15 @@ def _held_here(path: str) -> dict[str, str]:
     return found
 
 
-def agree_metadata(path: str, mirror: MirrorSource | None = None) -> list[NodeView]:
+def no_mirror() -> MirrorSource | None:
+    """The mirror of a load that has none."""
+    return None
+
+
+def agree_metadata(path: str, mirror: Callable[[], MirrorSource | None] = no_mirror) -> list[NodeView]:
     """Collective: every rank calls it once per load. Returns each rank's view (its files those
     of the agreed save); this node's directory then holds that save's manifest and tables --
-    from a node that has them, else from the mirror."""
+    from a node that has them, else from the mirror (``mirror()``: asked only then)."""
     local = LocalStore(path)
     key, problem = None, None
     try:
@@ -144,15 +151,15 @@ def agree_metadata(path: str, mirror: MirrorSource | None = None) -> list[NodeVi
         raise ManifestError(f"{path}: the nodes hold different saves ({held}); a restart loads one step on "
                             "every rank: load a step every node committed, or remove the newer one")
     if not keys:
-        why = None
-        if mirror is None:
+        why, source = None, mirror()
+        if source is None:
             why = f"no node holds a committed manifest of it and the load has no mirror ({views[0].problem})"
         else:
             try:
-                manifest_bytes, tables, manifest = fetch_metadata(mirror, mirror.describe())
+                manifest_bytes, tables, manifest = fetch_metadata(source, source.describe())
                 held = {k for v in views for name in v.files if (k := save_key_of(name))}
-                check_this_checkpoint(manifest, path, held, mirror.describe(MANIFEST))
-                _keep_metadata(path, (manifest_bytes, tables), manifest.save_key, mirror.describe(), problem)
+                check_this_checkpoint(manifest, path, held, source.describe(MANIFEST))
+                _keep_metadata(path, (manifest_bytes, tables), manifest.save_key, source.describe(), problem)
                 key = manifest.save_key
             except (DCPNVMeError, OSError) as exc:
                 why = f"no node holds a committed manifest of it, nor does the mirror ({exc})"
@@ -216,6 +223,7 @@ class Fetch:
         self.hold = hold
         """Where the load that asked holds what came, to copy it into its tensors."""
         self._unsynced = 0
+        self._flushing: Future[None] | None = None
         self._kept: dict[str, str] = {}
         """File name -> its kept-ranges file, made at the first range that came of it."""
         self.taken: dict[str, dict[str, float]] = {}
@@ -233,12 +241,14 @@ class Fetch:
         fd = open_regular(self._kept[record.name], os.O_WRONLY)
         try:
             pwrite_all(fd, data, start)
-            self._unsynced += len(data)
-            if self._unsynced >= SYNC_EVERY:  # on disk as it comes: the fsync before the record is short
-                os.fdatasync(fd)
-                self._unsynced = 0
         finally:
             os.close(fd)
+        self._unsynced += len(data)
+        if self._unsynced >= SYNC_EVERY and (self._flushing is None or self._flushing.done()):
+            # on disk as it comes, so that the fsync before the record is short; on a thread, so
+            # that a slow flush never stalls what comes meanwhile
+            self._flushing = in_background(lambda kept=self._kept[record.name]: _flush(kept), "dcp-nvme-flush")
+            self._unsynced = 0
         if self.hold is not None:
             self.hold.add(record.name, start, data)
         entry = self.taken.setdefault(kind, {"files": 0, "bytes": 0, "seconds": 0.0})
@@ -258,20 +268,28 @@ class Fetch:
         drop_kept(self.checkpoint, lambda kept_name: kept_name != name)
 
 
+def _flush(path: str) -> None:
+    """What was written to ``path`` so far, to disk (a failure shows in the fsync before the record)."""
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
 def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[tuple[Span, ...]],
-          mirror: MirrorSource | None = None, problem: str | None = None, optional: bool = False,
-          hold: ReceivedBytes | None = None) -> Fetch:
+          mirror: Callable[[], MirrorSource | None] = no_mirror, problem: str | None = None,
+          optional: bool = False, hold: ReceivedBytes | None = None) -> Fetch:
     """Collective: every rank calls it in ``read_data``, with what its node lacks ([] when
     none) and any error it hit before (then every rank raises, none waits for it).
 
     An ask is one chunk's places, the index's first, then its copies: each a span of whole
     checksum blocks. The first place some other node holds is asked of its least-loaded
     holder; a transfer that fails its check goes to the next holder, then to the next place;
-    what no node holds comes from the mirror. ``Fetch.chosen`` says, for each of this rank's
-    asks, which place came; ``Fetch.arrived``, for every rank, the spans that came to it. With
-    ``optional``, an ask nothing can serve is left out instead of failing the load; ``hold``
-    keeps in memory what came to this rank (within its budget)."""
-    records = read_files(LocalStore(path), manifest, path)
+    what no node holds comes from the mirror (``mirror()``: asked only then). ``Fetch.chosen``
+    says, for each of this rank's asks, which place came; ``Fetch.arrived``, for every rank, the
+    spans that came to it. With ``optional``, an ask nothing can serve is left out instead of
+    failing the load; ``hold`` keeps in memory what came to this rank (within its budget)."""
     me, world = dist.get_rank(), dist.get_world_size()
     out = Fetch(path, hold)
     asked: list[tuple[list[tuple[Span, ...]], str | None]] = _gather((list(asks) if problem is None else [],
@@ -279,6 +297,11 @@ def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[t
     _raise_first(path, [why for _, why in asked])
     out.chosen = [0] * len(asks)
     out.arrived = [[] for _ in range(world)]
+    if not any(own for own, _ in asked):  # no rank lacks anything: nothing moves, nothing to record
+        if me == min(rank for rank, view in enumerate(views) if view.node == views[me].node):
+            drop_kept(path, lambda name: save_key_of(name) == manifest.save_key)
+        return out
+    records = read_files(LocalStore(path), manifest, path)
     pending, follows = _first_asks(asked, views)
     placed: dict[tuple[int, int], int] = {}
     refused: set[tuple[int, Span, int]] = set()
@@ -356,13 +379,14 @@ def _keep_record(path: str, views: list[NodeView], records: dict[str, FileRecord
 
 
 def _nowhere(path: str, manifest: Manifest, records: dict[str, FileRecord], asked: list, nowhere: list[tuple[int, int]],
-             mirror: MirrorSource | None, optional: bool, out: Fetch) -> None:
+             mirror: Callable[[], MirrorSource | None], optional: bool, out: Fetch) -> None:
     """The asks no node can serve (every rank knows which): their needers read the mirror,
     then every rank hears how it went (an optional ask that fails is left out)."""
     me = dist.get_rank()
+    source = mirror()
     mine = [(index, asked[needer][0][index][0])  # the mirror holds every file: the index's place
-            for needer, index in nowhere if needer == me and not (optional and mirror is None)]
-    why, got = _from_mirror_all(path, manifest, records, mine, mirror, optional, out)
+            for needer, index in nowhere if needer == me and not (optional and source is None)]
+    why, got = _from_mirror_all(path, manifest, records, mine, source, optional, out)
     reports = _gather((why, got))
     _raise_first(path, [w for w, _ in reports])
     for rank, (_, spans) in enumerate(reports):
@@ -417,7 +441,7 @@ def _from_mirror_all(path: str, manifest: Manifest, records: dict[str, FileRecor
     """This rank's asks that no node holds, from the mirror: ranged reads of ``MIRROR_RANGE``
     bytes, ``MIRROR_IN_FLIGHT`` at once (one span at a time, one read each, left the link
     mostly idle), each span checked and kept as soon as all of it came; at most
-    ``WAVE_BYTES`` of spans in memory. Returns (why it stopped, the spans that came)."""
+    ``WAVE_BYTES`` of spans read ahead. Returns (why it stopped, the spans that came)."""
     got: list[Span] = []
     if mirror is None:
         for _index, span in mine:  # raises the error that names what is missing, unless optional
@@ -431,38 +455,47 @@ def _from_mirror_all(path: str, manifest: Manifest, records: dict[str, FileRecor
     def part(span: Span, offset: int, into: memoryview) -> None:
         into[:] = mirror.read_range(span.file, span.start + offset, len(into))
 
-    groups: list[list[tuple[int, Span]]] = []
-    size = 0
-    for index, span in mine:
-        if not groups or (size + span.length > WAVE_BYTES and groups[-1]):
-            groups.append([])
-            size = 0
-        groups[-1].append((index, span))
-        size += span.length
+    def post(span: Span) -> tuple[memoryview, list[Future[None]]]:
+        view = memoryview(bytearray(span.length))
+        return view, [pool.submit(part, span, offset, view[offset:offset + MIRROR_RANGE])
+                      for offset in range(0, span.length, MIRROR_RANGE)]
+
+    def keep(index: int, span: Span, view: memoryview, parts: list[Future[None]]) -> str | None:
+        try:
+            for future in parts:
+                future.result()
+            record = records[span.file]
+            verify_piece(record, span.start, view, mirror.describe(span.file))
+            out.keep(record, span.start, view, "mirror")
+            out.chosen[index] = 0
+            got.append(span)
+        except (DCPNVMeError, OSError) as exc:
+            if not optional:
+                return f"{type(exc).__name__}: {exc}"
+        return None
+
+    # a sliding window: the next span's reads are queued as soon as one is kept (groups that
+    # each waited for their last read left the link idle between them)
     with ThreadPoolExecutor(MIRROR_IN_FLIGHT, thread_name_prefix="dcp-nvme-mirror") as pool:
-        for group in groups:
-            posted = []
-            for index, span in group:
-                view = memoryview(bytearray(span.length))
-                parts = [pool.submit(part, span, offset, view[offset:offset + MIRROR_RANGE])
-                         for offset in range(0, span.length, MIRROR_RANGE)]
-                posted.append((index, span, view, parts))
-            for at, (index, span, view, parts) in enumerate(posted):
-                try:
-                    for future in parts:
-                        future.result()
-                    record = records[span.file]
-                    verify_piece(record, span.start, view, mirror.describe(span.file))
-                    out.keep(record, span.start, view, "mirror")
-                    out.chosen[index] = 0
-                    got.append(span)
-                except (DCPNVMeError, OSError) as exc:
-                    if not optional:
-                        for _, _, _, rest in posted[at + 1:]:
-                            for future in rest:
-                                future.cancel()
-                        return f"{type(exc).__name__}: {exc}", got
-                posted[at] = (index, span, memoryview(b""), [])  # its bytes are kept: free them
+        posted: deque[tuple[int, Span, memoryview, list[Future[None]]]] = deque()
+        held = 0
+        why = None
+        for index, span in mine:
+            while posted and held + span.length > WAVE_BYTES and why is None:
+                oldest = posted.popleft()
+                held -= oldest[1].length
+                why = keep(*oldest)
+            if why is not None:
+                break
+            posted.append((index, span, *post(span)))
+            held += span.length
+        while posted and why is None:
+            why = keep(*posted.popleft())
+        for _, _, _, parts in posted:
+            for future in parts:
+                future.cancel()
+        if why is not None:
+            return why, got
     return None, got
 
 
@@ -486,8 +519,15 @@ class PeerRestore:
 
     def __init__(self, path: str, mirror: str | None, mirror_options: dict[str, Any] | None) -> None:
         self.path = path
-        self.mirror = mirror_source(path, mirror, mirror_options) if mirror is not None else None
+        # opened on a thread (importing an object store's client takes a second on a busy node):
+        # most restores never ask the mirror, and one that does asks it while DCP plans
+        self._mirror = None if mirror is None else in_background(
+            lambda: mirror_source(path, mirror, mirror_options), "dcp-nvme-open-mirror")
         self.views: list[NodeView] = []
+
+    def mirror(self) -> MirrorSource | None:
+        """The mirror as a source, once it is open (None: the load has none, or it cannot be read)."""
+        return None if self._mirror is None else self._mirror.result()
 
     def agree_metadata(self) -> None:
         self.views = agree_metadata(self.path, self.mirror)

@@ -45,6 +45,7 @@ from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
 from dcp_nvme.format.pieces import plan_pieces, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import create_no_follow, make_private_dir, open_regular, pwrite_all, read_regular
+from dcp_nvme.host.threads import in_background
 from dcp_nvme.peers.fetching import Limiter, replica_files, write_metadata, write_small
 from dcp_nvme.storage.local_dir import LocalStore
 
@@ -240,22 +241,20 @@ def replication_group(ranks: tuple[int, ...]) -> None:
 
 def start_replication(directory: str, node: str, copies: int, *, queue_depth: int = 8,
                       block_size: int = 8 << 20, bandwidth: float | None = None, stride: int = 1,
-                      group: Any = None) -> Future:
+                      group: Any = None) -> Future[ReplicationResult]:
     """Start this node's replication on a background thread; returns its Future. Replications
     run one at a time per process, in commit order (the group's operations must match)."""
-    future: Future = Future()
     group = group if group is not None else _current
 
-    def run() -> None:
+    def run() -> ReplicationResult:
         try:
             with _one_at_a_time:
-                future.set_result(_replicate(group, directory, node, copies, bandwidth, stride))
-        except BaseException as exc:  # noqa: BLE001  never into the save: logged, and in the Future
+                return _replicate(group, directory, node, copies, bandwidth, stride)
+        except BaseException as exc:  # never into the save: logged, and in the Future
             log.warning("dcp_nvme: node %s: replication of %s failed: %s", node, directory, exc)
-            future.set_exception(exc)
+            raise
 
-    threading.Thread(target=run, name=f"dcp-nvme-replicate-{node}", daemon=True).start()
-    return future
+    return in_background(run, f"dcp-nvme-replicate-{node}")
 
 
 def _replicate(group: Any, directory: str, node: str, copies: int, bandwidth: float | None,

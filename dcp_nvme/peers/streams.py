@@ -2,10 +2,11 @@
 
 ``waves`` groups the transfers so that no rank talks to more than ``MAX_PEERS`` others at once
 (a thread each). In a wave (``run_wave``) each pair streams its transfers in order, cut into
-pieces of whole checksum blocks (``cut``), each announced by a status on a tag of its own: the
-holder reads and checks the next piece (``read_checked``) while ``IN_FLIGHT`` are on the wire,
-and a piece it cannot read intact is announced as status 0 with nothing more of its transfer;
-the receiver asks for the next piece while one arrives, and checks and keeps each on a thread.
+pieces of whole checksum blocks (``cut``: a pair's first pieces small, then doubling), each
+announced by a status on a tag of its own: the holder reads and checks the next piece
+(``read_checked``) while ``IN_FLIGHT`` are on the wire, and a piece it cannot read intact is
+announced as status 0 with nothing more of its transfer; the receiver asks for the next piece
+while one arrives, and checks and keeps each on a thread.
 What failed is left in the caller's dicts, for ``peers.exchange`` to tell every rank.
 """
 
@@ -29,6 +30,8 @@ from dcp_nvme.host.files import open_regular
 PIECE = 16 << 20
 """A transfer goes in pieces of at most this many bytes (whole checksum blocks), each checked
 on its own: what a rank holds in memory is a few pieces per peer."""
+FIRST_PIECE = 2 << 20
+"""A pair's first piece: the link starts once this much is read and checked, not a whole piece."""
 MAX_PEERS = 4
 """In one wave a rank sends to, and receives from, at most this many other ranks (a thread each)."""
 IN_FLIGHT = 2
@@ -58,17 +61,28 @@ def waves(assigned: list[tuple[int, int, Span, int]]) -> list[list[int]]:
     return out
 
 
-def cut(record: FileRecord, span: Span) -> list[tuple[int, int]]:
-    """``span`` as pieces (offset, length) of whole checksum blocks, at most ``PIECE`` bytes
-    each (the first may also hold the header): each is checked on its own."""
-    step = max(record.checksum_block, PIECE // record.checksum_block * record.checksum_block)
-    pieces, at = [], span.start
+def cut(record: FileRecord, span: Span, first: int | None = None) -> list[tuple[int, int]]:
+    """``span`` as pieces (offset, length) of whole checksum blocks, each checked on its own: the
+    first of at most ``first`` bytes (default ``PIECE``), each next one at most twice the one
+    before, up to ``PIECE`` (a piece is at least one block). A pair's first transfer starts at
+    ``FIRST_PIECE``: its first bytes go as soon as a small piece is read, and each next piece is
+    read while the one before is on the wire."""
+    block = record.checksum_block
+    pieces, at, limit = [], span.start, PIECE if first is None else min(first, PIECE)
     while at < span.end:
-        done = (at - record.data_start) // step + 1 if at >= record.data_start else 1
-        end = min(span.end, record.data_start + done * step)
+        # the last block boundary at most ``limit`` bytes on, or the next one
+        k = max((at + limit - record.data_start) // block, (at - record.data_start) // block + 1, 1)
+        end = min(span.end, record.data_start + k * block)
         pieces.append((at, end - at))
-        at = end
+        at, limit = end, min(2 * limit, PIECE)
     return pieces
+
+
+def pair_pieces(records: dict[str, FileRecord], jobs: list[tuple[int, Span]]) -> list[tuple[int, str, int, int]]:
+    """The pieces (slot, file, offset, length) of one pair's transfers, in the order they go (the
+    holder and the receiver cut them alike)."""
+    return [(slot, span.file, at, length) for n, (slot, span) in enumerate(jobs)
+            for at, length in cut(records[span.file], span, FIRST_PIECE if n == 0 else None)]
 
 
 def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], records: dict[str, FileRecord],
@@ -98,7 +112,7 @@ def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, i
     status_tag, piece_tag = 2 * tag, 2 * tag + 1  # a tag each: a pair's statuses run ahead of its pieces
 
     def send_to(needer: int, jobs: list[tuple[int, Span]]) -> None:
-        pieces = [(slot, span.file, at, length) for slot, span in jobs for at, length in cut(records[span.file], span)]
+        pieces = pair_pieces(records, jobs)
 
         def read(piece: tuple[int, str, int, int]) -> bytearray:
             _, name, at, length = piece
@@ -146,7 +160,7 @@ def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, i
             room.release()
 
     def receive_from(holder: int, jobs: list[tuple[int, Span]], keeper: ThreadPoolExecutor) -> None:
-        pieces = [(slot, span.file, at, length) for slot, span in jobs for at, length in cut(records[span.file], span)]
+        pieces = pair_pieces(records, jobs)
         index = 0  # the next piece whose status is awaited
         coming: deque[tuple[int, str, int, int]] = deque()  # said to follow, not yet asked for
         asked: deque[tuple[int, str, int, Any, Any]] = deque()  # receives posted, oldest first

@@ -53,7 +53,18 @@ def test_a_transfer_is_cut_into_pieces_of_whole_checksum_blocks(monkeypatch):
         for at, n in pieces:
             end = at + n
             assert end == span.end or (end - record.data_start) % record.checksum_block == 0
-            assert n <= (256 << 10) + (record.data_start if at == 0 else 0)
+            assert n <= 256 << 10
+    # a pair's first transfer ramps up: the header and one block, then twice as much each piece,
+    # up to PIECE, the last what is left
+    ramp = streams.cut(record, Span(record.name, 0, record.size), first=64 << 10)
+    assert [n for _, n in ramp] == [4096 + (64 << 10), 128 << 10, 256 << 10, 3 * (64 << 10) + 123]
+
+
+def test_a_pairs_first_transfer_starts_with_a_small_piece():
+    big = _record(size=4096 + (60 << 20))  # 2 MiB first, then twice as much each piece, up to 16 MiB
+    sizes = [n for _, _, _, n in streams.pair_pieces({big.name: big}, [(0, Span(big.name, 0, big.size))])]
+    assert [n <= limit << 20 for n, limit in zip(sizes, (2, 4, 8, 16, 16))] == [True] * 5
+    assert sizes[3:5] == [16 << 20, 16 << 20] and sum(sizes) == big.size
 
 
 def test_waves_keep_each_rank_to_a_bounded_number_of_peers(monkeypatch):
@@ -129,3 +140,59 @@ def test_ranges_come_in_pieces_from_two_holders_and_a_holder_that_cannot_read_on
         f.seek(at)
         f.write(bytes([byte ^ 0xFF]))
     run_ranks(3, _transfer_rank, dirs, name)
+
+
+class _Mirror:
+    """A mirror that serves one file's bytes, with one range of them flipped."""
+
+    def __init__(self, name: str, data: bytes, bad_at: int) -> None:
+        self.name, self.data, self.bad_at, self.reads = name, bytearray(data), bad_at, 0
+        self.data[bad_at] ^= 0xFF
+
+    def describe(self, name: str = "") -> str:
+        return f"mem://mirror/{name}"
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        self.reads += 1
+        return bytes(self.data[offset:offset + length])
+
+
+@pytest.mark.parametrize("optional", [False, True])
+def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_path, monkeypatch, optional):
+    """What no node holds comes from the mirror in ranged reads, a bounded window ahead of what
+    is kept; a range that fails its check stops the load (naming it), or is left out when the
+    asks are optional, and every range before it is kept."""
+    path, name = saved
+    node = str(tmp_path / "node")
+    shutil.copytree(path, node)
+    manifest = read_manifest(LocalStore(node), node)
+    record = read_files(LocalStore(node), manifest, node)[name]
+    with open(os.path.join(node, name), "rb") as f:
+        data = f.read()
+    os.remove(os.path.join(node, name))
+    block = record.checksum_block
+    spans = [Span(name, 0, record.data_start + block)]
+    spans += [Span(name, at, min(at + block, record.size))
+              for at in range(record.data_start + block, record.size, block)]
+    assert len(spans) >= 4
+    monkeypatch.setattr(exchange, "WAVE_BYTES", 2 * block + record.data_start)  # two spans ahead at most
+    monkeypatch.setattr(exchange, "MIRROR_RANGE", block // 4)
+    bad = 2  # the third span's bytes are damaged on the mirror
+    mirror = _Mirror(name, data, spans[bad].start + 10)
+    out = exchange.Fetch(node, ReceivedBytes(1 << 30))
+    out.chosen = [9] * len(spans)
+    why, got = exchange._from_mirror_all(node, manifest, {name: record}, list(enumerate(spans)), mirror,
+                                         optional, out)
+    if optional:
+        assert why is None and got == spans[:bad] + spans[bad + 1:]
+        assert out.chosen == [0] * bad + [9] + [0] * (len(spans) - bad - 1)
+    else:
+        assert why is not None and "ChecksumMismatchError" in why and "mem://mirror/" + name in why
+        assert got == spans[:bad]
+        assert mirror.reads < sum(-(-s.length // (block // 4)) for s in spans)  # the rest was never read
+    for span in got:  # what came is kept at its own offsets, and held
+        with open(os.path.join(node, RANGES_DIR, name), "rb") as f:
+            f.seek(span.start)
+            assert f.read(span.length) == data[span.start:span.end]
+        held = out.hold.take(name, span.start, span.length) or []
+        assert b"".join(bytes(v) for v in held) == data[span.start:span.end]
