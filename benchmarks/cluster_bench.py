@@ -301,8 +301,8 @@ class Bench:
         nbytes = r2["remote_bytes"] or r2["bytes_needed"]
         print(f"  node 2's seconds in the exchange: {r2.get('profile')}; in the load: {r2.get('phases')}", flush=True)
         for r in recs:
-            print(f"  rank {r['rank']}: {r['seconds']:.2f} s, steps began/ended {r.get('marks')}, load {r.get('phases')}",
-                  flush=True)
+            print(f"  rank {r['rank']}: {r['seconds']:.2f} s, steps began/ended {r.get('marks')}, "
+                  f"load {r.get('phases')}", flush=True)
         self.row("restore of node 2 from SeaweedFS S3 (mirror)", nbytes, r2["seconds"], limit=link, plain=plain,
                  note=f"plain: boto3 ranged GETs, {QUEUE_DEPTH} x {BLOCK >> 20} MiB in flight", sources=r2["sources"],
                  profile=r2.get("profile"), phases=r2.get("phases"),
@@ -384,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                   "delay_shaped": net.delay_shaped, "shaping": net.shaping, "nodes": NODES, "ranks_per_node": 1,
                   "mtu": args.mtu, "size_bytes": args.size_bytes, "cols": args.cols, "fat_factor": args.fat_factor,
                   "cap_fraction": args.cap_fraction, "cpus": os.cpu_count()}
-        print(f"link: {args.rate} ({bench.link / 1e6:.0f} MB/s) each way, MTU {args.mtu}, delay {args.delay_ms} ms asked, "
-              f"{'shaped' if net.delay_shaped else 'NOT shaped'} ({net.shaping})", flush=True)
+        print(f"link: {args.rate} ({bench.link / 1e6:.0f} MB/s) each way, MTU {args.mtu}, delay {args.delay_ms} ms "
+              f"asked, {'shaped' if net.delay_shaped else 'NOT shaped'} ({net.shaping})", flush=True)
         bench.run()
     finally:
         bench.close()

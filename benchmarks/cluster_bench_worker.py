@@ -6,8 +6,9 @@
 Torchrun phases (every rank prints one ``RESULT {json}`` line, with one os.write):
 
   save     two node-local saves of a state of --size bytes (each rank a Shard(0) DTensor slice of
-           --tensors float32 matrices of --cols columns): ``rep`` with ``replicas=--replicas`` (the replication is
-           waited for; its ReplicationResult reported) and ``plain`` without replicas (for the drains)
+           --tensors float32 matrices of --cols columns): ``rep`` with ``replicas=--replicas``
+           (the replication is waited for; its ReplicationResult reported) and ``plain`` without
+           replicas (for the drains)
   restore  ``dcp.load`` of ``rep`` with ``NVMeReader(path, peers=True)`` on every rank; the host
            wiped the restoring node's copy before: its rank reports seconds, remote bytes, sources
   drain    each node drains its files of ``plain`` to $FUSE_ROOT/<tag> (a directory on a weed
@@ -196,9 +197,10 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,))
-    # weight matrices of --cols columns, rows sharded: with a 1-D tensor DCP's planning builds an
-    # int64 index per element of each local shard (torch 2.13), which no trained state pays
-    rows = args.size // 4 // args.tensors // args.cols // world * world
+    # weight matrices of --cols columns, rows sharded: for a 1-D tensor DCP's planning builds an
+    # int64 index per element of each local shard (torch 2.13), which a model's large weights,
+    # matrices, do not pay
+    rows = max(world, args.size // 4 // args.tensors // args.cols // world * world)
     shard = rows // world
     record: dict = {"rank": rank, "host": os.uname().nodename, "phase": args.phase}
     s3_options = json.loads(os.environ["S3_OPTIONS"]) if os.environ.get("S3_OPTIONS") else None
