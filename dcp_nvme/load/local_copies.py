@@ -191,6 +191,7 @@ class ReceivedBytes:
         self._starts: dict[str, list[int]] = {}
         self._pieces: dict[str, list[memoryview]] = {}
         self._lock = threading.Condition()
+        self._wakes = 0
 
     def add(self, name: str, start: int, data: memoryview) -> None:
         """Hold ``data`` (already checked against the blocks table), the bytes at ``start`` of file
@@ -206,10 +207,18 @@ class ReceivedBytes:
             self._lock.notify_all()
 
     def wait_beyond(self, held: int, timeout: float) -> int:
-        """Wait at most ``timeout`` seconds for more than ``held`` bytes to be held; the bytes held."""
+        """Wait at most ``timeout`` seconds for more than ``held`` bytes to be held, or for a
+        ``wake``; the bytes held."""
         with self._lock:
-            self._lock.wait_for(lambda: self.size > held, timeout)
+            wakes = self._wakes
+            self._lock.wait_for(lambda: self.size > held or self._wakes != wakes, timeout)
             return self.size
+
+    def wake(self) -> None:
+        """End the waits of ``wait_beyond`` now (nothing more will come)."""
+        with self._lock:
+            self._wakes += 1
+            self._lock.notify_all()
 
     def take(self, name: str, start: int, length: int) -> list[memoryview] | None:
         """The held bytes ``[start, start + length)`` of ``name`` as consecutive views, or None

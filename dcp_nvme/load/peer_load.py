@@ -41,13 +41,15 @@ class PeerLoad:
 
     def __init__(self, exchange: Any, files: Mapping[str, FileRecord], manifest: Manifest, here: set[str]) -> None:
         self.exchange = exchange
-        self.received: ReceivedBytes | None = ReceivedBytes(RECEIVED_HOLD)
+        received = ReceivedBytes(RECEIVED_HOLD)
+        self.received: ReceivedBytes | None = received
         self.from_received = 0
         """Bytes the load copied from ``received`` instead of reading them."""
         self.came: dict[str, Any] = {}
         """Bytes received per source kind, and the damaged ranges this rank was offered."""
         self._own: concurrent.futures.Future[set[str]] | None = in_background(
             lambda: self._restore_own_files(files, manifest, here), "dcp-nvme-restore-own-files")
+        self._own.add_done_callback(lambda _: received.wake())  # the load stops waiting for more at once
 
     def own_files_came(self) -> set[str]:
         """Wait for the restore of this node's own files: its error is every rank's (every rank

@@ -89,6 +89,15 @@ def test_received_bytes_are_taken_across_pieces_and_only_when_all_are_held():
     assert held.take("f", 150, 60) is None  # 200..210 never came
     assert held.take("g", 0, 1) is None
 
+    # a wait for more ends when more is held, or at a wake (nothing more will come), not at its timeout
+    import threading
+    import time
+
+    threading.Timer(0.05, held.wake).start()
+    began = time.monotonic()
+    assert held.wait_beyond(held.size, timeout=30) == 200
+    assert time.monotonic() - began < 10
+
     # into a request's pieces: scratch skipped, the rest at their destinations' offsets
     dests = [torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)]
     copy_pieces([memoryview(b"abc"), memoryview(b"defghij")], [(0, 2, 4), (SCRATCH, 0, 2), (1, 0, 4)], dests)
