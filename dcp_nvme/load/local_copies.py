@@ -191,7 +191,7 @@ class ReceivedBytes:
         self._starts: dict[str, list[int]] = {}
         self._pieces: dict[str, list[memoryview]] = {}
         self._lock = threading.Condition()
-        self._wakes = 0
+        self._ended = False
 
     def add(self, name: str, start: int, data: memoryview) -> None:
         """Hold ``data`` (already checked against the blocks table), the bytes at ``start`` of file
@@ -210,14 +210,13 @@ class ReceivedBytes:
         """Wait at most ``timeout`` seconds for more than ``held`` bytes to be held, or for a
         ``wake``; the bytes held."""
         with self._lock:
-            wakes = self._wakes
-            self._lock.wait_for(lambda: self.size > held or self._wakes != wakes, timeout)
+            self._lock.wait_for(lambda: self.size > held or self._ended, timeout)
             return self.size
 
     def wake(self) -> None:
-        """End the waits of ``wait_beyond`` now (nothing more will come)."""
+        """Nothing more will come: ``wait_beyond`` returns at once from now on."""
         with self._lock:
-            self._wakes += 1
+            self._ended = True
             self._lock.notify_all()
 
     def take(self, name: str, start: int, length: int) -> list[memoryview] | None:

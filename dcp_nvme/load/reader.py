@@ -365,18 +365,19 @@ class NVMeReader(StorageReader):
         later); returns the others."""
         assert self._peer_load is not None
         files = read_files(self.store, self.manifest(), self._dir)
+        pending = [(item, files[chunk.file], chunk) for item in items for chunk in [self._chunk(item)]]
         held = 0
-        while items and (now := self._peer_load.more_came(held)) is not None:
+        while pending and (now := self._peer_load.more_came(held)) is not None:
             if now == held:
                 continue
             held = now
-            ready = [self._peer_load.holds(files[self._chunk(item).file], self._chunk(item)) for item in items]
+            ready = [self._peer_load.holds(record, chunk) for _, record, chunk in pending]
             try:
-                self._run_items([i for i, r in zip(items, ready) if r], planner, stats, timer, held_only=True)
+                self._run_items([p[0] for p, r in zip(pending, ready) if r], planner, stats, timer, held_only=True)
             except Exception:  # raised again where they are read after the exchange: no rank leaves it early
-                return items
-            items = [i for i, r in zip(items, ready) if not r]
-        return items
+                break
+            pending = [p for p, r in zip(pending, ready) if not r]
+        return [item for item, _, _ in pending]
 
     def _run_items(self, items: list[ReadItem], planner: LoadPlanner, stats: IOStats, timer: PhaseTimer,
                    held_only: bool = False) -> int:

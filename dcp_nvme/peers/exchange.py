@@ -298,7 +298,7 @@ def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[t
     out.chosen = [0] * len(asks)
     out.arrived = [[] for _ in range(world)]
     if not any(own for own, _ in asked):  # no rank lacks anything: nothing moves, nothing to record
-        if me == min(rank for rank, view in enumerate(views) if view.node == views[me].node):
+        if me == min(_node_ranks(views, me)):
             drop_kept(path, lambda name: save_key_of(name) == manifest.save_key)
         return out
     records = read_files(LocalStore(path), manifest, path)
@@ -341,6 +341,11 @@ def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[t
     return out
 
 
+def _node_ranks(views: list[NodeView], rank: int) -> list[int]:
+    """The ranks on ``rank``'s node (by the views: one node name each)."""
+    return [other for other, view in enumerate(views) if view.node == views[rank].node]
+
+
 def _first_asks(asked: list, views: list[NodeView]) -> tuple[list[tuple[int, int]], dict[tuple[int, int], tuple[int, int]]]:
     """The asks to serve -- each chunk once per node, for the first of its ranks that asks it
     (the others read what came to their node's disk) -- and, for each other ask, that first one."""
@@ -362,7 +367,7 @@ def _keep_record(path: str, views: list[NodeView], records: dict[str, FileRecord
     on disk (a later load reads them there), and drops those another save left; every rank
     hears how it went."""
     me = dist.get_rank()
-    mine = [rank for rank, view in enumerate(views) if view.node == views[me].node]
+    mine = _node_ranks(views, me)
     why = None
     if me == min(mine):
         spans: dict[str, list[tuple[int, int]]] = {}
@@ -547,8 +552,7 @@ class PeerRestore:
 
     def node_ranks(self) -> list[int]:
         """The ranks of this node (by the views: one node name each)."""
-        mine = self.views[dist.get_rank()].node
-        return [rank for rank, view in enumerate(self.views) if view.node == mine]
+        return _node_ranks(self.views, dist.get_rank())
 
 
 def peer_restore(path: str, mirror: str | None = None,
