@@ -2,10 +2,10 @@
 
     sudo .venv/bin/python benchmarks/cluster_bench.py --out docs/results/cluster_bench.json
 
-Builds a private network of shaped links (tests/netns.py: a namespace per node, veth to a
+Builds a private network of shaped links (harness/dcp_nvme_harness/netns.py: a namespace per node, veth to a
 switch, tbf at --rate on both ends of each link, netem delay where the kernel has it), three
-simulated nodes of one rank each on it (tests/multinode.py: own disk, own host name, torchrun
-over gloo on eth0) and SeaweedFS on a node of its own (tests/seaweed.py: S3, and its filer as a
+simulated nodes of one rank each on it (harness/dcp_nvme_harness/multinode.py: own disk, own host name, torchrun
+over gloo on eth0) and SeaweedFS on a node of its own (harness/dcp_nvme_harness/seaweed.py: S3, and its filer as a
 FUSE file system through one ``weed mount`` per node, run on that node's network: the
 "filesystem node"). Then, in one run, on --size bytes of state (16 matrices of --cols columns,
 each rank a third of their rows):
@@ -44,11 +44,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from multinode import Cluster, all_records, describe, unshare_unavailable  # noqa: E402
-from netns import Network, network_unavailable, parse_rate  # noqa: E402
-from seaweed import SeaweedFS, fuse_unavailable  # noqa: E402
+from dcp_nvme_harness.multinode import Cluster, all_records, describe, unshare_unavailable  # noqa: E402
+from dcp_nvme_harness.netns import Network, network_unavailable, parse_rate  # noqa: E402
+from dcp_nvme_harness.seaweed import SeaweedFS, fuse_unavailable  # noqa: E402
 
 from dcp_nvme.config import parse_size  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     sudo python benchmarks/node_local_states.py --out docs/results/node_local_states.json
 
-Builds 2 simulated nodes x 2 ranks (tests/multinode.py: each node its own disk at one path, its
+Builds 2 simulated nodes x 2 ranks (harness/dcp_nvme_harness/multinode.py: each node its own disk at one path, its
 own host name; torchrun over gloo on loopback; needs root) and, per layout (ddp, hsdp, fsdp2),
 one torchrun launch of benchmarks/node_local_states_worker.py that saves the same trained state
 of an MLP (--layers x Linear(--hidden, --hidden), AdamW) with a plain NVMeWriter under both
@@ -38,15 +38,12 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from multinode import Cluster, all_records, describe, unshare_unavailable  # noqa: E402
+from dcp_nvme_harness.multinode import Cluster, all_records, describe, unshare_unavailable  # noqa: E402
 
 WORKER = HERE / "node_local_states_worker.py"
 LAYOUTS = ("ddp", "hsdp", "fsdp2")

@@ -3,7 +3,7 @@
     torchrun ... node_local_states_worker.py LAYOUT RUN_DIR [--hidden H] [--layers L] [--reps N] [--expected]
     torchrun ... node_local_states_worker.py LAYOUT RUN_DIR --action restore --restore-dir DIR [--hidden H] [--layers L]
 
-LAYOUT as in tests/multinode_scripts/train_states.py (ddp, fsdp2, hsdp; tpdp too), built the same
+LAYOUT as in harness/dcp_nvme_harness/multinode_scripts/train_states.py (ddp, fsdp2, hsdp; tpdp too), built the same
 way but on a bigger MLP: L x Linear(H, H) with ReLUs, AdamW stepped once, so the state
 (parameters + exp_avg + exp_avg_sq) is about 12 * L * H * H bytes. Saves
 ``{"model", "optim", "step"}`` with a plain ``NVMeWriter`` under RUN_DIR, for each variant:
@@ -91,7 +91,7 @@ def mlp() -> nn.Sequential:
 
 
 def build(seed: int):
-    """(model, optimizer, data seed) of ``layout``, as tests/multinode_scripts/train_states.py builds it."""
+    """(model, optimizer, data seed) of ``layout``, as harness/dcp_nvme_harness/multinode_scripts/train_states.py builds it."""
     torch.manual_seed(seed)
     model = mlp()
     linears = [m for m in model if isinstance(m, nn.Linear)]

@@ -32,8 +32,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
@@ -157,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def s3_rows(args, root, owner, rank_file, nbytes, state, block, row) -> None:
-    from s3server import S3Server
+    from dcp_nvme_harness.s3server import S3Server
 
     srv = S3Server(proxy=False)
     srv.start()

@@ -1,6 +1,6 @@
 """Two tiers, measured: local NVMe commit + background drain vs. writing straight to S3.
 
-Starts a moto S3 server on loopback (tests/s3server.py; needs moto[server] and s3fs), saves a
+Starts a moto S3 server on loopback (harness/dcp_nvme_harness/s3server.py; needs moto[server] and s3fs), saves a
 synthetic state of --size bytes, and reports, per case, the time until training may continue,
 the local-commit time and the drain time:
 
@@ -21,8 +21,6 @@ import shutil
 import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -53,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", choices=("sent", "readback"), default="sent")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
-    from s3server import S3Server
+    from dcp_nvme_harness.s3server import S3Server
 
     size = parse_size(args.size)
     local_root = args.local or tempfile.mkdtemp(prefix="tiers-local-")

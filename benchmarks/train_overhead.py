@@ -49,8 +49,16 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from dcp_nvme import NVMeAsyncSaver, NVMeReader, NVMeStager, NVMeWriter
 from dcp_nvme.bench.compression import TinyLM, stdlib_text
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the async bench's set-up of DCP's stager
-from async_save import dcp_best_options  # noqa: E402
+
+def _sibling(name: str):
+    """A module of this directory, by its file: this file is also loaded by path (by a test)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+dcp_best_options = _sibling("async_save").dcp_best_options  # the async bench's set-up of DCP's stager
 
 OURS = ("nvme", "nvme_saver")
 PEERS = ("dcp", "torch_checkpointing")

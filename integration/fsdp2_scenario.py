@@ -2,7 +2,7 @@
 
     python integration/fsdp2_scenario.py
 
-One spawn of 2 ranks (see _storage.py): A trains 8 steps with async saves every 3 steps (step-3,
+One spawn of 2 ranks (see dcp_nvme_harness/scenarios.py): A trains 8 steps with async saves every 3 steps (step-3,
 step-6) as the uninterrupted run, then a save "killed" before its commit is left behind as
 step-9 (rank files without manifest.json); B (2 ranks) and C (1 rank) each start from a fresh
 model, resume from the newest committed step (6, not 9), check model + optimizer state == the
@@ -11,20 +11,26 @@ state when step 6 was saved, and train 7..8 with A's losses.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _storage  # noqa: E402  (also puts the repo root on sys.path)
+from dcp_nvme_harness import scenarios as _storage
 
-sys.path.insert(0, str(_storage.REPO_ROOT / "examples"))
+
+def _example():
+    """examples/fsdp2_train.py, the script users read, loaded by its path."""
+    path = _storage.REPO_ROOT / "examples" / "fsdp2_train.py"
+    spec = importlib.util.spec_from_file_location("fsdp2_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 STEPS, SAVE_EVERY, RESUME_AT = 8, 3, 6
 
 
 def _resume_and_check(rank: int, root: Path, ref: dict, ref_losses: dict, tol: float, what: str) -> None:
-    import fsdp2_train
+    fsdp2_train = _example()
 
     seen = {}
 
@@ -40,7 +46,7 @@ def _resume_and_check(rank: int, root: Path, ref: dict, ref_losses: dict, tol: f
 
 
 def worker(rank: int, port_c: int, root: str) -> None:
-    import fsdp2_train
+    fsdp2_train = _example()
     import torch.distributed as dist
 
     root = Path(root)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU check for the kvikio (cuFile) engine: one script, well under 5 minutes on one GPU.
 
-    python integration/gpu_check.py [--size-mb 512] [--tensors 300] [--dir PATH] [--require-cuda]
+    python -m integration.gpu_check [--size-mb 512] [--tensors 300] [--dir PATH] [--require-cuda]
 
 Checks, one line each, then ``N passed, N failed, N skipped``; measurements go to
 ``$OUT/gpu_check.json`` when ``$OUT`` is set. Without CUDA it says so and exits 0 (1 with
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # run from it (`python -m`): this checkout's dcp_nvme
 
 
 class Report:

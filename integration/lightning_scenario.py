@@ -2,7 +2,7 @@
 
     python integration/lightning_scenario.py
 
-One spawn of 2 ranks (see _storage.py):
+One spawn of 2 ranks (see dcp_nvme_harness/scenarios.py):
   A  2 ranks: train 8 steps; ``trainer.save_checkpoint`` at step 2 (sync) and step 4 (async:
      training goes on while the upload runs); the run ends normally and is the uninterrupted
      reference.
@@ -18,11 +18,9 @@ One spawn of 2 ranks (see _storage.py):
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _storage  # noqa: E402  (also puts the repo root on sys.path)
+from dcp_nvme_harness import scenarios as _storage
 
 STEPS, RESUME_AT, GLOBAL_BATCH, DIM = 8, 4, 8, 16
 

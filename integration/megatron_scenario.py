@@ -29,8 +29,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _storage  # noqa: E402  (also puts the repo root on sys.path)
+from dcp_nvme_harness import scenarios as _storage
 
 TOTAL = 8
 DIN, HID, BATCH = 16, 32, 8

@@ -2,7 +2,7 @@
 dcp_nvme (NVMeWriter / NVMeReader / NVMeStager), resumed at 2 and 1 ranks.
 
 Each ``test_scenario`` runs one scenario's ``run(root)`` (a single spawn of 2 processes, see
-_storage.py) and then checks on disk that the checkpoints are dcp_nvme's (manifest.json +
+dcp_nvme_harness/scenarios.py) and then checks on disk that the checkpoints are dcp_nvme's (manifest.json +
 rank_*.safetensors). The other tests are single-process: Megatron's tools after only the import
 (registration, ``remove_sharded_tensors``), torchtitan's config fields and discovery, remote
 folders left to torchtitan, the one private touch-point of each of Lightning and Megatron, and
@@ -50,7 +50,7 @@ CASES = [
 def test_scenario(scenario: str, needs: str | None, tmp_path) -> None:
     if needs is not None and not _has(needs):
         pytest.skip(f"{needs} is not installed (see integration/requirements.txt)")
-    importlib.import_module(scenario).run(tmp_path)
+    importlib.import_module(f"integration.{scenario}").run(tmp_path)
 
 
 def _python(code: str) -> str:
@@ -220,7 +220,7 @@ def test_torchtitan_config_fields_save_and_newest_load(tmp_path, one_rank_group)
 
     from dcp_nvme.integrations import torchtitan as tt
 
-    config = ConfigManager().parse_args(["--module", "torchtitan_nvme_config", "--config", "nvme_run",
+    config = ConfigManager().parse_args(["--module", "integration.torchtitan_nvme_config", "--config", "nvme_run",
                                          "--checkpoint.nvme_block_size", "1MiB"])
     assert type(config.checkpoint) is tt.NVMeCheckpointManager.Config
     assert (config.checkpoint.nvme_queue_depth, config.checkpoint.nvme_block_size) == (4, "1MiB")

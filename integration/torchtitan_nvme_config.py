@@ -1,5 +1,5 @@
 """A torchtitan ``config_registry`` module selecting dcp_nvme's checkpoint manager, as a user's
-own registry would (``--module torchtitan_nvme_config --config nvme_run``).
+own registry would (``--module integration.torchtitan_nvme_config --config nvme_run``).
 
 torchtitan's real ``Trainer.Config`` cannot be imported on a CPU-only machine (its expert-parallel
 kernels import triton), so the test builds this slice of it: the fields that

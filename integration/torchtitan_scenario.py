@@ -4,7 +4,7 @@
 
 Uses torchtitan's real OptimizersContainer, LRSchedulersContainer and CheckpointManager
 machinery (through dcp_nvme.integrations.torchtitan.NVMeCheckpointManager) around a tiny FSDP2
-MLP; no full torchtitan Trainer. One spawn of 2 ranks (see _storage.py):
+MLP; no full torchtitan Trainer. One spawn of 2 ranks (see dcp_nvme_harness/scenarios.py):
 
   A  2 ranks, async_mode="async", interval 2: async saves at steps 2 and 4 (training overlaps
      the uploads), synchronous full save at step 6 (``save(6, last_step=True)`` with
@@ -19,11 +19,9 @@ MLP; no full torchtitan Trainer. One spawn of 2 ranks (see _storage.py):
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _storage  # noqa: E402  (also puts the repo root on sys.path)
+from dcp_nvme_harness import scenarios as _storage
 
 TOTAL = 8
 DIN, BATCH = 16, 8

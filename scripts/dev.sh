@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# Set up ./.venv (once; again when pyproject.toml or constraints.txt change) and run a job:
+# Set up ./.venv and run a job:
 #   bash scripts/dev.sh demo [bench options]   the main job: save/load/async figures on a synthetic model
-#                                              (in ./bench_out/demo unless --dir DIR is given)
-#   bash scripts/dev.sh test [pytest options]  the test suite
+#                                              (in ./bench_out/demo unless --dir DIR is given); installs
+#                                              only what it runs: torch (the CPU build, constraints.txt)
+#                                              and dcp_nvme[bench]
+#   bash scripts/dev.sh test [pytest options]  the test suite; installs the rest too: the dev and s3
+#                                              extras, the harness (harness/, never shipped) and the
+#                                              trainer libraries of integration/
+#   bash scripts/dev.sh test --fast [...]      the fast lane: all but the slow tests, the simulated
+#                                              clusters and the integrations (-m "not slow and not
+#                                              cluster", markers set by dcp_nvme_harness/progress.py);
+#                                              CI (.ci/run) runs the whole suite
+# Each part is installed once, and again when the files it comes from change (a stamp each in .venv/):
+# `test` after `demo` adds only the rest, `demo` after `test` installs nothing. The installer is uv
+# (pip install uv, then uv with pip's own settings: scripts/uv_pip.py), else pip where uv cannot be
+# installed; DEV_INSTALLER=pip picks pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job="${1:-}"
@@ -13,18 +25,47 @@ case "$job" in
 esac
 
 venv=.venv
-stamp="$venv/.installed"
-want="$(cat pyproject.toml constraints.txt integration/requirements.txt | sha256sum | cut -c1-16)"
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
+py="$venv/bin/python"
+[ -x "$py" ] || python3 -m venv "$venv"
+rm -f "$venv/.installed"  # the one stamp of before
+
+installer=""
+install() {  # install ARGS...: pip install ARGS into .venv, under constraints.txt
+  if [ -z "$installer" ]; then
+    installer=pip
+    if [ "${DEV_INSTALLER:-uv}" != pip ]; then
+      if [ -x "$venv/bin/uv" ] || said="$("$py" -m pip install -q -c constraints.txt uv 2>&1)"; then
+        installer=uv
+      else
+        echo "$said" | tail -n 3 >&2
+        echo "dev.sh: uv could not be installed (above); installing with pip" >&2
+      fi
+    fi
+    [ "$installer" = uv ] || "$py" -m pip install -q --upgrade pip
+  fi
+  if [ "$installer" = uv ]; then
+    "$py" scripts/uv_pip.py "$venv/bin/uv" -q -c constraints.txt "$@"
+  else
+    "$py" -m pip install -q -c constraints.txt "$@"
+  fi
+}
+stale() {  # stale PART FILES...: whether PART is not installed as FILES now say (then `installed PART`)
+  want="$(cat "${@:2}" | sha256sum | cut -c1-16)"
+  [ "$(cat "$venv/.installed-$1" 2>/dev/null)" != "$want" ]
+}
+installed() { echo "$want" > "$venv/.installed-$1"; }
+
+# the demo's part: torch and dcp_nvme with the bench extra (matplotlib, for --plot)
+if stale demo pyproject.toml constraints.txt; then
+  install "torch==2.13.0" -e ".[bench]"
+  installed demo
 fi
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -c constraints.txt "torch==2.13.0"
-  "$venv/bin/python" -m pip install -q -c constraints.txt -e ".[dev,s3,bench]"
-  # the trainer libraries the integration scenarios drive (lightning, torchtitan, megatron-core)
-  "$venv/bin/python" -m pip install -q -c constraints.txt -r integration/requirements.txt
-  echo "$want" > "$stamp"
+# the test suite's part: the dev and s3 extras; the test harness (simulated nodes, object stores), a
+# package of its own, never shipped; the trainer libraries the integration scenarios drive
+# (lightning, torchtitan, megatron-core)
+if [ "$job" = test ] && stale test pyproject.toml harness/pyproject.toml constraints.txt integration/requirements.txt; then
+  install -e ".[dev,s3,bench]" -e ./harness -r integration/requirements.txt
+  installed test
 fi
 
 case "$job" in
@@ -32,5 +73,10 @@ case "$job" in
   demo) exec "$venv/bin/dcp-nvme" bench --size 512MiB --dir ./bench_out/demo "$@" ;;
   # two workers, one test file each at a time: most tests wait on subprocesses and disks, and a
   # file's module fixtures (servers, saved checkpoints) stay in one worker; -n 0 runs in one process
-  test) exec "$venv/bin/python" -m pytest -q -n 2 --dist loadfile --durations=25 "$@" ;;
+  test)
+    args=()
+    for arg in "$@"; do
+      if [ "$arg" = --fast ]; then args+=(-m "not slow and not cluster"); else args+=("$arg"); fi
+    done
+    exec "$py" -m pytest -q -n 2 --dist loadfile --durations=25 ${args[@]+"${args[@]}"} ;;
 esac

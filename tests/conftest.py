@@ -1,10 +1,9 @@
-import os
-import sys
-
 import pytest
 
-# tests import their helpers (dist_utils, s3server...) as top-level modules
-sys.path.insert(0, os.path.dirname(__file__))
+# the markers of the lanes (cluster, objstore, integration: `-m "not slow and not cluster"` is
+# scripts/dev.sh's --fast) and the progress lines of a run; here, the conftest of the first of
+# the testpaths, it serves integration/ too (pytest takes pytest_plugins from a top conftest only)
+pytest_plugins = ["dcp_nvme_harness.progress"]
 
 
 @pytest.fixture
@@ -25,9 +24,9 @@ def torch_safe_globals_of_torch_only():
 
 @pytest.fixture(scope="session")
 def lan():
-    """This worker's private network (tests/netns.py): 1 Gbit/s links; the simulated clusters'
+    """This worker's private network (harness/dcp_nvme_harness/netns.py): 1 Gbit/s links; the simulated clusters'
     nodes and the object store's node (``seaweed_node``) join it. Skipped where refused."""
-    from netns import Network, network_unavailable
+    from dcp_nvme_harness.netns import Network, network_unavailable
 
     reason = network_unavailable()
     if reason:
@@ -37,9 +36,9 @@ def lan():
 
 
 def _simulated_cluster(tmp_path, lan, nodes: int, ranks_per_node: int):
-    """Simulated nodes (tests/multinode.py) on the worker's private network; skipped where
+    """Simulated nodes (harness/dcp_nvme_harness/multinode.py) on the worker's private network; skipped where
     namespaces are refused."""
-    from multinode import Cluster, unshare_unavailable
+    from dcp_nvme_harness.multinode import Cluster, unshare_unavailable
 
     reason = unshare_unavailable()
     if reason:
@@ -60,20 +59,20 @@ def cluster3(tmp_path, lan):
     yield from _simulated_cluster(tmp_path, lan, nodes=3, ranks_per_node=1)
 
 
-# -- SeaweedFS: the S3 tier of the tests that inject no fault (moto's fixtures, tests/s3_fixtures.py,
+# -- SeaweedFS: the S3 tier of the tests that inject no fault (moto's fixtures, harness/dcp_nvme_harness/s3_fixtures.py,
 # serve those that do). Here, not in s3_fixtures: a session fixture that test modules import is
 # a fixture of each module, started once per module.
 
 
 @pytest.fixture(scope="session")
 def seaweed(request, tmp_path_factory):
-    """One SeaweedFS (tests/seaweed.py) for the worker: on its own node of ``lan`` where namespaces
+    """One SeaweedFS (harness/dcp_nvme_harness/seaweed.py) for the worker: on its own node of ``lan`` where namespaces
     work (the simulated nodes reach it over their links: ``storage_options(node=True)``), else on
     the host's loopback. ``endpoint_url`` / ``storage_options()`` / ``s3fs()`` serve the test process."""
     pytest.importorskip("s3fs", reason="s3fs not installed")
-    from netns import network_unavailable
-    from s3_fixtures import _safety_net
-    from seaweed import SeaweedFS, seaweed_unavailable
+    from dcp_nvme_harness.netns import network_unavailable
+    from dcp_nvme_harness.s3_fixtures import _safety_net
+    from dcp_nvme_harness.seaweed import SeaweedFS, seaweed_unavailable
 
     reason = seaweed_unavailable()
     if reason:
@@ -93,7 +92,7 @@ def seaweed(request, tmp_path_factory):
 @pytest.fixture
 def seaweed_bucket(seaweed):
     """A fresh, empty bucket on ``seaweed`` for this test, removed afterwards (best effort)."""
-    from s3_fixtures import new_bucket_name
+    from dcp_nvme_harness.s3_fixtures import new_bucket_name
 
     name = new_bucket_name()
     seaweed.admin.mkdir(name)

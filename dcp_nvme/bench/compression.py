@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import zstandard
 
-from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.errors import BenchError, InvalidInputError
 from dcp_nvme.tiers import codec
 
 GROUPS = ("weights_bf16", "exp_avg_fp32", "exp_avg_sq_fp32")
@@ -50,7 +50,7 @@ class CompressOptions:
     codec_threads: int = 2
     seed: int = 0
     drain_to: str | None = None
-    """An fsspec URL or directory, or ``s3-loopback`` (moto from tests/s3server.py)."""
+    """An fsspec URL or directory, or ``s3-loopback`` (moto from harness/dcp_nvme_harness/s3server.py)."""
     storage_options: dict[str, Any] | None = None
     bandwidth: float | None = 200e6
     directory: str | None = None
@@ -237,7 +237,7 @@ def drain_rows(snapshots: dict[str, dict[str, torch.Tensor]], options: CompressO
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if server is not None:
-            server.close()
+            server.stop()
 
 
 def _save_pair(snapshots: dict[str, dict[str, torch.Tensor]], run_dir: str) -> tuple[str, str]:
@@ -278,16 +278,20 @@ def load_row(where: str, storage: dict[str, Any] | None, state: dict[str, torch.
 
 
 def _loopback_s3():
-    import sys
+    """moto's S3 server on a free loopback port (needs ``moto[server]`` and s3fs), bucket ``zbench``."""
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        raise BenchError("--drain-to s3-loopback needs moto's server: pip install 'moto[server]' s3fs") from exc
+    import fsspec
 
-    tests = os.path.join(os.path.dirname(__file__), "..", "..", "tests")
-    sys.path.insert(0, os.path.abspath(tests))
-    from s3server import S3Server  # tests/s3server.py: moto on loopback (needs moto[server], s3fs)
-
-    server = S3Server(proxy=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    server.s3fs().mkdir("zbench")
-    return server, server.storage_options()
+    host, port = server.get_host_and_port()
+    storage = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}",
+               "client_kwargs": {"region_name": "us-east-1"}}
+    fsspec.filesystem("s3", **storage).mkdir("zbench")
+    return server, storage
 
 
 def format_compress_report(doc: dict[str, Any]) -> str:

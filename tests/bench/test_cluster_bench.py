@@ -11,11 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
-
-from multinode import unshare_unavailable  # noqa: E402
-from netns import network_unavailable  # noqa: E402
-from seaweed import fuse_unavailable  # noqa: E402
+from dcp_nvme_harness.multinode import unshare_unavailable  # noqa: E402
+from dcp_nvme_harness.netns import network_unavailable  # noqa: E402
+from dcp_nvme_harness.seaweed import fuse_unavailable  # noqa: E402
 
 
 def _unavailable() -> str | None:

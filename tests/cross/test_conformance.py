@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from conformance_backends import BACKENDS, assert_bitwise, full_tensor
-from conformance_ranks import CROSS_WORLD, cases_for, worker
-from dist_utils import free_port, preload_in_forkserver
+from dcp_nvme_harness.conformance_backends import BACKENDS, assert_bitwise, full_tensor
+from dcp_nvme_harness.conformance_ranks import CROSS_WORLD, cases_for, worker
+from dcp_nvme_harness.dist_utils import free_port, preload_in_forkserver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.checkpoint.stateful import Stateful
@@ -42,7 +42,7 @@ def _run_world(world: int, root: str, shared: str, out_dir: str) -> dict[str, li
     os.makedirs(out_dir, exist_ok=True)
     # forkserver: torch and the cases are imported once, in the server, and each rank is forked
     # from it (a spawned rank imports torch itself: 4 imports at once on 2 loaded cores is minutes)
-    preload_in_forkserver("conformance_ranks")
+    preload_in_forkserver("dcp_nvme_harness.conformance_ranks")
     context = mp.start_processes(worker, args=(world, free_port(), root, shared, out_dir), nprocs=world,
                                  join=False, start_method="forkserver")
     deadline = time.monotonic() + SPAWN_DEADLINE_S

@@ -6,7 +6,7 @@ locations onto test resources:
 
 - ``/nvme/`` (the docs' node-local NVMe mount) becomes ``<tmp>/nvme/``;
 - ``http://s3.local:9000`` (the docs' S3-compatible endpoint) becomes the suite's SeaweedFS
-  (tests/seaweed.py), in which bucket ``bucket`` exists. Snippets that use it are skipped when
+  (harness/dcp_nvme_harness/seaweed.py), in which bucket ``bucket`` exists. Snippets that use it are skipped when
   SeaweedFS or s3fs is missing.
 
 A snippet that cannot run standalone carries ``<!-- not-run: reason -->`` on the line before
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from dcp_nvme_harness.warm import warm_python
 
 REPO = Path(__file__).resolve().parents[2]
 NVME_ROOT = "/nvme/"
@@ -118,8 +119,7 @@ def test_doc_snippet_runs(snippet: Snippet, tmp_path, request):
     run_dir.mkdir()
     script = run_dir / "snippet.py"
     script.write_text(_rewrite(snippet.code, tmp_path, endpoint))
-    proc = subprocess.run([sys.executable, str(script)], cwd=run_dir, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = warm_python().run([script], cwd=run_dir, env=env, timeout=600)  # as `python snippet.py`
     if proc.returncode != 0:
         missing = _MISSING_MODULE.search(proc.stderr)
         if missing and missing.group(1).split(".")[0] in OPTIONAL_LIBRARIES:
@@ -165,8 +165,8 @@ def test_the_seaweedfs_command_of_the_tiers_doc_serves_s3():
     """docs/tiers.md's `weed server` line, as written, in a network and mount namespace of its
     own (its fixed ports cannot meet another server's; a tmpfs /tmp for its data and sockets),
     then the doc's client options: a bucket, a write, a ranged read."""
-    from multinode import unshare_unavailable
-    from seaweed import seaweed_unavailable, weed_binary
+    from dcp_nvme_harness.multinode import unshare_unavailable
+    from dcp_nvme_harness.seaweed import seaweed_unavailable, weed_binary
 
     reason = unshare_unavailable() or seaweed_unavailable()
     if reason:

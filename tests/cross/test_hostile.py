@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hostile_kit import (
+from dcp_nvme_harness.hostile_kit import (
     chunks_of,
     doc_of,
     files_of,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from hostile_kit import (
+from dcp_nvme_harness.hostile_kit import (
     chunks_of,
     doc_of,
     files_of,
@@ -308,8 +308,9 @@ def fuzz(work: Path, seed: int = SEED, per_kind: int = MUTANTS_PER_KIND) -> dict
 
 
 def test_mutation_fuzz(tmp_path: Path):
-    code = ("import sys, json, logging; sys.path[:0] = ['tests/cross', 'tests']; logging.disable(logging.CRITICAL)\n"
-            "from test_hostile_fuzz import fuzz\n"
+    code = ("import json, logging, importlib.util; logging.disable(logging.CRITICAL)\n"
+            f"spec = importlib.util.spec_from_file_location('fuzz_module', {__file__!r})\n"
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); fuzz = module.fuzz\n"
             f"print('COUNTS', json.dumps(fuzz(__import__('pathlib').Path({str(tmp_path)!r}))))")
     peak, out = peak_rss_mib(code, timeout=600)
     counts = json.loads(next(line for line in out.splitlines() if line.startswith("COUNTS"))[7:])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from cli_runs import run_many
+from dcp_nvme_harness.cli_runs import run_many
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemWriter
 

@@ -1,5 +1,5 @@
-"""Simulated nodes (tests/multinode.py): separate disks at one path, separate host names, a private
-network of shaped links (tests/netns.py), a lost node. The checkpoints themselves are tested on
+"""Simulated nodes (harness/dcp_nvme_harness/multinode.py): separate disks at one path, separate host names, a private
+network of shaped links (harness/dcp_nvme_harness/netns.py), a lost node. The checkpoints themselves are tested on
 such nodes in tests/cross/test_node_local.py."""
 
 import socket
@@ -8,8 +8,8 @@ import sys
 import time
 
 import pytest
-from multinode import SCRIPTS, NodeFailure, all_records, describe
-from netns import Network, network_unavailable, parse_rate
+from dcp_nvme_harness.multinode import SCRIPTS, NodeFailure, all_records, describe
+from dcp_nvme_harness.netns import Network, network_unavailable, parse_rate
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,9 @@ def _mounts_under(path) -> list[str]:
         return [line for line in f if str(path) in line]
 
 
-def test_nodes_have_their_own_disk_and_host_name(cluster):
-    results = cluster.run(SCRIPTS / "hello.py", cluster.mount, timeout=60)
+@pytest.mark.parametrize("launcher", ["fork", "torchrun"])
+def test_nodes_have_their_own_disk_and_host_name(cluster, launcher):
+    results = cluster.run(SCRIPTS / "hello.py", cluster.mount, timeout=60, launcher=launcher)
     records = all_records(results)
     assert [r["rank"] for r in records] == [0, 1, 2, 3], describe(results)
     for rec in records:
@@ -133,7 +134,7 @@ def test_a_link_carries_no_more_than_its_rate():
 
 
 def test_a_cluster_takes_its_nodes_off_a_shared_network_when_closed(tmp_path):
-    from multinode import Cluster, unshare_unavailable
+    from dcp_nvme_harness.multinode import Cluster, unshare_unavailable
 
     reason = unshare_unavailable() or network_unavailable()
     if reason:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hostile_kit import doc_of, files_of, sample_state, save, within
+from dcp_nvme_harness.hostile_kit import doc_of, files_of, sample_state, save, within
 
 from dcp_nvme.errors import DCPNVMeError, StorageError
 from dcp_nvme.tiers import MIRRORED, DrainOptions, drain, drain_state

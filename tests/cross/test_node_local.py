@@ -1,4 +1,4 @@
-"""Many nodes, each with its own NVMe at one path (tests/multinode.py: a mount and UTS namespace
+"""Many nodes, each with its own NVMe at one path (harness/dcp_nvme_harness/multinode.py: a mount and UTS namespace
 per node, torchrun per node over gloo): a save commits on every node's disk, each node drains
 its own files, a restart loads from each node's own disk, and a reshard that needs another
 node's bytes fails naming them and works from the mirror. Shared-directory mode stays as it was."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from multinode import SCRIPTS, all_records, describe
+from dcp_nvme_harness.multinode import SCRIPTS, all_records, describe
 
 from dcp_nvme import NVMeReader
 from dcp_nvme.tiers import drain_state

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from multinode import all_records
+from dcp_nvme_harness.multinode import all_records
 from test_node_local_states import SCRIPT, STEP, _failures, _records, _wipe
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ JOINED = ("hsdp", "ddp")
 def joined(tmp_path_factory, lan):
     """Both layouts saved on 2 nodes x 2 ranks, then restarted on 3 (``peers=True``), each in the
     same two launches (every process imports torch: a launch costs more than a layout)."""
-    from multinode import Cluster, unshare_unavailable
+    from dcp_nvme_harness.multinode import Cluster, unshare_unavailable
 
     reason = unshare_unavailable()
     if reason:

@@ -4,8 +4,8 @@ DCP's planner (``dedup_save_plans``) writes an item held by several ranks once p
 of them. With one disk per node that copy lands on a single node, and a restart on the same
 nodes needs it on every node whose ranks hold the item: DDP's parameters, AdamW's per-parameter
 ``step`` tensors, plain values and a BytesIO, HSDP's [Replicate(), Shard(0)] DTensors, the
-optimizer state of FSDP x TP. Each layout (tests/multinode_scripts/train_states.py) is saved
-with a plain NVMeWriter on 2 simulated nodes x 2 ranks (tests/multinode.py), then restarted on
+optimizer state of FSDP x TP. Each layout (harness/dcp_nvme_harness/multinode_scripts/train_states.py) is saved
+with a plain NVMeWriter on 2 simulated nodes x 2 ranks (harness/dcp_nvme_harness/multinode.py), then restarted on
 the same nodes with a plain NVMeReader (no peers, no mirror): every rank must get back bitwise
 what it saved, and each node's disk must hold a copy of every item. ``sharded`` is the control:
 fsdp2's model alone, nothing that two ranks hold.
@@ -23,7 +23,7 @@ import shutil
 import sys
 
 import pytest
-from multinode import SCRIPTS, all_records, describe
+from dcp_nvme_harness.multinode import SCRIPTS, all_records, describe
 
 from dcp_nvme import NVMeReader
 
@@ -89,7 +89,7 @@ def states(tmp_path_factory, lan):
     """Every launch of this file, once: save all layouts; each layout's node disks and status;
     the restart on the same nodes; the restart on node 0 alone; node 1 wiped and restored from
     node 0 (peers); that node's next restart. Each step's results, or the error that stopped it."""
-    from multinode import Cluster, unshare_unavailable
+    from dcp_nvme_harness.multinode import Cluster, unshare_unavailable
 
     reason = unshare_unavailable()
     if reason:

@@ -1,4 +1,4 @@
-"""Proves the loopback S3 test infrastructure (tests/s3server.py, tests/s3_fixtures.py).
+"""Proves the loopback S3 test infrastructure (harness/dcp_nvme_harness/s3server.py, harness/dcp_nvme_harness/s3_fixtures.py).
 
 Set S3_BENCH=1 to also time a 256 MiB s3fs put/get (prints, ~10 s).
 """
@@ -10,9 +10,9 @@ import os
 import time
 
 import pytest
-from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
-from s3_fixtures import new_bucket_name
-from s3server import S3Server
+from dcp_nvme_harness.s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
+from dcp_nvme_harness.s3_fixtures import new_bucket_name
+from dcp_nvme_harness.s3server import S3Server
 
 botocore_exceptions = pytest.importorskip("botocore.exceptions")
 MiB = 2**20
@@ -213,7 +213,7 @@ def test_seaweedfs_s3_and_its_filer_as_a_mounted_file_system(seaweed, seaweed_bu
     """SeaweedFS (fixture ``seaweed``): multipart and ranged reads through S3, and ``weed mount`` of
     its filer, the stand-in of a parallel file system: what is written through the mount reads
     back, and shows in S3 under the bucket's directory."""
-    from seaweed import fuse_unavailable
+    from dcp_nvme_harness.seaweed import fuse_unavailable
 
     data = os.urandom(11 * MiB)
     with seaweed_fs.open(f"{seaweed_bucket}/big.bin", "wb", block_size=5 * MiB) as f:

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dcp_nvme_harness.dist_utils import run_ranks
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException

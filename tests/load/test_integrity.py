@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hostile_kit import doc_of, reseal
+from dcp_nvme_harness.hostile_kit import doc_of, reseal
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import ChecksumMismatchError, NVMeReader, NVMeWriter

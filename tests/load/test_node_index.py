@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hostile_kit import chunks_of, write_index
+from dcp_nvme_harness.hostile_kit import chunks_of, write_index
 
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.errors import ManifestError

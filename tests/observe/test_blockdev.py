@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from fake_sysfs import add_disk, add_loop, add_partition, add_virtual, link_dev, majmin
+from dcp_nvme_harness.fake_sysfs import add_disk, add_loop, add_partition, add_virtual, link_dev, majmin
 
 from dcp_nvme.observe.blockdev import check_queues, device_of, format_device
 

@@ -7,7 +7,7 @@ import logging
 import stat
 
 import pytest
-from fake_sysfs import add_disk, add_hwmon, link_dev, majmin
+from dcp_nvme_harness.fake_sysfs import add_disk, add_hwmon, link_dev, majmin
 
 from dcp_nvme.observe import drive_health as health
 from dcp_nvme.observe.drive_health import DriveWatch, parse_smart_log, read_health, throttle_reasons

@@ -131,7 +131,7 @@ def test_ranges_come_in_pieces_from_two_holders_and_a_holder_that_cannot_read_on
     """Ranks 0 and 1 hold the file, rank 2 asks both halves: one from each holder at once. Node
     0's copy is damaged in its half's third piece: it sends a status instead of that piece and
     nothing more of the half; rank 2 takes the half from node 1, and names node 0."""
-    from dist_utils import run_ranks
+    from dcp_nvme_harness.dist_utils import run_ranks
 
     path, name = saved
     dirs = []

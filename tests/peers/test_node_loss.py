@@ -1,4 +1,4 @@
-"""Surviving the loss of a node (tests/multinode.py, 3 simulated nodes of one rank each): every
+"""Surviving the loss of a node (harness/dcp_nvme_harness/multinode.py, 3 simulated nodes of one rank each): every
 node's files are replicated on the next node's disk; a restarted job whose node 1 is a
 replacement with an empty disk loads bitwise-equal from the replica when the mirror lacks the
 step, from the mirror when the replica is damaged (and names the damaged copy), from the
@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from multinode import SCRIPTS, all_records, describe
+from dcp_nvme_harness.multinode import SCRIPTS, all_records, describe
 
 from dcp_nvme.format.container import REPLICA_MARKER, REPLICAS_DIR
 

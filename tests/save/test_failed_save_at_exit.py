@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from ports import reserve_port
+from dcp_nvme_harness.multinode import SCRIPTS
+from dcp_nvme_harness.ports import reserve_port
 
 from dcp_nvme.format.container import save_key_of, temp_of
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tests" / "multinode_scripts" / "save_and_end.py"
+SCRIPT = SCRIPTS / "save_and_end.py"
 ENOSPC = "No space left on device"
 
 

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dcp_nvme_harness.dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dcp_nvme_harness.dist_utils import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_nvme

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dcp_nvme_harness.dist_utils import run_ranks
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_nvme import NVMeReader, NVMeWriter

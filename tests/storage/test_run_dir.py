@@ -198,7 +198,7 @@ def _agree(rank, world, runs, expected, warned):
 def test_latest_agreed_never_mixes_steps(tmp_path):
     """Node-local disks that disagree on the newest step (a commit killed between the nodes'
     renames, a copy damaged on one node): with ``agree=True`` every rank gets one step."""
-    from dist_utils import run_ranks
+    from dcp_nvme_harness.dist_utils import run_ranks
 
     from dcp_nvme.format.container import temp_name
     from dcp_nvme.format.manifest import read_manifest_doc

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dcp_nvme_harness.dist_utils import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import CheckpointLockedError, NVMeReader, NVMeWriter
@@ -66,8 +66,9 @@ def wait_for(predicate, what: str, timeout: float = 120.0) -> None:
 # "cleanup" (committed, files of other saves not yet removed).
 PAUSED_SAVER = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed.checkpoint as dcp
-    sys.path[:0] = sys.argv[4].split(os.pathsep)
-    from test_save_lock import state
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("save_lock_test", sys.argv[4])
+    test_module = importlib.util.module_from_spec(spec); spec.loader.exec_module(test_module); state = test_module.state
     from dcp_nvme import NVMeWriter
     from dcp_nvme.save import writer
     from dcp_nvme.engines import host_io as files
@@ -96,21 +97,21 @@ PAUSED_SAVER = textwrap.dedent("""
 
 PLAIN_SAVER = textwrap.dedent("""
     import os, sys, torch.distributed.checkpoint as dcp
-    sys.path[:0] = sys.argv[3].split(os.pathsep)
-    from test_save_lock import state
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("save_lock_test", sys.argv[3])
+    test_module = importlib.util.module_from_spec(spec); spec.loader.exec_module(test_module); state = test_module.state
     from dcp_nvme import NVMeWriter
     dcp.save(state(int(sys.argv[2])), storage_writer=NVMeWriter(sys.argv[1], overwrite=True), no_dist=True)
     print("saved", flush=True)
 """)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.pathsep.join([HERE, os.path.dirname(HERE)])  # this file's folder, then tests/ (helpers)
+THIS_FILE = os.path.abspath(__file__)  # the savers take ``state`` from this file
 
 
 def start_paused_saver(path, handshake, seed, point="data") -> subprocess.Popen:
     os.makedirs(handshake, exist_ok=True)
     return subprocess.Popen([sys.executable, "-c", PAUSED_SAVER, str(path), str(handshake), str(seed),
-                             TESTS, point], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             THIS_FILE, point], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def our_files(path) -> list[str]:
@@ -125,7 +126,7 @@ def test_two_processes_saving_into_one_directory_one_wins(tmp_path):
     holder = savelock.read_holder(path)
     assert holder is not None and holder.pid == first.pid
     # a second real process (with overwrite=True, so only the lock can refuse it) fails fast
-    second = subprocess.run([sys.executable, "-c", PLAIN_SAVER, str(path), "2", TESTS],
+    second = subprocess.run([sys.executable, "-c", PLAIN_SAVER, str(path), "2", THIS_FILE],
                             capture_output=True, text=True, timeout=300)
     assert second.returncode != 0 and "saved" not in second.stdout
     assert "CheckpointLockedError" in second.stderr
@@ -369,7 +370,7 @@ HOSTILE_ENTRIES = {"fifo": "a FIFO", "link-to-fifo": "a symbolic link", "link-to
 
 @pytest.mark.parametrize("kind", list(HOSTILE_ENTRIES))
 def test_a_lock_that_is_not_a_regular_file_is_refused_and_unlock_force_removes_only_it(tmp_path, capsys, kind):
-    from hostile_kit import within
+    from dcp_nvme_harness.hostile_kit import within
 
     path, outside = tmp_path / "ck", tmp_path / "outside"
     outside.mkdir()
@@ -401,7 +402,7 @@ MALFORMED_LOCKS = {
 
 @pytest.mark.parametrize("forge", list(MALFORMED_LOCKS))
 def test_a_malformed_lock_is_not_provably_held_and_never_crashes(tmp_path, capsys, forge):
-    from hostile_kit import within
+    from dcp_nvme_harness.hostile_kit import within
 
     path = tmp_path / "ck"
     path.mkdir()
@@ -424,7 +425,7 @@ def test_a_malformed_lock_is_not_provably_held_and_never_crashes(tmp_path, capsy
 
 @pytest.mark.parametrize("content", ["deep", "huge"])
 def test_an_oversized_or_deep_lock_is_read_bounded(tmp_path, content):
-    from hostile_kit import peak_rss_mib
+    from dcp_nvme_harness.hostile_kit import peak_rss_mib
 
     path = tmp_path / "ck"
     path.mkdir()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dcp_nvme_harness.dist_utils import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import NVMeReader, NVMeWriter

@@ -294,7 +294,7 @@ def _load_rows(rank: int, world: int, mirror: str, expected: dict) -> None:
 
 
 def test_resharded_ranged_loads_of_the_batched_path_are_bitwise(tmp_path):
-    from dist_utils import run_ranks
+    from dcp_nvme_harness.dist_utils import run_ranks
 
     sd, target = _bytegroup_mirror(tmp_path, 31)
     run_ranks(3, _load_rows, target, {k: sd[k] for k in ("w_bf16", "adam_fp32")})
@@ -398,7 +398,7 @@ def test_a_delta_load_reads_its_bases_in_batched_runs_each_chunk_decoded_once(ch
 
 
 def test_resharded_ranged_loads_of_a_delta_chain_are_bitwise(chain_of_two_bases):
-    from dist_utils import run_ranks
+    from dcp_nvme_harness.dist_utils import run_ranks
     from test_compress import _load_columns
 
     pfs, states = chain_of_two_bases  # the weights' columns, the moments' rows

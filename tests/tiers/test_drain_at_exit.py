@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures.thread
 import os
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_nvme_harness.warm import warm_python
 
 from dcp_nvme import NVMeWriter
 from dcp_nvme.errors import DrainError
@@ -60,8 +60,7 @@ ENDINGS = {
 def _run(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return warm_python().run(["-c", code, *args], env=env, timeout=timeout)  # as `python -c CODE ARGS`
 
 
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
@@ -177,7 +176,7 @@ def test_every_node_of_a_node_local_save_drains_when_the_script_ends_right_after
     """Two simulated nodes with their own disks: the coordinator's drain and node 1's (submitted
     by its node commit, which may still run when the rank's save has returned) both finish
     before the processes end, and the mirror commits."""
-    from multinode import SCRIPTS
+    from dcp_nvme_harness.multinode import SCRIPTS
 
     mirror = tmp_path / "pfs"
     results = cluster.run(SCRIPTS / "save_and_end.py", f"{cluster.mount}/run1/step_1",

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
+from dcp_nvme_harness import drain_child
+from dcp_nvme_harness.s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 from test_tiers import FAST, assert_same, data_size, load, make_state, opts, part_puts, save
 
 from dcp_nvme import NVMeReader, NVMeWriter
@@ -45,7 +46,7 @@ from dcp_nvme.tiers.transfer import (
 )
 
 MiB = 1 << 20
-CHILD = str(Path(__file__).resolve().parents[1] / "drain_child.py")
+CHILD = drain_child.__file__  # run as a script
 
 
 def key_of(local: str) -> str:

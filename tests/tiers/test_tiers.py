@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
+from dcp_nvme_harness.s3_fixtures import *  # noqa: F403  (fixtures s3_server, s3_bucket, s3_fs)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import CheckpointNotCommittedError, ChecksumMismatchError, NVMeReader, NVMeWriter

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from cli_runs import ENV, REPO, run_all
+from dcp_nvme_harness.cli_runs import ENV, REPO, run_all
 
 import dcp_nvme
 from dcp_nvme import NVMeWriter

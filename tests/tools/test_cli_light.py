@@ -11,7 +11,7 @@ import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
-from cli_runs import run_many
+from dcp_nvme_harness.cli_runs import run_many
 
 from dcp_nvme import NVMeWriter
 from dcp_nvme.cli import main as cli_main

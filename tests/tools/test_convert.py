@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conformance_backends import assert_bitwise, full_tensor
+from dcp_nvme_harness.conformance_backends import assert_bitwise, full_tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp

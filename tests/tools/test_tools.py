@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dcp_nvme_harness.dist_utils import run_ranks
 from safetensors.torch import load_file
 
 from dcp_nvme import NVMeWriter

@@ -22,7 +22,7 @@ import torch
 import torch._dynamo  # noqa: F401  DTensor imports it on first use (seconds); here it is imported once,
 import torch.distributed as dist  # in the forkserver, not in every rank
 import torch.distributed.checkpoint as dcp
-from conformance_backends import BACKENDS, Backend, assert_bitwise, full_tensor
+from dcp_nvme_harness.conformance_backends import BACKENDS, Backend, assert_bitwise, full_tensor
 from torch.distributed._shard import sharded_tensor
 from torch.distributed._shard.sharding_spec import (
     ChunkShardingSpec,

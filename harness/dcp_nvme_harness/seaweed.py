@@ -1,6 +1,6 @@
 """A real object store for tests and benchmarks: SeaweedFS (``weed server -s3``), one process.
 
-On a private network (tests/netns.py) it runs on a node of its own, so the simulated nodes reach
+On a private network (harness/dcp_nvme_harness/netns.py) it runs on a node of its own, so the simulated nodes reach
 it over their shaped links at ``node_endpoint_url``, and the host (the test process) reaches it
 through a loopback relay at ``endpoint_url``; without a network it listens on the host's loopback
 and both URLs are the same. Either way nothing listens beyond this machine.
@@ -30,13 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-from netns import Forwarder, NetNode, Network, _pdeathsig
-from ports import reserve_port
+from dcp_nvme_harness.netns import Forwarder, NetNode, Network, _pdeathsig
+from dcp_nvme_harness.ports import reserve_port
 
 __all__ = ["SeaweedFS", "WeedMount", "weed_binary", "seaweed_unavailable", "fuse_unavailable"]
 
 DUMMY_KEY = DUMMY_SECRET = "testing"
-REGION = "eu-west-1"  # as tests/s3server.py: s3fs.mkdir sends a LocationConstraint for it
+REGION = "eu-west-1"  # as harness/dcp_nvme_harness/s3server.py: s3fs.mkdir sends a LocationConstraint for it
 _PORTS = {"master.port": 9333, "volume.port": 8080, "filer.port": 8888, "s3.port": 8333}  # (defaults)
 
 
@@ -110,7 +110,7 @@ class SeaweedFS:
 
     def storage_options(self, *, retries: int | None = None, node: bool = False, direct: bool = False,
                         **overrides) -> dict:
-        """kwargs for ``s3fs.S3FileSystem`` / fsspec ``storage_options``, as tests/s3server.py's:
+        """kwargs for ``s3fs.S3FileSystem`` / fsspec ``storage_options``, as harness/dcp_nvme_harness/s3server.py's:
         ``retries=N`` sets botocore's attempts (standard mode) and short timeouts; ``node=True``
         gives the URL the nodes use (pass it to them, e.g. as MIRROR_OPTIONS); ``direct`` is
         accepted for S3Server's callers (there is no proxy here)."""

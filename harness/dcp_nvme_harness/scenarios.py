@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 WORLD = 2
 # tolerances for loss continuity: same world size must agree to float rounding of one reduction;
@@ -84,13 +81,20 @@ def _entry(rank: int, fn: Callable[..., Any], ports: tuple[int, int], args: tupl
 
 
 def spawn(fn: Callable[..., Any], *args: Any) -> None:
-    """Run ``fn(rank, phase_c_port, *args)`` on 2 spawned ranks joined by gloo on loopback.
+    """Run ``fn(rank, phase_c_port, *args)`` on 2 ranks joined by gloo on loopback.
 
-    ``fn`` must be a module-level function of an importable module (the ranks are spawned).
+    ``fn`` must be a module-level function of an importable module: the ranks are forked from
+    multiprocessing's fork server, a fresh process that imported torch and dcp_nvme once (and
+    ``fn``'s module, whose trainer imports then come once per rank, not per scenario), so the
+    ranks start from a clean process without each importing torch again.
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(fn, (free_port(), free_port()), args), nprocs=WORLD, join=True)
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "dcp_nvme", fn.__module__])
+    mp.start_processes(_entry, args=(fn, (free_port(), free_port()), args), nprocs=WORLD, join=True,
+                       start_method="forkserver")
 
 
 # --------------------------------------------------------------------------- checks

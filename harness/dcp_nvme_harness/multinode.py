@@ -16,12 +16,14 @@ in its own namespaces (``unshare``):
   (torchrun starts its workers in sessions of their own, out of reach of a process-group kill).
 
 * network (with ``network=``, as the ``cluster`` fixtures do): its own network namespace on a
-  private network of shaped links (tests/netns.py): ``eth0`` at ``Cluster.addr(i)``, no route
+  private network of shaped links (harness/dcp_nvme_harness/netns.py): ``eth0`` at ``Cluster.addr(i)``, no route
   out of the network, and an ``/etc/hosts`` that names every node of the network (``node<i>``,
   and e.g. the object store's node).
 
 Every node runs ``torchrun --nnodes N --node-rank i --nproc-per-node R --master-addr A
---master-port P`` (torchrun's default, static rendezvous) and the workers join one gloo process
+--master-port P`` (torchrun's default, static rendezvous; by default through
+``dcp_nvme_harness.launch``, torchrun's own parser and agent with workers forked from a launcher
+that imported torch once, ``launcher="torchrun"`` for the stock one) and the workers join one gloo process
 group: with a network, over the links (A is the first node's address, ``GLOO_SOCKET_IFNAME=eth0``);
 without one, over the host's loopback (A is 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``). A mount lives
 only as long as its namespace, so nothing needs unmounting and the root directory is removable
@@ -49,10 +51,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from netns import NetNode, Network
-from ports import reserve_port
+from dcp_nvme_harness.netns import NetNode, Network
+from dcp_nvme_harness.ports import reserve_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the checkout (the harness is installed editable)
 SCRIPTS = Path(__file__).resolve().parent / "multinode_scripts"
 RECORD = "RESULT "
 """Workers report by printing ``RESULT {json}`` lines on stdout (see ``NodeResult.records``)."""
@@ -307,6 +309,11 @@ class Cluster:
     """None/False: the host's network (loopback). True: a private network of this cluster's own
     (``Network()``: 1 Gbit/s links), closed with it. A ``Network``: join that one (e.g. one that
     also holds an object store's node); the cluster adds its nodes and removes them at ``close``."""
+    launcher: str = "fork"
+    """How each node starts its ranks: ``"fork"`` (``dcp_nvme_harness.launch``: torchrun's agent
+    and rendezvous, each worker forked from a launcher that imported torch once) or
+    ``"torchrun"`` (``python -m torch.distributed.run``: a fresh interpreter per worker). A run's
+    ``launcher=`` overrides it."""
     _runs: list[ClusterRun] = field(default_factory=list, repr=False)
     _count: int = field(default=0, repr=False)
     _net: Network | None = field(default=None, repr=False)
@@ -396,14 +403,17 @@ class Cluster:
         env_per_node: Mapping[int, Mapping[str, str]] | None = None,
         nodes: Sequence[int] | None = None,
         ranks_per_node: int | None = None,
+        launcher: str | None = None,
     ) -> ClusterRun:
         """Launch torchrun on the nodes at once and return without waiting (see ``run``)."""
         nodes = list(range(self.nodes)) if nodes is None else list(nodes)
         if not nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"nodes={nodes}: expected distinct cluster node indices")
         ranks = ranks_per_node or self.ranks_per_node
-        torchrun = Path(sys.executable).with_name("torchrun")
-        launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        if (launcher or self.launcher) == "fork":
+            command = [sys.executable, "-m", "dcp_nvme_harness.launch"]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` entry point
         port = free_port()
         self._count += 1
         logs = self.root / "logs" / f"run{self._count}"
@@ -411,7 +421,7 @@ class Cluster:
         launched = []
         try:
             for node_rank, i in enumerate(nodes):
-                argv = [*launcher, "--nnodes", str(len(nodes)), "--node-rank", str(node_rank),
+                argv = [*command, "--nnodes", str(len(nodes)), "--node-rank", str(node_rank),
                         "--nproc-per-node", str(ranks), "--master-addr", self.addr(nodes[0]), "--master-port", str(port),
                         "--max-restarts", "0", "--monitor-interval", "0.1", os.path.abspath(script), *map(str, args)]
                 out, err = logs / f"node{i}.out", logs / f"node{i}.err"
@@ -437,6 +447,7 @@ class Cluster:
         nodes: Sequence[int] | None = None,
         ranks_per_node: int | None = None,
         check: bool = True,
+        launcher: str | None = None,
     ) -> list[NodeResult]:
         """Run ``script *args`` under torchrun on every node (or on ``nodes``, in node-rank order:
         ``nodes=[0]`` is a world of one node on node 0's disk) and wait for all of them.
@@ -447,7 +458,7 @@ class Cluster:
         status and the tails of the failed nodes' stdout/stderr; else the results say it.
         """
         run = self.start(script, *args, env=env, env_per_node=env_per_node, nodes=nodes,
-                         ranks_per_node=ranks_per_node)
+                         ranks_per_node=ranks_per_node, launcher=launcher)
         return run.wait(timeout=timeout, check=check)
 
     def on_node(

@@ -23,7 +23,7 @@ from dcp_nvme.format.manifest import fqn_keys, read_files, read_manifest, seal, 
 from dcp_nvme.format.tables import ChunkRecord, FileRecord, chunks_table, files_table
 from dcp_nvme.storage.local_dir import LocalStore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (the harness is installed editable)
 
 
 def save(path: Path, state: dict) -> Path:

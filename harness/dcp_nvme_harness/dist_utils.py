@@ -10,12 +10,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ports import reserve_port
+from dcp_nvme_harness.ports import reserve_port
 
 # The ranks are forked from a server that imported these once, instead of each spawned rank
 # importing torch again (about 4 s of CPU per rank on 2 cores: most of the suite's time). The
 # server is a fresh process that ran no test, so every rank still starts from clean state.
-_PRELOAD = ["torch", "torch.distributed.checkpoint", "dcp_nvme", "dcp_nvme.format.manifest", "dist_utils"]
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "dcp_nvme", "dcp_nvme.format.manifest", "dcp_nvme_harness.dist_utils"]
 
 
 def preload_in_forkserver(*modules: str) -> None:

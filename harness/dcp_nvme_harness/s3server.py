@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ports import reserve_port
+from dcp_nvme_harness.ports import reserve_port
 
 __all__ = ["S3Server", "FaultProxy", "Fault", "free_port", "DUMMY_KEY", "DUMMY_SECRET", "REGION"]
 

@@ -5,10 +5,9 @@ conftest.py).
 
 Use from a test module or conftest.py::
 
-    from s3_fixtures import *  # noqa: F403   (a named import trips ruff F811)
+    from dcp_nvme_harness.s3_fixtures import *  # noqa: F403   (a named import trips ruff F811)
 
-(or ``pytest_plugins = ["s3_fixtures"]`` in the top-level conftest.py when tests/ is on
-sys.path).  Tests are skipped, not failed, when moto/s3fs are not installed.
+(or ``pytest_plugins = ["dcp_nvme_harness.s3_fixtures"]`` in a conftest.py). Tests are skipped, not failed, when moto/s3fs are not installed.
 """
 
 from __future__ import annotations
@@ -20,10 +19,7 @@ import pytest
 pytest.importorskip("moto.server", reason="moto[server] not installed")
 pytest.importorskip("s3fs", reason="s3fs not installed")
 
-try:  # tests/ on sys.path (pytest's default rootdir-less "prepend" import mode)
-    from s3server import DUMMY_KEY, DUMMY_SECRET, REGION, S3Server
-except ImportError:  # tests/ is a package
-    from .s3server import DUMMY_KEY, DUMMY_SECRET, REGION, S3Server  # type: ignore[no-redef]
+from dcp_nvme_harness.s3server import DUMMY_KEY, DUMMY_SECRET, REGION, S3Server
 
 __all__ = ["s3_server", "s3_bucket", "s3_fs", "new_bucket_name"]
 
