@@ -1,10 +1,5 @@
 import pytest
 
-# the markers of the lanes (cluster, objstore, integration: `-m "not slow and not cluster"` is
-# scripts/dev.sh's --fast) and the progress lines of a run; here, the conftest of the first of
-# the testpaths, it serves integration/ too (pytest takes pytest_plugins from a top conftest only)
-pytest_plugins = ["dcp_nvme_harness.progress"]
-
 
 @pytest.fixture
 def torch_safe_globals_of_torch_only():

@@ -12,18 +12,21 @@ that of the script. ``Cluster(launcher="torchrun")`` runs the real ``torchrun`` 
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import runpy
 import sys
 import threading
 import traceback
 
-import torch  # noqa: F401  what every worker imports, once
-import torch.distributed.checkpoint  # noqa: F401
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args
 
-import dcp_nvme  # noqa: F401
+# what the workers of the multinode scripts import, once: torch._dynamo comes with the first
+# DTensor (about a second each), the rest with a save, a load, a restore or a drain
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+           "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "dcp_nvme", "dcp_nvme.save.writer",
+           "dcp_nvme.load.reader", "dcp_nvme.peers.exchange", "dcp_nvme.tiers", "s3fs")
 
 
 def _exit_status(exc: SystemExit) -> int:
@@ -55,6 +58,11 @@ def run_script(script: str, *args: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    for module in PRELOAD:
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an optional one (s3fs) that is not installed: the script says so
+            pass
     args = parse_args(argv)
     config, _cmd, _cmd_args = config_from_args(args)
     config.start_method = "fork"

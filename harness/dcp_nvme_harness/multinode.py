@@ -51,8 +51,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dcp_nvme_harness.launch import PRELOAD
 from dcp_nvme_harness.netns import NetNode, Network
 from dcp_nvme_harness.ports import reserve_port
+from dcp_nvme_harness.warm import WarmProcess, WarmPython
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (the harness is installed editable)
 SCRIPTS = Path(__file__).resolve().parent / "multinode_scripts"
@@ -200,10 +202,12 @@ def _descendants(pid: int) -> list[tuple[int, int]]:
 class _Launched:
     node: int
     node_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | WarmProcess
     out: Path
     err: Path
     killed: str | None = None
+    power_off: Callable[[], None] | None = None
+    """Ends every process of the node (its namespaces) when the launch is not their first process."""
 
 
 @dataclass
@@ -245,14 +249,20 @@ class ClusterRun:
             launched.killed = launched.killed or why
         if dump and fresh:  # the workers print their Python stacks first (PYTHONFAULTHANDLER)
             for launched in fresh:
+                if isinstance(launched.proc, WarmProcess):
+                    launched.proc.send_signal(signal.SIGABRT)  # its session: the launcher and workers
+                    continue
                 for pid, depth in _descendants(launched.proc.pid):
                     if depth >= 2:  # unshare -> the namespace's init (torchrun) -> workers
                         with _quiet():
                             os.kill(pid, signal.SIGABRT)
             time.sleep(1.0)
-        for launched in live:  # the group holds unshare and the namespace's init, whose death ends the rest
-            with _quiet():
-                os.killpg(launched.proc.pid, signal.SIGKILL)
+        for launched in live:
+            if launched.power_off is not None:
+                launched.power_off()
+            else:  # the group holds unshare and the namespace's init, whose death ends the rest
+                with _quiet():
+                    os.killpg(launched.proc.pid, signal.SIGKILL)
 
     def kill_all(self, why: str, dump: bool = False) -> None:
         self._kill_many(self.launched, why, dump)
@@ -310,10 +320,15 @@ class Cluster:
     (``Network()``: 1 Gbit/s links), closed with it. A ``Network``: join that one (e.g. one that
     also holds an object store's node); the cluster adds its nodes and removes them at ``close``."""
     launcher: str = "fork"
-    """How each node starts its ranks: ``"fork"`` (``dcp_nvme_harness.launch``: torchrun's agent
-    and rendezvous, each worker forked from a launcher that imported torch once) or
-    ``"torchrun"`` (``python -m torch.distributed.run``: a fresh interpreter per worker). A run's
-    ``launcher=`` overrides it."""
+    """How each node starts its ranks: ``"fork"`` or ``"torchrun"`` (a run's ``launcher=``
+    overrides it). ``"torchrun"``: ``python -m torch.distributed.run`` as the first process of
+    fresh namespaces, a fresh interpreter per worker. ``"fork"``: ``dcp_nvme_harness.launch``
+    (torchrun's parser, agent and rendezvous, workers forked from the launcher), itself forked
+    from the node's server (``warm.WarmPython`` in namespaces that live as long as the cluster,
+    or until ``kill_node`` or a timeout ends them), which imported torch, DCP and dcp_nvme once:
+    a launch pays no interpreter start and no import. What a launch leaves in its session ends
+    with it; the node's ``/dev/shm`` lives on between launches, as a real node's does."""
+    _servers: dict[int, WarmPython] = field(default_factory=dict, repr=False)
     _runs: list[ClusterRun] = field(default_factory=list, repr=False)
     _count: int = field(default=0, repr=False)
     _net: Network | None = field(default=None, repr=False)
@@ -410,10 +425,10 @@ class Cluster:
         if not nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"nodes={nodes}: expected distinct cluster node indices")
         ranks = ranks_per_node or self.ranks_per_node
-        if (launcher or self.launcher) == "fork":
-            command = [sys.executable, "-m", "dcp_nvme_harness.launch"]
-        else:
-            command = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` entry point
+        forked = (launcher or self.launcher) == "fork"
+        if (launcher or self.launcher) not in ("fork", "torchrun"):
+            raise ValueError(f"launcher={launcher or self.launcher!r}: expected 'fork' or 'torchrun'")
+        command = ["-m", "dcp_nvme_harness.launch"] if forked else [sys.executable, "-m", "torch.distributed.run"]
         port = free_port()
         self._count += 1
         logs = self.root / "logs" / f"run{self._count}"
@@ -425,11 +440,18 @@ class Cluster:
                         "--nproc-per-node", str(ranks), "--master-addr", self.addr(nodes[0]), "--master-port", str(port),
                         "--max-restarts", "0", "--monitor-interval", "0.1", os.path.abspath(script), *map(str, args)]
                 out, err = logs / f"node{i}.out", logs / f"node{i}.err"
+                node_env = self.node_env(i, {**(env or {}), **(env_per_node or {}).get(i, {})})
                 with open(out, "wb") as out_f, open(err, "wb") as err_f:
-                    proc = subprocess.Popen(self._wrap(i, argv), stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL,
-                                            env=self.node_env(i, {**(env or {}), **(env_per_node or {}).get(i, {})}),
-                                            cwd=self._tmp(i), start_new_session=True)
-                launched.append(_Launched(i, node_rank, proc, out, err))
+                    if forked:
+                        proc: subprocess.Popen | WarmProcess = self._server(i).start(
+                            argv, cwd=self._tmp(i), env=node_env, stdout=out_f.fileno(), stderr=err_f.fileno(),
+                            end_session=True)
+                    else:
+                        proc = subprocess.Popen(self._wrap(i, argv), stdout=out_f, stderr=err_f,
+                                                stdin=subprocess.DEVNULL, env=node_env, cwd=self._tmp(i),
+                                                start_new_session=True)
+                launched.append(_Launched(i, node_rank, proc, out, err,
+                                          power_off=functools.partial(self._power_off, i) if forked else None))
         finally:
             run = ClusterRun(launched, port)
             self._runs.append(run)
@@ -460,6 +482,21 @@ class Cluster:
         run = self.start(script, *args, env=env, env_per_node=env_per_node, nodes=nodes,
                          ranks_per_node=ranks_per_node, launcher=launcher)
         return run.wait(timeout=timeout, check=check)
+
+    def _server(self, i: int) -> WarmPython:
+        """Node ``i``'s server: started in the node's namespaces at its first launch."""
+        if i not in self._servers:
+            # its socket in the host's temporary directory, which the node sees too (a path under a
+            # test's tmp_path can pass the 108 bytes a socket's name may have)
+            self._servers[i] = WarmPython((*PRELOAD, "dcp_nvme_harness.launch"), wrap=functools.partial(self._wrap, i),
+                                          env=self.node_env(i))
+        return self._servers[i]
+
+    def _power_off(self, i: int) -> None:
+        """Every process of node ``i`` ends at once (its server's namespaces with it)."""
+        server = self._servers.pop(i, None)
+        if server is not None:
+            server.close()
 
     def on_node(
         self,
@@ -498,6 +535,8 @@ class Cluster:
                 run.kill_all("cluster closed")
                 run.wait(timeout=30, check=False)
         self._runs.clear()
+        for i in list(self._servers):
+            self._power_off(i)
         if self._net is not None:
             for node in self._netnodes:
                 self._net.remove_node(node)

@@ -1,5 +1,5 @@
-"""The suite's pytest plugin (tests/conftest.py loads it): the markers of its lanes, and progress
-lines a person watching a long run can follow.
+"""The suite's pytest plugin (``-p dcp_nvme_harness.progress`` in pyproject.toml's addopts): the
+markers of its lanes, and progress lines a person watching a long run can follow.
 
 Markers, set at collection:
 

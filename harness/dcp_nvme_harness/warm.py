@@ -30,66 +30,101 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 PRELOAD = ("torch", "torch.distributed.checkpoint", "dcp_nvme", "dcp_nvme.save.writer", "dcp_nvme.load.reader")
 _MAX_HEADER = 1 << 20
 
 
 class WarmPython:
-    """One server (started on first use), forking a process per ``run``."""
+    """One server (started on first use), forking a process per ``run`` or ``start``.
 
-    def __init__(self, preload: Sequence[str] = PRELOAD):
+    ``wrap`` puts the server somewhere else: ``wrap(argv)`` is the command line that runs
+    ``argv`` there (a simulated node's namespaces: ``Cluster``), ``socket_dir`` a directory
+    both sides see.
+    """
+
+    def __init__(self, preload: Sequence[str] = PRELOAD, *, wrap: Callable[[list[str]], list[str]] | None = None,
+                 socket_dir: str | os.PathLike | None = None, env: Mapping[str, str] | None = None):
         self.preload = tuple(preload)
+        self._wrap = wrap or (lambda argv: argv)
+        self._env = None if env is None else dict(env)
         self._server: subprocess.Popen | None = None
-        self._dir = tempfile.mkdtemp(prefix="warm-python-")
+        self._dir = tempfile.mkdtemp(prefix="warm-python-", dir=socket_dir)
         self._socket = os.path.join(self._dir, "server")
+        if len(self._socket.encode()) > 100:  # AF_UNIX names end at 108 bytes
+            raise ValueError(f"socket_dir {socket_dir} is too long a path for a socket; use a shorter one")
         self._lock = threading.Lock()
+
+    @property
+    def server(self) -> subprocess.Popen | None:
+        """The server's process (a session of its own), once started."""
+        return self._server
 
     def _start(self) -> None:
         with self._lock:
             if self._server is not None and self._server.poll() is None:
                 return
-            self._server = subprocess.Popen([sys.executable, "-m", "dcp_nvme_harness.warm", self._socket, *self.preload],
-                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+            with _quiet():
+                os.unlink(self._socket)
+            argv = self._wrap([sys.executable, "-m", "dcp_nvme_harness.warm", self._socket, *self.preload])
+            self._server = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=self._env,
+                                            start_new_session=True)
             assert self._server.stdout is not None
             line = self._server.stdout.readline()
             if line.strip() != b"ready":
                 raise RuntimeError(f"the warm Python server did not start (said {line!r})")
+
+    def start(self, args: Sequence[str | os.PathLike], *, cwd: str | os.PathLike | None = None,
+              env: Mapping[str, str] | None = None, stdin: int | None = None, stdout: int | None = None,
+              stderr: int | None = None, end_session: bool = False) -> WarmProcess:
+        """``subprocess.Popen([sys.executable, *args], ...)`` forked from the server, with the
+        given file descriptors as its stdin/stdout/stderr (``/dev/null`` where None). With
+        ``end_session``, whatever it started in its session is killed when it ends (as the
+        processes of a pid namespace end with its first one)."""
+        self._start()
+        argv = [str(a) for a in args]
+        header = json.dumps({"argv": argv, "cwd": os.path.abspath(cwd or os.getcwd()), "end_session": end_session,
+                             "env": dict(os.environ if env is None else env)}).encode()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        fds = [devnull if fd is None else fd for fd in (stdin, stdout, stderr)]
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self._socket)
+            conn.sendmsg([len(header).to_bytes(8, "little") + header],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            os.close(devnull)
+        return WarmProcess(argv, conn)
 
     def run(self, args: Sequence[str | os.PathLike], *, cwd: str | os.PathLike | None = None,
             env: Mapping[str, str] | None = None, timeout: float = 120, input: str | None = None,
             ) -> subprocess.CompletedProcess:
         """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)``, forked
         from the server; on timeout the process's session is killed and TimeoutExpired raised."""
-        self._start()
-        argv = [str(a) for a in args]
         stdin_r, stdin_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        header = json.dumps({"argv": argv, "cwd": os.path.abspath(cwd or os.getcwd()),
-                             "env": dict(os.environ if env is None else env)}).encode()
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.connect(self._socket)
-            conn.sendmsg([len(header).to_bytes(8, "little") + header],
-                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [stdin_r, out_w, err_w]))])
+            proc = self.start(args, cwd=cwd, env=env, stdin=stdin_r, stdout=out_w, stderr=err_w)
         finally:
             for fd in (stdin_r, out_w, err_w):
                 os.close(fd)
         chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
         feeder = threading.Thread(target=_feed, args=(stdin_w, (input or "").encode()), daemon=True)
         feeder.start()
-        reply = conn.makefile("rb")
-        pid = int(reply.readline())
         deadline = time.monotonic() + timeout
         try:
             open_fds = [out_r, err_r]
             while open_fds:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    _kill_session(pid)
-                    raise subprocess.TimeoutExpired(argv, timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r]))
+                    proc.kill()
+                    raise subprocess.TimeoutExpired(proc.args, timeout, b"".join(chunks[out_r]),
+                                                    b"".join(chunks[err_r]))
                 ready, _, _ = select.select(open_fds, [], [], min(left, 1.0))
                 for fd in ready:
                     data = os.read(fd, 1 << 16)
@@ -97,23 +132,89 @@ class WarmPython:
                         chunks[fd].append(data)
                     else:
                         open_fds.remove(fd)
-            status = json.loads(reply.readline())["status"]
+            status = proc.wait(max(1.0, deadline - time.monotonic()))
         finally:
-            reply.close()
-            conn.close()
+            proc.close()
             os.close(out_r)
             os.close(err_r)
-        return subprocess.CompletedProcess(argv, status, b"".join(chunks[out_r]).decode(errors="replace"),
+        return subprocess.CompletedProcess(proc.args, status, b"".join(chunks[out_r]).decode(errors="replace"),
                                            b"".join(chunks[err_r]).decode(errors="replace"))
 
     def close(self) -> None:
-        if self._server is not None and self._server.poll() is None:
-            os.killpg(self._server.pid, signal.SIGKILL)
+        """End the server (and, where it runs in a namespace of its own, everything in it)."""
+        if self._server is not None:
+            if self._server.poll() is None:
+                with _quiet():
+                    os.killpg(self._server.pid, signal.SIGKILL)
             self._server.wait()
+            if self._server.stdout is not None:
+                self._server.stdout.close()
         self._server = None
         with _quiet():
             os.unlink(self._socket)
             os.rmdir(self._dir)
+
+
+class WarmProcess:
+    """A process forked by a ``WarmPython`` server: ``poll``/``wait`` like ``Popen``; signals go
+    through the server (the process may live in another pid namespace), to its whole session."""
+
+    def __init__(self, args: list[str], conn: socket.socket):
+        self.args = args
+        self.returncode: int | None = None
+        self._conn = conn
+        self._buffer = b""
+        self.pid = int(self._line(None) or -1)
+        """Its pid where the server runs (another pid namespace's, for a node's server)."""
+
+    def _line(self, timeout: float | None) -> bytes | None:
+        """The next line from the waiter, None if none came within ``timeout``; b"" at its end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._conn], [], [], left)
+            if not ready:
+                return None
+            try:
+                data = self._conn.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                return b""
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def _settle(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line == b"":  # the server (or its namespace) was killed with it
+                self.returncode = -signal.SIGKILL
+            elif line is not None:
+                self.returncode = int(json.loads(line)["status"])
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._settle(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._settle(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the process's session (the process and what it started)."""
+        if self.returncode is None:
+            with _quiet():
+                self._conn.sendall(f"{int(sig)}\n".encode())
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Forget it; a process still running is killed (its waiter sees the connection end)."""
+        self._conn.close()
 
 
 def _feed(fd: int, data: bytes) -> None:
@@ -205,7 +306,8 @@ def _become(request: dict, fds: list[int]) -> None:
 
 
 def _wait_and_report(conn: socket.socket, request: dict, fds: list[int]) -> None:
-    """In the forked waiter: fork the process itself, report its pid and then its exit status."""
+    """In the forked waiter: fork the process itself, report its pid, pass on the signals the
+    caller sends (to the process's session), and report its exit status."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     pid = os.fork()
     if pid == 0:
@@ -215,9 +317,22 @@ def _wait_and_report(conn: socket.socket, request: dict, fds: list[int]) -> None
         for fd in fds:
             os.close(fd)
         conn.sendall(f"{pid}\n".encode())
-        _, status = os.waitpid(pid, 0)
-        conn.sendall((json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n").encode())
-    except OSError:  # the caller gave up on it (a timeout): nobody to tell
+        status = None
+        while status is None:
+            ready, _, _ = select.select([conn], [], [], 0.05)
+            if ready:
+                data = conn.recv(256)
+                for sig in data.split() if data else [str(int(signal.SIGKILL)).encode()]:  # gone: kill
+                    with _quiet():
+                        os.killpg(pid, int(sig))
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(raw)
+        if request.get("end_session"):
+            with _quiet():
+                os.killpg(pid, signal.SIGKILL)
+        conn.sendall((json.dumps({"status": status}) + "\n").encode())
+    except OSError:  # the caller is gone: nobody to tell
         pass
     os._exit(0)
 
