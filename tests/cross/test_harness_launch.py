@@ -62,3 +62,29 @@ def test_the_fork_launcher_runs_a_script_as_python_would(tmp_path):
     assert "exitcode  : 3" in proc.stderr  # the agent's report of rank 1
     assert "ValueError: rank 2 raised this" in proc.stderr  # the traceback
     assert "rank 3 exits with this message" in proc.stderr
+
+
+def test_a_warm_python_runs_code_as_a_fresh_interpreter_would(tmp_path):
+    """dcp_nvme_harness.warm: argv, stdin, the working directory and environment, atexit handlers,
+    exit statuses and tracebacks as ``python -c``/``-m``/a script give them; a timeout kills it."""
+    from dcp_nvme_harness.warm import WarmPython
+
+    python = WarmPython(preload=("json",))
+    try:
+        code = ("import atexit, os, sys; atexit.register(lambda: print('atexit ran'))\n"
+                "print(sys.argv, os.getcwd(), os.environ['ONLY_HERE'], sys.stdin.read(), __name__)\n"
+                "sys.exit(int(sys.argv[1]))")
+        done = python.run(["-c", code, "7"], cwd=tmp_path, env={"ONLY_HERE": "yes"}, input="fed", timeout=60)
+        assert done.returncode == 7, done.stderr
+        assert done.stdout == f"['-c', '7'] {tmp_path} yes fed __main__\natexit ran\n"
+        (tmp_path / "script.py").write_text("import sibling\nraise ValueError(sibling.WORD)\n")
+        (tmp_path / "sibling.py").write_text("WORD = 'from beside the script'\n")
+        raised = python.run([tmp_path / "script.py"], timeout=60)
+        assert raised.returncode == 1 and "ValueError: from beside the script" in raised.stderr
+        module = python.run(["-m", "json.tool"], input='{"a": 1}', timeout=60)
+        assert module.returncode == 0 and module.stdout == '{\n    "a": 1\n}\n', module.stderr
+        with pytest.raises(subprocess.TimeoutExpired):
+            python.run(["-c", "import time; time.sleep(60)"], timeout=1)
+        assert python.run(["-c", "print('still serving')"], timeout=60).stdout == "still serving\n"
+    finally:
+        python.close()

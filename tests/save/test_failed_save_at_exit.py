@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from dcp_nvme_harness.multinode import SCRIPTS
 from dcp_nvme_harness.ports import reserve_port
+from dcp_nvme_harness.warm import warm_python
 
 from dcp_nvme.format.container import save_key_of, temp_of
 
@@ -46,17 +46,11 @@ def test_a_failed_save_leaves_no_files_of_the_ranks_that_wrote_theirs(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo",
            "OMP_NUM_THREADS": "1", "FAIL_RANK": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(SCRIPT), str(path)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outputs = []
-    try:
-        for proc in ranks:
-            outputs.append(proc.communicate(timeout=120))
-    finally:
-        for proc in ranks:
-            proc.kill()
-    records = sorted((rec for out, _ in outputs for rec in _records(out)), key=lambda r: r["rank"])
-    said = "\n".join(err[-3000:] for _, err in outputs)
+    with ThreadPoolExecutor(2) as pool:  # each rank as `python SCRIPT PATH`, both at once
+        ranks = list(pool.map(lambda r: warm_python().run([SCRIPT, path], env={**env, "RANK": str(r)}, timeout=120),
+                              range(2)))
+    records = sorted((rec for proc in ranks for rec in _records(proc.stdout)), key=lambda r: r["rank"])
+    said = "\n".join(proc.stderr[-3000:] for proc in ranks)
     assert [r["rank"] for r in records] == [0, 1], said
     assert all(r["error"] and ENOSPC in r["error"] for r in records), records
     assert [p.returncode for p in ranks] == [0, 0], said
@@ -103,7 +97,6 @@ print("kept" if os.path.exists(data) else "removed by the child", flush=True)
 local_dir.finish_begins(directory, key)  # as its finish does
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = warm_python().run(["-c", code, tmp_path / "ck"], env=env, timeout=120)  # as `python -c CODE DIR`
     assert proc.returncode == 0 and "kept" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
     assert _leftovers(tmp_path / "ck") == ["rank_00000.0123abcd.safetensors"]
