@@ -9,7 +9,7 @@
 #                                              trainer libraries of integration/
 #   bash scripts/dev.sh test --fast [...]      the fast lane: all but the slow tests, the simulated
 #                                              clusters and the integrations (-m "not slow and not
-#                                              cluster", markers set by dcp_nvme_harness/progress.py);
+#                                              cluster": harness/dcp_nvme_harness/progress.py);
 #                                              CI (.ci/run) runs the whole suite
 # Each part is installed once, and again when the files it comes from change (a stamp each in .venv/):
 # `test` after `demo` adds only the rest, `demo` after `test` installs nothing. The installer is uv

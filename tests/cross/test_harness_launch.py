@@ -7,7 +7,6 @@ import sys
 import textwrap
 
 import pytest
-
 from dcp_nvme_harness.ports import reserve_port
 
 pytestmark = pytest.mark.slow
