@@ -83,6 +83,22 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker("cluster")
         if fixtures & OBJSTORE_FIXTURES:
             item.add_marker("objstore")
+    _longest_files_first(items)
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    """The files of the simulated clusters and the integrations first, then those with other slow
+    tests, then the rest; each file's tests together and in their order. xdist's ``--dist
+    loadfile`` hands out files in this order: the last to start are then short ones, not a
+    minute-long cluster file that a worker runs alone at the end."""
+    rank: dict[Path, int] = {}
+    first: dict[Path, int] = {}
+    for index, item in enumerate(items):
+        path = Path(str(item.path))
+        first.setdefault(path, index)
+        here = 0 if item.get_closest_marker("cluster") else 1 if item.get_closest_marker("slow") else 2
+        rank[path] = min(rank.get(path, 2), here)
+    items.sort(key=lambda item: (rank[Path(str(item.path))], first[Path(str(item.path))]))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook tells the controller the collection ended

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from dcp_nvme_harness.warm import warm_python
 
+pytestmark = pytest.mark.slow  # each snippet runs in a process of its own
+
 REPO = Path(__file__).resolve().parents[2]
 NVME_ROOT = "/nvme/"
 S3_ENDPOINT = "http://s3.local:9000"

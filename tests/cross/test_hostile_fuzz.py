@@ -307,6 +307,7 @@ def fuzz(work: Path, seed: int = SEED, per_kind: int = MUTANTS_PER_KIND) -> dict
     return counts
 
 
+@pytest.mark.slow  # other processes
 def test_mutation_fuzz(tmp_path: Path):
     code = ("import json, logging, importlib.util; logging.disable(logging.CRITICAL)\n"
             f"spec = importlib.util.spec_from_file_location('fuzz_module', {__file__!r})\n"

@@ -22,6 +22,7 @@ import crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_nvme_harness.warm import warm_python
 
 import dcp_nvme.engines as engines
 import dcp_nvme.engines.host_io
@@ -561,17 +562,16 @@ def test_posix_device_bounce_overlaps_copy_and_write(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------- the GPU check script
 
 
+@pytest.mark.slow  # other processes
 def test_gpu_check_exits_cleanly_without_cuda(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "integration.gpu_check"],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    done = warm_python().run(["-m", "integration.gpu_check"], timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "no CUDA" in done.stdout and "0 passed, 0 failed" in done.stdout
     assert "Traceback" not in done.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["cuda"] is False and report["passed"] == 0
-    strict = subprocess.run([sys.executable, "-m", "integration.gpu_check", "--require-cuda"],
-                            capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    strict = warm_python().run(["-m", "integration.gpu_check", "--require-cuda"], timeout=120, env=env, cwd=ROOT)
     assert strict.returncode == 1
 
 

@@ -125,6 +125,7 @@ _STOCK_LOADER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # other processes
 def test_stock_torch_without_dcp_nvme_loads_and_reshards_bitwise(saved, tmp_path):
     script = tmp_path / "stock_loader.py"
     script.write_text(_STOCK_LOADER)

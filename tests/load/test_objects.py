@@ -152,6 +152,7 @@ def test_tensor_in_checkpoint_where_an_object_is_expected_names_the_key(tmp_path
     assert victim == {"step": 5}
 
 
+@pytest.mark.slow  # other processes
 def test_verify_lists_items_that_need_the_opt_in_apart_from_integrity(hostile):
     """An intact checkpoint is intact whatever its items' pickles import: verify lists the items
     that only allow_pickle=True loads, with what they import, and says OK."""

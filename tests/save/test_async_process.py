@@ -205,6 +205,7 @@ _FORK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # other processes
 def test_saver_and_stager_work_in_a_forked_child(tmp_path):
     """The child of fork() saves with the parent's NVMeAsyncSaver and NVMeStager: both used to
     hand the save to a thread that exists only in the parent (the futures never resolved). Forked

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dcp_nvme_harness.dist_utils import run_ranks
+from dcp_nvme_harness.warm import warm_python
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -295,8 +294,7 @@ print("queued", flush=True)
 
 def test_interpreter_exit_without_close_finishes_the_queued_saves(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp_path)], capture_output=True,
-                         text=True, timeout=240, env=env)
+    run = warm_python().run(["-c", EXIT_WITHOUT_CLOSE, tmp_path], timeout=240, env=env)  # as `python -c`
     assert run.returncode == 0, run.stderr
     assert "queued" in run.stdout
     for i in range(3):

@@ -169,6 +169,7 @@ def _peak_growth(tmp_path: Path, max_bytes: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # other processes
 def test_peak_rss_is_bounded_by_max_bytes(tmp_path):
     """Two saves of a 64 MiB state: with max_bytes = 32 MiB the peak grows by about the arena,
     without it by about the whole state (the control shows the measurement can see the copy)."""

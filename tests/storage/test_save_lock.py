@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dcp_nvme_harness.dist_utils import run_ranks
+from dcp_nvme_harness.warm import warm_python
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import CheckpointLockedError, NVMeReader, NVMeWriter
@@ -118,6 +119,7 @@ def our_files(path) -> list[str]:
     return sorted(os.listdir(path))
 
 
+@pytest.mark.slow  # other processes
 def test_two_processes_saving_into_one_directory_one_wins(tmp_path):
     path, hs = tmp_path / "ck", tmp_path / "hs"
     first = start_paused_saver(path, hs, 1)
@@ -126,8 +128,7 @@ def test_two_processes_saving_into_one_directory_one_wins(tmp_path):
     holder = savelock.read_holder(path)
     assert holder is not None and holder.pid == first.pid
     # a second real process (with overwrite=True, so only the lock can refuse it) fails fast
-    second = subprocess.run([sys.executable, "-c", PLAIN_SAVER, str(path), "2", THIS_FILE],
-                            capture_output=True, text=True, timeout=300)
+    second = warm_python().run(["-c", PLAIN_SAVER, path, "2", THIS_FILE], timeout=300)
     assert second.returncode != 0 and "saved" not in second.stdout
     assert "CheckpointLockedError" in second.stderr
     for needed in (str(path), f"pid {first.pid}", f"save key {holder.save_key}", "since ",
@@ -183,6 +184,7 @@ def test_same_process_second_save_is_refused(tmp_path, monkeypatch):
     assert_bitwise(load(path), state(3))
 
 
+@pytest.mark.slow  # other processes
 @pytest.mark.parametrize("point", ["data", "manifest", "cleanup"])
 def test_lock_of_sigkilled_saver_is_stale_and_broken(tmp_path, capsys, point):
     path, hs = tmp_path / "ck", tmp_path / "hs"
@@ -225,6 +227,7 @@ def holder_for(pid: int, pid_start, pid_space: str | None = None, host: str | No
                       pid_space=pid_space or savelock._pid_space(), pid_start=pid_start)
 
 
+@pytest.mark.slow  # other processes
 def test_live_holder_on_this_host_is_respected_and_a_reused_pid_is_not(tmp_path, capsys):
     path = tmp_path / "ck"
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -337,6 +340,7 @@ def _ranks_lock_and_failure(rank, world, path):
         assert not os.path.exists(os.path.join(path, LOCK_NAME))
 
 
+@pytest.mark.slow  # other processes
 def test_two_ranks_lock_refusal_and_failed_rank_release(tmp_path):
     run_ranks(2, _ranks_lock_and_failure, str(tmp_path / "ck"))
 
@@ -423,6 +427,7 @@ def test_a_malformed_lock_is_not_provably_held_and_never_crashes(tmp_path, capsy
     assert not os.path.lexists(path / LOCK_NAME)
 
 
+@pytest.mark.slow  # other processes
 @pytest.mark.parametrize("content", ["deep", "huge"])
 def test_an_oversized_or_deep_lock_is_read_bounded(tmp_path, content):
     from dcp_nvme_harness.hostile_kit import peak_rss_mib

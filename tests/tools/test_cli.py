@@ -113,6 +113,7 @@ def _closed_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow  # other processes
 def test_errors_end_in_one_line_with_a_non_zero_status(run_dir: Path, tmp_path: Path):
     bad_data = run_dir / "step_1"
     data = next(bad_data.glob("*.safetensors"))

@@ -8,12 +8,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_nvme_harness.dist_utils import run_ranks
+from dcp_nvme_harness.warm import warm_python
 from safetensors.torch import load_file
 
 from dcp_nvme import NVMeWriter
@@ -47,19 +49,15 @@ def sample_state() -> dict:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dcp_nvme.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    """``python -m dcp_nvme.cli ARGS``, forked from the warm server (torch imported once)."""
+    done = warm_python().run(["-m", "dcp_nvme.cli", *args], cwd=REPO, timeout=120)
+    return subprocess.CompletedProcess(list(args), done.returncode, done.stdout, done.stderr)
 
 
 def cli_many(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
-    """Several CLI runs at once: each pays ~3 s of torch import, so overlap them."""
-    procs = [subprocess.Popen([sys.executable, "-m", "dcp_nvme.cli", *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO) for argv in argvs]
-    done = []
-    for argv, proc in zip(argvs, procs):
-        out, err = proc.communicate(timeout=180)
-        done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
-    return done
+    """Several CLI runs at once."""
+    with ThreadPoolExecutor(len(argvs)) as pool:
+        return list(pool.map(lambda argv: cli(*argv), argvs))
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:
