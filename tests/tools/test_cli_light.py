@@ -9,6 +9,7 @@ import json
 import re
 import sys
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_nvme_harness.cli_runs import run_many
@@ -26,6 +27,7 @@ def other_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith("import time:")]
 
 
+@pytest.mark.slow  # other processes
 def test_read_only_commands_import_no_torch_and_share_one_json_shape(tmp_path):
     run = tmp_path / "run"
     ckpt = run / "step_10"
@@ -53,6 +55,7 @@ def test_read_only_commands_import_no_torch_and_share_one_json_shape(tmp_path):
     assert unlocked == {"checkpoint": str(ckpt), "removed": False, "reason": "not locked", "holder": None}
 
 
+@pytest.mark.slow  # other processes
 def test_debug_goes_before_or_after_the_command_and_failures_are_one_line(tmp_path):
     missing = str(tmp_path / "nothing")
     after, before, plain, usage, unknown = run_many(
