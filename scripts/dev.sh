@@ -72,11 +72,13 @@ case "$job" in
   # a --dir DIR (or --size) given after `demo` overrides these: argparse keeps the last one
   demo) exec "$venv/bin/dcp-nvme" bench --size 512MiB --dir ./bench_out/demo "$@" ;;
   # two workers, one test file each at a time: most tests wait on subprocesses and disks, and a
-  # file's module fixtures (servers, saved checkpoints) stay in one worker; -n 0 runs in one process
+  # file's module fixtures (servers, saved checkpoints) stay in one worker; the files in the order
+  # the harness collects them (the longest first; xdist would put the files of most tests first);
+  # -n 0 runs in one process
   test)
     args=()
     for arg in "$@"; do
       if [ "$arg" = --fast ]; then args+=(-m "not slow and not cluster"); else args+=("$arg"); fi
     done
-    exec "$py" -m pytest -q -n 2 --dist loadfile --durations=25 ${args[@]+"${args[@]}"} ;;
+    exec "$py" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 ${args[@]+"${args[@]}"} ;;
 esac

@@ -30,28 +30,45 @@ def lan():
         yield net
 
 
-def _simulated_cluster(tmp_path, lan, nodes: int, ranks_per_node: int):
-    """Simulated nodes (harness/dcp_nvme_harness/multinode.py) on the worker's private network; skipped where
-    namespaces are refused."""
+@pytest.fixture(scope="module")
+def _clusters(tmp_path_factory, lan):
+    """The simulated clusters of a module's tests, by shape: a cluster's nodes keep their servers
+    (the interpreter each node's launches fork from) from one test to the next, and each test gets
+    them emptied (``Cluster.reset``). Skipped where namespaces are refused."""
     from dcp_nvme_harness.multinode import Cluster, unshare_unavailable
 
     reason = unshare_unavailable()
     if reason:
         pytest.skip(reason)
-    with Cluster(tmp_path / "cluster", nodes=nodes, ranks_per_node=ranks_per_node, network=lan) as c:
-        yield c
+    made: dict[tuple[int, int], Cluster] = {}
+
+    def get(nodes: int, ranks_per_node: int) -> Cluster:
+        cluster = made.get((nodes, ranks_per_node))
+        if cluster is None:
+            root = tmp_path_factory.mktemp(f"cluster{nodes}x{ranks_per_node}") / "cluster"
+            cluster = made[nodes, ranks_per_node] = Cluster(root, nodes=nodes, ranks_per_node=ranks_per_node, network=lan)
+        else:
+            cluster.reset()
+        return cluster
+
+    try:
+        yield get
+    finally:
+        for cluster in made.values():
+            cluster.close()
 
 
 @pytest.fixture
-def cluster(tmp_path, lan):
-    """Two simulated nodes of two ranks each."""
-    yield from _simulated_cluster(tmp_path, lan, nodes=2, ranks_per_node=2)
+def cluster(_clusters):
+    """Two simulated nodes of two ranks each (harness/dcp_nvme_harness/multinode.py), on the worker's
+    private network, empty."""
+    return _clusters(2, 2)
 
 
 @pytest.fixture
-def cluster3(tmp_path, lan):
-    """Three simulated nodes of one rank each (a run may ask for more ranks per node)."""
-    yield from _simulated_cluster(tmp_path, lan, nodes=3, ranks_per_node=1)
+def cluster3(_clusters):
+    """Three simulated nodes of one rank each (a run may ask for more ranks per node), empty."""
+    return _clusters(3, 1)
 
 
 # -- SeaweedFS: the S3 tier of the tests that inject no fault (moto's fixtures, harness/dcp_nvme_harness/s3_fixtures.py,

@@ -71,6 +71,8 @@ _UNSHARE = ["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "-
 _DROP = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
          "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
 _TAIL = 4000
+_EMPTY_SHM = ("import os, shutil\nfor name in os.listdir('/dev/shm'):\n    path = os.path.join('/dev/shm', name)\n"
+              "    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)")
 
 
 def _tail(text: str, limit: int = _TAIL) -> str:
@@ -329,6 +331,7 @@ class Cluster:
     a launch pays no interpreter start and no import. What a launch leaves in its session ends
     with it; the node's ``/dev/shm`` lives on between launches, as a real node's does."""
     _servers: dict[int, WarmPython] = field(default_factory=dict, repr=False)
+    _server_disks: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
     _runs: list[ClusterRun] = field(default_factory=list, repr=False)
     _count: int = field(default=0, repr=False)
     _net: Network | None = field(default=None, repr=False)
@@ -483,8 +486,37 @@ class Cluster:
                          ranks_per_node=ranks_per_node, launcher=launcher)
         return run.wait(timeout=timeout, check=check)
 
+    def reset(self) -> None:
+        """As if new, keeping the nodes' servers: runs ended, every node's disk, temporary directory
+        and ``/dev/shm`` emptied (a test fixture hands one cluster to the tests of a module)."""
+        for run in self._runs:
+            if not run.done:
+                run.kill_all("cluster reset")
+                run.wait(timeout=30, check=False)
+        self._runs.clear()
+        for i in range(self.nodes):
+            if self.node_disk(i).is_symlink():  # a test made it another node's
+                self.node_disk(i).unlink()
+                self.node_disk(i).mkdir()
+            for folder in (self.node_disk(i), self._tmp(i)):
+                for entry in list(folder.iterdir()):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink()
+        for i, server in list(self._servers.items()):
+            done = server.run(["-c", _EMPTY_SHM], timeout=60)
+            if done.returncode != 0:  # a node that cannot be emptied starts afresh at its next launch
+                self._power_off(i)
+
     def _server(self, i: int) -> WarmPython:
-        """Node ``i``'s server: started in the node's namespaces at its first launch."""
+        """Node ``i``'s server: started in the node's namespaces at its first launch, and again
+        when the directory its disk names is another one than it mounted (a test that made
+        node 1's disk a link to node 0's: its namespaces see what they mounted)."""
+        disk = os.stat(self.node_disk(i))
+        if self._server_disks.get(i) != (disk.st_dev, disk.st_ino):
+            self._power_off(i)
+            self._server_disks[i] = (disk.st_dev, disk.st_ino)
         if i not in self._servers:
             # its socket in the host's temporary directory, which the node sees too (a path under a
             # test's tmp_path can pass the 108 bytes a socket's name may have)
