@@ -1,4 +1,4 @@
-"""Trainers' states on node-local disks: per-node copies vs DCP's job-wide dedup (issue 39).
+"""Trainers' states on node-local disks: per-node copies vs DCP's job-wide dedup.
 
     sudo python benchmarks/node_local_states.py --out docs/results/node_local_states.json
 

@@ -486,14 +486,18 @@ class Cluster:
                          ranks_per_node=ranks_per_node, launcher=launcher)
         return run.wait(timeout=timeout, check=check)
 
+    def _end_runs(self, why: str) -> None:
+        """Kill whatever a started run left running (a test that failed before waiting)."""
+        for run in self._runs:
+            if not run.done:
+                run.kill_all(why)
+                run.wait(timeout=30, check=False)
+        self._runs.clear()
+
     def reset(self) -> None:
         """As if new, keeping the nodes' servers: runs ended, every node's disk, temporary directory
         and ``/dev/shm`` emptied (a test fixture hands one cluster to the tests of a module)."""
-        for run in self._runs:
-            if not run.done:
-                run.kill_all("cluster reset")
-                run.wait(timeout=30, check=False)
-        self._runs.clear()
+        self._end_runs("cluster reset")
         for i in range(self.nodes):
             if self.node_disk(i).is_symlink():  # a test made it another node's
                 self.node_disk(i).unlink()
@@ -562,11 +566,7 @@ class Cluster:
     def close(self) -> None:
         """Kill whatever a started run left running (a test that failed before waiting); take the
         nodes off the network (and end the network if the cluster made it)."""
-        for run in self._runs:
-            if not run.done:
-                run.kill_all("cluster closed")
-                run.wait(timeout=30, check=False)
-        self._runs.clear()
+        self._end_runs("cluster closed")
         for i in list(self._servers):
             self._power_off(i)
         if self._net is not None:

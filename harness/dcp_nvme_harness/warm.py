@@ -222,11 +222,6 @@ def _feed(fd: int, data: bytes) -> None:
         f.write(data)
 
 
-def _kill_session(pid: int) -> None:
-    with _quiet():
-        os.killpg(pid, signal.SIGKILL)
-
-
 class _quiet:
     def __enter__(self) -> None:
         return None

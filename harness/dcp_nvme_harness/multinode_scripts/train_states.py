@@ -1,4 +1,4 @@
-"""Trainers' state dicts, saved and restored on simulated nodes (issue 39: replicated items).
+"""Trainers' state dicts, saved and restored on simulated nodes: items several ranks hold.
 
     python train_states.py ACTION LAYOUT[,LAYOUT...] RUN_DIR    (under torchrun: N nodes x R ranks)
 
