@@ -37,6 +37,7 @@ after a run. Needs root (unshare and mount; a network also ip, tc and nsenter).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -77,6 +78,10 @@ _EMPTY_SHM = ("import os, shutil\nfor name in os.listdir('/dev/shm'):\n    path 
 
 def _tail(text: str, limit: int = _TAIL) -> str:
     return text if len(text) <= limit else f"[... {len(text) - limit} chars before ...]\n{text[-limit:]}"
+
+
+def _text(data: bytes | str | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
 def free_port() -> int:
@@ -307,6 +312,31 @@ class _quiet:
         return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError))
 
 
+NODE_PRELOAD = (*PRELOAD, "dcp_nvme_harness.launch")
+_zygote: WarmPython | None = None
+
+
+def _base_env() -> dict[str, str]:
+    """The environment of every node's processes: this one's, without launcher variables, this
+    checkout first on the path, one OpenMP thread."""
+    out = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith(("PET_", "TORCHELASTIC_"))}
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    out.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONFAULTHANDLER="1")
+    return out
+
+
+def node_zygote() -> WarmPython:
+    """The server every node's server is forked from (``node_server``), started on first use and
+    ended at exit: it imports, once per test process, what each node's server imported in turn;
+    its environment is what the nodes' share at import time (``Cluster.node_env``)."""
+    global _zygote
+    if _zygote is None:
+        _zygote = WarmPython(NODE_PRELOAD, env=_base_env())
+        atexit.register(_zygote.close)
+    return _zygote
+
+
 @dataclass
 class Cluster:
     """``nodes`` simulated nodes of ``ranks_per_node`` ranks each, under the directory ``root``."""
@@ -397,12 +427,8 @@ class Cluster:
 
     def node_env(self, i: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment of node ``i``'s processes (before torchrun adds the rank variables)."""
-        out = {k: v for k, v in os.environ.items()
-               if k not in _DROP and not k.startswith(("PET_", "TORCHELASTIC_"))}
-        paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        out.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), OMP_NUM_THREADS="1",
-                   GLOO_SOCKET_IFNAME="eth0" if self._net is not None else "lo",
-                   PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", TMPDIR=str(self._tmp(i)),
+        out = _base_env()
+        out.update(GLOO_SOCKET_IFNAME="eth0" if self._net is not None else "lo", TMPDIR=str(self._tmp(i)),
                    MULTINODE_MOUNT=str(self.mount), MULTINODE_NODE=str(i), MULTINODE_ADDR=self.addr(i))
         out.update(env or {})
         return out
@@ -522,10 +548,13 @@ class Cluster:
             self._power_off(i)
             self._server_disks[i] = (disk.st_dev, disk.st_ino)
         if i not in self._servers:
-            # its socket in the host's temporary directory, which the node sees too (a path under a
-            # test's tmp_path can pass the 108 bytes a socket's name may have)
-            self._servers[i] = WarmPython((*PRELOAD, "dcp_nvme_harness.launch"), wrap=functools.partial(self._wrap, i),
-                                          env=self.node_env(i))
+            # forked from the zygote into the node's namespaces; its socket in the host's temporary
+            # directory, which the node sees too (a path under a test's tmp_path can pass the 108
+            # bytes a socket's name may have)
+            node = [self.hostname(i), str(self.node_disk(i)), str(self.mount), self._hosts_file(),
+                    self._netnodes[i].netns if self._netnodes else ""]
+            self._servers[i] = WarmPython(NODE_PRELOAD, env=self.node_env(i), via=node_zygote(),
+                                          via_module="dcp_nvme_harness.node_server", via_args=node)
         return self._servers[i]
 
     def _power_off(self, i: int) -> None:
@@ -545,9 +574,20 @@ class Cluster:
         """Run one plain command inside node ``i`` (its host name, its disk at ``mount``).
 
         Output is captured as text. On timeout the node's processes are killed and NodeFailure
-        is raised; with ``check``, so is it for a non-zero exit.
+        is raised; with ``check``, so is it for a non-zero exit. A Python command (``argv[0]`` is
+        this interpreter) of a ``"fork"`` cluster is forked from the node's server.
         """
         argv = [str(a) for a in argv]
+        if argv[0] == sys.executable and self.launcher == "fork":
+            try:
+                done = self._server(i).run(argv[1:], cwd=self._tmp(i), env=self.node_env(i, env), timeout=timeout)
+            except subprocess.TimeoutExpired as exc:  # its session was killed
+                raise NodeFailure(f"on_node({i}, {argv}) timed out after {timeout:.0f}s",
+                                  [NodeResult(i, 0, None, _text(exc.stdout), _text(exc.stderr), "timeout")]) from None
+            if check and done.returncode != 0:
+                raise NodeFailure(f"on_node({i}, {argv}) failed",
+                                  [NodeResult(i, 0, done.returncode, done.stdout, done.stderr)])
+            return subprocess.CompletedProcess(argv, done.returncode, done.stdout, done.stderr)
         proc = subprocess.Popen(self._wrap(i, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 stdin=subprocess.DEVNULL, env=self.node_env(i, env), cwd=self._tmp(i),
                                 start_new_session=True, errors="replace")

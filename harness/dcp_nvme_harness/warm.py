@@ -19,6 +19,7 @@ interpreter instead.
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import runpy
@@ -40,16 +41,20 @@ class WarmPython:
     """One server (started on first use), forking a process per ``run`` or ``start``.
 
     ``wrap`` puts the server somewhere else: ``wrap(argv)`` is the command line that runs
-    ``argv`` there (a simulated node's namespaces: ``Cluster``), ``socket_dir`` a directory
-    both sides see.
+    ``argv`` there, ``socket_dir`` a directory both sides see. ``via`` forks the server from
+    another server instead of starting an interpreter: ``-m via_module SOCKET *via_args
+    *preload`` runs there, ends in ``serve`` and pays no import the other one paid (a simulated
+    node's server: ``dcp_nvme_harness.node_server``).
     """
 
     def __init__(self, preload: Sequence[str] = PRELOAD, *, wrap: Callable[[list[str]], list[str]] | None = None,
-                 socket_dir: str | os.PathLike | None = None, env: Mapping[str, str] | None = None):
+                 socket_dir: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+                 via: WarmPython | None = None, via_module: str = "", via_args: Sequence[str] = ()):
         self.preload = tuple(preload)
+        self._via, self._via_argv = via, ["-m", via_module, *via_args]
         self._wrap = wrap or (lambda argv: argv)
         self._env = None if env is None else dict(env)
-        self._server: subprocess.Popen | None = None
+        self._server: subprocess.Popen | WarmProcess | None = None
         self._dir = tempfile.mkdtemp(prefix="warm-python-", dir=socket_dir)
         self._socket = os.path.join(self._dir, "server")
         if len(self._socket.encode()) > 100:  # AF_UNIX names end at 108 bytes
@@ -57,7 +62,7 @@ class WarmPython:
         self._lock = threading.Lock()
 
     @property
-    def server(self) -> subprocess.Popen | None:
+    def server(self) -> subprocess.Popen | WarmProcess | None:
         """The server's process (a session of its own), once started."""
         return self._server
 
@@ -67,11 +72,21 @@ class WarmPython:
                 return
             with _quiet():
                 os.unlink(self._socket)
-            argv = self._wrap([sys.executable, "-m", "dcp_nvme_harness.warm", self._socket, *self.preload])
-            self._server = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=self._env,
-                                            start_new_session=True)
-            assert self._server.stdout is not None
-            line = self._server.stdout.readline()
+            if self._via is not None:
+                ready_r, ready_w = os.pipe()
+                try:
+                    self._server = self._via.start([*self._via_argv[:2], self._socket, *self._via_argv[2:],
+                                                    *self.preload], env=self._env, stdout=ready_w, end_session=True)
+                finally:
+                    os.close(ready_w)
+                with os.fdopen(ready_r, "rb") as ready:
+                    line = ready.readline()
+            else:
+                argv = self._wrap([sys.executable, "-m", "dcp_nvme_harness.warm", self._socket, *self.preload])
+                self._server = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                env=self._env, start_new_session=True)
+                assert self._server.stdout is not None
+                line = self._server.stdout.readline()
             if line.strip() != b"ready":
                 raise RuntimeError(f"the warm Python server did not start (said {line!r})")
 
@@ -142,7 +157,12 @@ class WarmPython:
 
     def close(self) -> None:
         """End the server (and, where it runs in a namespace of its own, everything in it)."""
-        if self._server is not None:
+        if isinstance(self._server, WarmProcess):
+            self._server.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._server.wait(30)
+            self._server.close()
+        elif self._server is not None:
             if self._server.poll() is None:
                 with _quiet():
                     os.killpg(self._server.pid, signal.SIGKILL)
