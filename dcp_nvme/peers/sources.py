@@ -48,6 +48,7 @@ from dcp_nvme.peers.fetching import (
     data_keys,
     fetch_file,
     fetch_metadata,
+    journal_restored,
     replica_files,
     write_metadata,
 )
@@ -151,6 +152,7 @@ class RestoreSources:
         source, manifest_bytes, tables, manifest, seconds = self._newest(found)
         os.makedirs(self.path, exist_ok=True)
         write_metadata(self.path, manifest_bytes, tables)  # the manifest last: the local commit
+        journal_restored(self.path, source, manifest.save_key)
         self._took(source.kind, len(manifest_bytes) + sum(len(d) for _, d in tables), seconds)
         log.info("dcp_nvme: %s: the manifest came from %s", self.path, source.describe())
 
@@ -291,7 +293,7 @@ def mirror_source(path: str, url: str | None, options: dict[str, Any] | None) ->
                 log.warning("dcp_nvme: the mirror %s is compressed: a restore takes no files from it; "
                             "load it with NVMeReader(%r) instead", candidate, candidate)
                 return None
-            return MirrorSource(store)
+            return MirrorSource(store, options)
         except Exception as exc:  # noqa: BLE001  an unreachable mirror is one source fewer
             log.warning("dcp_nvme: the mirror %s cannot be read: %s", candidate, exc)
             return None
