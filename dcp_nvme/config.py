@@ -241,13 +241,23 @@ _CREDENTIAL = re.compile(r"key|secret|token|passw|credential|auth|session|signat
 
 def without_credentials(options: dict[str, Any] | None) -> dict[str, Any]:
     """``options`` with every entry whose name may hold a credential dropped, at any depth (e.g.
-    ``client_kwargs.aws_secret_access_key``): what may be written to disk (a drain journal)."""
+    ``client_kwargs.aws_secret_access_key``), and every value JSON cannot hold (a client object):
+    what may be written to disk (a drain journal)."""
     out: dict[str, Any] = {}
     for name, value in (options or {}).items():
         if not isinstance(name, str) or _CREDENTIAL.search(name):
             continue
-        out[name] = without_credentials(value) if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            out[name] = without_credentials(value)
+        elif _plain(value):
+            out[name] = value
     return out
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
 
 
 _CHECKS: dict[str, Any] = {

@@ -103,8 +103,11 @@ def test_options_parse_in_one_place_and_credentials_never_reach_disk():
         parse_storage_options('{"secret": "s3cr3t",')
     assert "s3cr3t" not in str(caught.value)  # the text may hold a secret: never echoed
     assert without_credentials({"key": "a", "secret": "b", "token": "c", "endpoint_url": "http://h",
-                                "client_kwargs": {"region_name": "r", "aws_secret_access_key": "d"}}) == \
-        {"endpoint_url": "http://h", "client_kwargs": {"region_name": "r"}}
+                                "client_kwargs": {"region_name": "r", "aws_secret_access_key": "d"},
+                                "session_factory": object(), "config_kwargs": {"retries": {"max_attempts": 1}},
+                                "client": object()}) == \
+        {"endpoint_url": "http://h", "client_kwargs": {"region_name": "r"},
+         "config_kwargs": {"retries": {"max_attempts": 1}}}  # a client object cannot go to disk either
 
 
 @pytest.mark.slow
