@@ -110,12 +110,14 @@ def _created(step: RemoteStep) -> float:
         return 0.0
 
 
-def latest_remote(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
+def latest_remote(url: str, storage_options: dict[str, Any] | None = None,
+                  extra_markers: tuple[str, ...] = ()) -> str | None:
     """The URL of the newest committed step under the remote run at ``url`` that can load, or
     None when it has none (an empty or absent prefix: a fresh start). A newer committed step
-    that cannot load is passed over with a warning naming it and why."""
+    that cannot load is passed over with a warning naming it and why. ``extra_markers``: names
+    a step must also hold (e.g. Megatron's ``metadata.json``)."""
     steps = remote_steps(url, storage_options) or []
-    committed = [s for s in steps if s.committed]
+    committed = [s for s in steps if s.committed and all(m in s.names for m in extra_markers)]
     if all(s.step is not None for s in committed):
         committed.sort(key=lambda s: (s.step, s.name), reverse=True)
     else:

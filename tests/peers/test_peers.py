@@ -228,6 +228,16 @@ def test_a_state_dict_key_naming_compression_keeps_a_plain_mirror_usable(tmp_pat
     assert torch.equal(out["compression"], state["compression"]) and torch.equal(out["w"], state["w"])
     assert reader.last_stats["sources"]["mirror"]["files"] == 1, reader.last_stats["sources"]
 
+    from dcp_nvme.format.manifest import seal
+    from dcp_nvme.peers.sources import mirror_source
+
+    coded = tmp_path / "coded" / "step_1"  # a manifest with the drain's section: no files from it
+    shutil.copytree(mirror / "step_1", coded)
+    doc = json.loads((coded / "manifest.json").read_bytes())
+    doc.pop("manifest_crc32c")
+    (coded / "manifest.json").write_bytes(seal({**doc, "compression": {"codec": "bytegroup"}}))
+    assert mirror_source(path, str(coded), None) is None and mirror_source(path, str(mirror), None) is not None
+
 
 def test_a_damaged_manifest_never_takes_an_older_save_of_the_step(tmp_path, caplog):
     """This node's manifest is damaged; a replica here holds the step's earlier save (from before

@@ -95,6 +95,26 @@ def test_latest_and_the_tools_take_a_run_url(remote_run, seaweed, capsys):
         latest(remote_run[2], storage_options=options)
 
 
+def _agree_on_a_url(rank, world, url, options, expected):
+    import dcp_nvme.storage.remote_run as remote_run
+
+    asked, real = [], remote_run.latest_remote
+    remote_run.latest_remote = lambda *a: asked.append(a) or real(*a)
+    try:
+        assert latest(url, storage_options=options, agree=True) == expected
+    finally:
+        remote_run.latest_remote = real
+    assert len(asked) == (1 if rank == 0 else 0), (rank, asked)  # rank 0 asks the store, the others hear it
+
+
+@pytest.mark.slow  # other processes
+def test_ranks_agree_on_a_run_urls_newest_from_one_look(remote_run):
+    from dcp_nvme_harness.dist_utils import run_ranks
+
+    url, options, _ = remote_run
+    run_ranks(2, _agree_on_a_url, url, options, latest(url, storage_options=options))
+
+
 def test_options_parse_in_one_place_and_credentials_never_reach_disk():
     from dcp_nvme.config import parse_storage_options, without_credentials
 
