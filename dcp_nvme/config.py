@@ -217,6 +217,49 @@ def check_url(name: str, value: Any, source: str = "the argument") -> str:
     return value
 
 
+def parse_storage_options(text: str | None, source: str = "--storage-options") -> dict[str, Any] | None:
+    """fsspec storage options given as JSON text (a command line's ``--storage-options``): a JSON
+    object (its keys are strings), or None when not given. Anything else is refused naming
+    ``source`` and the form expected, never echoing the text (it may hold a secret)."""
+    if text is None or not text.strip():
+        return None
+    example = 'e.g. \'{"endpoint_url": "http://host:8333"}\''
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidInputError(f"{source} is not valid JSON ({exc}): give a JSON object, "
+                                f"{example}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise InvalidInputError(f"{source} is a JSON {type(value).__name__}, not an object of "
+                                f"option names to values: {example}")
+    return value
+
+
+_CREDENTIAL = re.compile(r"key|secret|token|passw|credential|auth|session|signature|cert", re.IGNORECASE)
+"""Storage option names that may hold a credential (matched anywhere in the name)."""
+
+
+def without_credentials(options: dict[str, Any] | None) -> dict[str, Any]:
+    """``options`` with every entry whose name may hold a credential dropped, at any depth (e.g.
+    ``client_kwargs.aws_secret_access_key``), and every value JSON cannot hold (a client object):
+    what may be written to disk (a drain journal)."""
+    out: dict[str, Any] = {}
+    for name, value in (options or {}).items():
+        if not isinstance(name, str) or _CREDENTIAL.search(name):
+            continue
+        if isinstance(value, dict):
+            out[name] = without_credentials(value)
+        elif _plain(value):
+            out[name] = value
+    return out
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
+
+
 _CHECKS: dict[str, Any] = {
     "queue_depth": lambda n, v, s: check_int(n, v, QUEUE_DEPTH_RANGE, s),
     "block_size": lambda n, v, s: check_size(n, v, BLOCK_SIZE_RANGE, s, multiple=ALIGN),

@@ -162,6 +162,23 @@ class Manifest:
         return self.doc["save_key"]
 
     @property
+    def created_unix(self) -> float | None:
+        """When the save's commit was written (its writer's wall clock), if recorded as a
+        finite positive number: what tells two saves of one step apart."""
+        value = self.doc.get("created_unix")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            return None
+        return float(value)
+
+    @property
+    def compression(self) -> Any:
+        """The ``compression`` section the drain wrote into a compressed mirror's manifest (its
+        codec and stored files, checked by ``tiers.coded.coded_files`` before use); None for a
+        plain checkpoint. How a checkpoint is read is decided by this field alone, never by what
+        else the manifest's text holds (a state dict key may be any word)."""
+        return self.doc.get("compression")
+
+    @property
     def file_names(self) -> list[str]:
         return [f["name"] for f in self.doc["files"]]
 

@@ -484,7 +484,7 @@ class NVMeReader(StorageReader):
         config = self.config if request_size <= self.config.block_size else \
             replace(self.config, block_size=request_size)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
-        if "compression" in self.manifest().doc:  # a compressed mirror
+        if self.manifest().compression is not None:  # a compressed mirror
             engine = seams.coded_engine(self.store, self.manifest(), self._dir, config)
         elif is_remote_url(self.path):
             engine = FsspecEngine(cast(FsspecStore, self.store).fs, config)  # a URL's store (open_store)
@@ -550,7 +550,7 @@ class NVMeReader(StorageReader):
     def _plain_view(self) -> Any:
         """The store as the plain checkpoint it holds: a compressed mirror's rank files are
         read through their decoder, so their headers are checked like any other."""
-        if "compression" not in self.manifest().doc:
+        if self.manifest().compression is None:
             return self.store
         return seams.decoded_store(self.store, self.manifest(), self.path)
 

@@ -56,6 +56,7 @@ from dcp_nvme.peers.fetching import (
     MirrorSource,
     check_this_checkpoint,
     fetch_metadata,
+    journal_restored,
     replica_files,
     write_metadata,
 )
@@ -160,6 +161,7 @@ def agree_metadata(path: str, mirror: Callable[[], MirrorSource | None] = no_mir
                 held = {k for v in views for name in v.files if (k := save_key_of(name))}
                 check_this_checkpoint(manifest, path, held, source.describe(MANIFEST))
                 _keep_metadata(path, (manifest_bytes, tables), manifest.save_key, source.describe(), problem)
+                journal_restored(path, source, manifest.save_key)
                 key = manifest.save_key
             except (DCPNVMeError, OSError) as exc:
                 why = f"no node holds a committed manifest of it, nor does the mirror ({exc})"

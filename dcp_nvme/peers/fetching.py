@@ -17,6 +17,7 @@ Bytes between nodes move over gloo groups instead (``peers.exchange``, ``peers.r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import threading
@@ -40,6 +41,8 @@ from dcp_nvme.host.files import (
 
 MAX_MARKER = 1 << 20
 """A replica's marker is refused above this size before a byte is read."""
+
+log = logging.getLogger(__name__)
 
 
 def replica_files(directory: str, holder: str) -> dict[str, int] | None:
@@ -116,8 +119,10 @@ class MirrorSource:
 
     kind = "mirror"
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, storage_options: dict[str, Any] | None = None) -> None:
         self.store = store  # storage.fsspec_dir.FsspecStore or LocalStore
+        self.storage_options = storage_options
+        """What opened it: a step restored from it journals them (without credentials)."""
 
     def describe(self, name: str = "") -> str:
         where = getattr(self.store, "url", None) or getattr(self.store, "root", "?")
@@ -298,6 +303,20 @@ def check_this_checkpoint(manifest: Any, path: str, keys_here: set[str], where: 
 
 def _last_name(location: str) -> str:
     return location.rstrip("/").rsplit("/", 1)[-1]
+
+
+def journal_restored(directory: str, source: Any, save_key: str) -> None:
+    """The metadata of ``directory`` came from ``source``: when that is the mirror, the step is
+    journaled as mirrored there (``tiers.journal.journal_restored``); never fatal to the load."""
+    if not isinstance(source, MirrorSource):
+        return
+    from dcp_nvme.tiers.journal import journal_restored as write_journal
+
+    try:
+        write_journal(directory, source.describe(), save_key, source.storage_options)
+    except OSError as exc:
+        log.warning("dcp_nvme: %s: restored from the mirror %s, but its drain journal could not be "
+                    "written (%s): it shows as local", directory, source.describe(), exc)
 
 
 def write_metadata(directory: str, manifest_bytes: bytes, tables: list[tuple[str, bytes]]) -> None:

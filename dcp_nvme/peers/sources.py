@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -37,7 +38,7 @@ from typing import Any
 from dcp_nvme.config import IOConfig
 from dcp_nvme.errors import ChecksumMismatchError, DCPNVMeError, ManifestError, PeerError
 from dcp_nvme.format.container import MANIFEST, REPLICAS_DIR, check_node_name
-from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
+from dcp_nvme.format.manifest import MAX_MANIFEST, Manifest, read_files, read_manifest
 from dcp_nvme.host.files import create_no_follow
 from dcp_nvme.peers.fetching import (
     LocalSource,
@@ -47,6 +48,7 @@ from dcp_nvme.peers.fetching import (
     data_keys,
     fetch_file,
     fetch_metadata,
+    journal_restored,
     replica_files,
     write_metadata,
 )
@@ -112,7 +114,8 @@ class RestoreSources:
 
     def ensure_metadata(self) -> None:
         """This node's directory holds a manifest that reads back valid, or gets one (and its
-        tables) from the nearest copy that does."""
+        tables) from the copy that does; when copies hold different saves of this checkpoint,
+        from the newest (``_newest``)."""
         local = LocalStore(self.path)
         try:
             read_manifest(local, self.path)
@@ -122,9 +125,12 @@ class RestoreSources:
                 self._damaged(local.path(MANIFEST), exc)
             problem: BaseException = exc
         keys_here = data_keys(self.path)
+        found: list[tuple[Any, bytes, list[tuple[str, bytes]], Manifest, float]] = []
         for source in self._candidates(None):
             began = time.perf_counter()
             try:
+                if found and self._same_save(source, found[0][3].save_key):
+                    continue  # another copy of the save already read: its tables are not read again
                 manifest_bytes, tables, manifest = fetch_metadata(source, self.path)
                 check_this_checkpoint(manifest, self.path, keys_here, source.describe(MANIFEST))
             except (FileNotFoundError, PeerError) as exc:
@@ -140,13 +146,48 @@ class RestoreSources:
                 continue
             finally:
                 source.close()
-            os.makedirs(self.path, exist_ok=True)
-            write_metadata(self.path, manifest_bytes, tables)  # the manifest last: the local commit
-            self._took(source.kind, len(manifest_bytes) + sum(len(d) for _, d in tables),
-                       time.perf_counter() - began)
-            log.info("dcp_nvme: %s: the manifest came from %s", self.path, source.describe())
-            return
-        raise problem
+            found.append((source, manifest_bytes, tables, manifest, time.perf_counter() - began))
+        if not found:
+            raise problem
+        source, manifest_bytes, tables, manifest, seconds = self._newest(found)
+        os.makedirs(self.path, exist_ok=True)
+        write_metadata(self.path, manifest_bytes, tables)  # the manifest last: the local commit
+        journal_restored(self.path, source, manifest.save_key)
+        self._took(source.kind, len(manifest_bytes) + sum(len(d) for _, d in tables), seconds)
+        log.info("dcp_nvme: %s: the manifest came from %s", self.path, source.describe())
+
+    @staticmethod
+    def _same_save(source: Any, key: str) -> bool:
+        """Whether ``source``'s manifest names save ``key`` (read alone; anything else, a
+        manifest that does not parse included, is fetched and checked as a whole)."""
+        try:
+            doc = json.loads(source.read(MANIFEST, MAX_MANIFEST))
+        except (OSError, ValueError, DCPNVMeError):
+            return False
+        return isinstance(doc, dict) and doc.get("save_key") == key
+
+    def _newest(self, found: list[tuple[Any, bytes, list[tuple[str, bytes]], Manifest, float]]
+                ) -> tuple[Any, bytes, list[tuple[str, bytes]], Manifest, float]:
+        """Of copies that hold different saves of this step (a replica left from before an
+        overwrite beside the mirror of the overwrite), the one its writer created last. When the
+        recorded creation times do not tell, nothing is taken: an older save is never loaded
+        in silence."""
+        if len(found) == 1:
+            return found[0]
+        saves = "; ".join(f"{f[0].describe(MANIFEST)} holds save {f[3].save_key} created "
+                          f"{'at an unrecorded time' if f[3].created_unix is None else f'at unix {f[3].created_unix:.3f}'}"
+                          for f in found)
+        times = [f[3].created_unix for f in found]
+        if any(t is None for t in times) or len(set(times)) != len(times):
+            raise ManifestError(
+                f"{self.path}: this node's manifest is damaged and its copies hold different saves of "
+                f"the checkpoint ({saves}), and their creation times do not tell which is current: "
+                "nothing is loaded. Remove the stale copy, or load the one you mean with "
+                "NVMeReader(<its location>)")
+        newest = max(found, key=lambda f: f[3].created_unix or 0.0)
+        log.warning("dcp_nvme: %s: the copies hold different saves of the checkpoint (%s); the newest, "
+                    "from %s, is taken", self.path, saves, newest[0].describe())
+        return newest
 
     # ------------------------------------------------------------------ data files
 
@@ -248,15 +289,25 @@ def mirror_source(path: str, url: str | None, options: dict[str, Any] | None) ->
             store = open_store(candidate, options)
             if not store.has(MANIFEST):
                 continue
-            if b'"compression"' in store.read(MANIFEST, 1 << 26):
+            if _compressed(store.read(MANIFEST, 1 << 26)):
                 log.warning("dcp_nvme: the mirror %s is compressed: a restore takes no files from it; "
                             "load it with NVMeReader(%r) instead", candidate, candidate)
                 return None
-            return MirrorSource(store)
+            return MirrorSource(store, options)
         except Exception as exc:  # noqa: BLE001  an unreachable mirror is one source fewer
             log.warning("dcp_nvme: the mirror %s cannot be read: %s", candidate, exc)
             return None
     return None
+
+
+def _compressed(manifest_bytes: bytes) -> bool:
+    """Whether a mirror's manifest records a compression section (the drain's own field). A
+    manifest that does not parse is left to ``fetch_metadata``, which names it damaged."""
+    try:
+        doc = json.loads(manifest_bytes)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and Manifest(doc).compression is not None
 
 
 def _join(root: str | None, name: str) -> str | None:

@@ -147,7 +147,8 @@ def latest(
     kinds: Iterable[str] = (NVME,),
     extra_markers: Iterable[str] = (),
     agree: bool = False,
-) -> Path | None:
+    storage_options: dict[str, Any] | None = None,
+) -> Path | str | None:
     """The newest committed dcp_nvme checkpoint under ``run_dir`` (see :func:`checkpoints`) that
     can load, or None: one ``NVMeReader`` loads. A newer one that cannot (its manifest does not
     parse, or a file it lists is missing or of another size: ``storage.intact``, no data read) is
@@ -161,7 +162,24 @@ def latest(
     on one node -- and a restart that took each node's own newest would load one model from two
     steps. A node that holds the newest step prepared but not renamed (its vote was in, the
     commit was decided: another node renamed it) is rolled forward; a step some node lacks is
-    passed over, with a warning naming the node. In one process it is ``latest`` itself."""
+    passed over, with a warning naming the node. In one process it is ``latest`` itself.
+
+    ``run_dir`` may be a URL (``s3://bucket/run``, any fsspec URL; ``storage_options`` go to its
+    filesystem): the newest step there that can load, as a URL (str), for
+    ``NVMeReader(url, storage_options=...)`` (``storage.remote_run``). Every rank sees the same
+    store: with ``agree`` rank 0 asks it and tells the others (a drain that commits meanwhile
+    cannot split them)."""
+    from dcp_nvme.storage.local_dir import is_remote_url
+
+    if is_remote_url(run_dir):
+        from dcp_nvme.storage.remote_run import latest_remote  # here: fsspec only for a URL
+
+        if not (agree and _several_ranks()):
+            return latest_remote(os.fspath(run_dir), storage_options, tuple(extra_markers))
+        return _told_by_rank_0(lambda: latest_remote(os.fspath(run_dir), storage_options, tuple(extra_markers)))
+    if storage_options is not None:
+        raise InvalidInputError(f"latest({os.fspath(run_dir)!r}): storage_options are for a URL run "
+                                "directory (s3://bucket/run); a local directory takes none")
     if agree and _several_ranks():
         return _agreed(run_dir, tuple(kinds), tuple(extra_markers))
     from dcp_nvme.storage.intact import load_problem  # here, so that `import dcp_nvme` loads no pyarrow
@@ -211,6 +229,28 @@ def _save_key(path: Path) -> str | None:
         return read_manifest_doc(LocalStore(path), str(path)).save_key
     except (OSError, ValueError, KeyError):
         return None  # a stock DCP checkpoint has no save key
+
+
+def _told_by_rank_0(find: Any) -> Any:
+    """``find()`` on rank 0, its answer (or its error, raised on every rank) on all."""
+    import torch.distributed as dist
+
+    from dcp_nvme.errors import DCPNVMeError
+
+    said: list[Any] = [None]
+    failed: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            said = [(find(), None)]
+        except Exception as exc:  # noqa: BLE001  every rank hears it (as text: any error pickles)
+            failed, said = exc, [(None, f"{type(exc).__name__}: {exc}")]
+    dist.broadcast_object_list(said, src=0)
+    found, error = said[0]
+    if failed is not None:
+        raise failed
+    if error is not None:
+        raise DCPNVMeError(f"latest(agree=True) on rank 0: {error}")
+    return found
 
 
 def _several_ranks() -> bool:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from dcp_nvme.config import check_option, parse_size
+from dcp_nvme.config import check_option, parse_size, parse_storage_options
 from dcp_nvme.errors import InvalidInputError
 from dcp_nvme.format.manifest import describe_topology, read_manifest
 from dcp_nvme.humanize import format_size, print_json, progress_bar
@@ -15,7 +14,7 @@ from dcp_nvme.storage.run_dir import checkpoints
 from dcp_nvme.tiers.compress import MODES as COMPRESS_MODES
 from dcp_nvme.tiers.delta import delta_line, status_line
 from dcp_nvme.tiers.drainer import drain
-from dcp_nvme.tiers.journal import drain_state, load_journal
+from dcp_nvme.tiers.journal import drain_state, journal_options, load_journal
 from dcp_nvme.tiers.options import DrainOptions
 from dcp_nvme.tiers.retention import apply_retention
 from dcp_nvme.tiers.verify import verify_mirror
@@ -65,7 +64,10 @@ def register(subparsers) -> None:
         name = "status"
     parser = subparsers.add_parser(
         name, help="drain state of a checkpoint, or of every checkpoint in a run directory")
-    parser.add_argument("path", help="a checkpoint directory, or a run directory holding checkpoints")
+    parser.add_argument("path", help="a checkpoint directory, or a run directory holding checkpoints, "
+                                     "or its URL (s3://bucket/run)")
+    parser.add_argument("--storage-options", default=None, metavar="JSON",
+                        help="for a URL: a JSON object of fsspec storage options")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=_status)
 
@@ -75,12 +77,10 @@ def _drain(args: argparse.Namespace) -> int:
     if not isinstance(target, str) or not target:
         raise InvalidInputError(f"{args.path}: no --to given and no drain journal names a target")
     target = check_option("mirror", target, "--to")  # an unknown protocol fails now, not after retries
-    try:
-        storage_options = json.loads(args.storage_options) if args.storage_options else None
-    except ValueError as exc:
-        raise InvalidInputError(f"--storage-options is not valid JSON: {exc}") from None
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise InvalidInputError("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}'")
+    storage_options = parse_storage_options(args.storage_options)
+    if not args.target:  # the journal's target: its options too (never credentials: give those again)
+        kept = journal_options(args.path)
+        storage_options = {**kept, **(storage_options or {})} if kept or storage_options else None
     options = DrainOptions(
         max_transfers=args.max_transfers, part_size=parse_size(args.part_size),
         bandwidth=parse_size(args.bandwidth) if args.bandwidth else None, verify=args.verify,
@@ -128,8 +128,13 @@ def _local_bytes(path: str) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from dcp_nvme.peers.replicate import protection, replication_state
+    from dcp_nvme.storage.local_dir import is_remote_url
 
     path = args.path
+    if is_remote_url(path):
+        return _status_remote(path, parse_storage_options(args.storage_options), args.json)
+    if args.storage_options is not None:
+        raise InvalidInputError(f"--storage-options are for a URL (s3://bucket/run); {path} is a local path")
     if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
         paths = [path]
     else:
@@ -150,6 +155,8 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     for row in rows:
         extra = f" -> {row['target']}" if row["target"] else ""
+        if row.get("restored_from") and row["state"] == "mirrored":
+            extra += " (restored from it)"
         progress = (f" ({format_size(row['bytes_sent'])} of {format_size(row['bytes_total'])})"
                     if row["state"] == "draining" else "")
         note = " [interrupted: run `dcp-nvme drain` to resume]" if row["interrupted"] else ""
@@ -161,6 +168,26 @@ def _status(args: argparse.Namespace) -> int:
         nodes = describe_topology(row["topology"], []) if row["topology"] else None
         where = f" [{nodes}]" if nodes and row["topology"]["mode"] == "node-local" else ""
         print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}{where}{_replicas(row)}")
+    return 0
+
+
+def _status_remote(url: str, storage_options: dict | None, as_json: bool) -> int:
+    """The steps of a run in an object store (or one step): each is the mirror's own copy, so
+    its state is ``remote``, with whether it can load (``dcp-nvme inspect`` says how it is stored)."""
+    from dcp_nvme.tools.listing import list_remote
+
+    rows = []
+    for entry in list_remote(url, storage_options):
+        rows.append({"checkpoint": entry.path, "path": entry.path, "state": "remote",
+                     "checkpoint_state": entry.state, "cause": entry.reason,
+                     "text": f"remote ({entry.state}{f': {entry.reason}' if entry.reason else ''})"})
+    if as_json:
+        print_json(rows[0] if len(rows) == 1 and rows[0]["path"].rstrip("/") == url.rstrip("/") else rows)
+        return 0
+    if not rows:
+        print(f"no checkpoints under {url}")
+    for row in rows:
+        print(f"{row['path']}: {row['text']}")
     return 0
 
 

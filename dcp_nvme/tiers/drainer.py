@@ -158,6 +158,7 @@ class _DrainRun:
     def __init__(self, location: str, target: str, storage_options: dict[str, Any] | None, filesystem: Any,
                  options: DrainOptions, progress: Progress | None) -> None:
         self.location, self.target, self.options, self.progress = location, target, options, progress
+        self.storage_options = storage_options
         self.open_sink = lambda: open_sink(target, storage_options, filesystem)
         self.mirror_manifest = lambda url: _mirror_manifest(url, storage_options, filesystem)
         self.started = time.perf_counter()
@@ -186,7 +187,7 @@ class _DrainRun:
             raise overwritten(self.location, f"save {self.source.save_key} was replaced by save {fresh.save_key}")
         self.source = fresh
         if self.journal is None:
-            self.journal = Journal.open(self.location, self.target, fresh.save_key)
+            self.journal = Journal.open(self.location, self.target, fresh.save_key, self.storage_options)
             self.result = DrainResult(self.location, self.target, fresh.save_key,
                                       int(fresh.manifest.doc.get("total_bytes", 0)))
         self.result.attempts = attempt

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dcp_nvme.config import without_credentials
 from dcp_nvme.errors import CheckpointNotFoundError
 from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.format.manifest import MAX_MANIFEST, missing_manifest_error
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 JOURNAL = ".drain.json"
 LOCK = ".drain.lock"
 """flock'd for the whole of a drain: one drain per checkpoint at a time (it holds the journal)."""
+OPTIONS = "storage_options"
+"""The journal's entry of the target's storage options, credentials left out."""
 JOURNAL_VERSION = 2
 """Version 2 records byte ranges; an older journal (piece numbers only) is started afresh."""
 LOCAL, DRAINING, MIRRORED, FAILED, UNCOMMITTED = "local", "draining", "mirrored", "failed", "uncommitted"
@@ -58,6 +61,8 @@ class DrainState:
     delta: dict[str, Any] | None = None
     """A mirrored ``compress="delta"`` drain: against what, and how much of the items' bytes
     were delta-coded (``fraction``, ``full_items``, or ``why`` everything was coded full)."""
+    restored_from: str | None = None
+    """The mirror this step was restored from (its manifest came from there), when it was."""
 
     def __str__(self) -> str:
         return f"{self.state}: {self.cause}" if self.state == FAILED and self.cause else self.state
@@ -135,9 +140,30 @@ def drain_state(path: str | os.PathLike) -> DrainState:
             int(doc.get("attempts", 0)), doc.get("updated_unix"),
             doc.get("pid") if isinstance(doc.get("pid"), int) else None,
             delta if isinstance(delta, dict) else None,
+            doc["restored_from"] if isinstance(doc.get("restored_from"), str) else None,
         )
     except (TypeError, ValueError):
         return DrainState(LOCAL, cause=f"{JOURNAL} is malformed")
+
+
+def journal_options(path: str | os.PathLike) -> dict[str, Any]:
+    """The storage options (without credentials) the journal of ``path`` kept for its target;
+    {} when none (or the entry is not an object of option names)."""
+    kept = (load_journal(path) or {}).get(OPTIONS)
+    return kept if isinstance(kept, dict) and all(isinstance(k, str) for k in kept) else {}
+
+
+def journal_restored(path: str, target: str, save_key: str, storage_options: dict[str, Any] | None) -> None:
+    """``path`` was restored from its mirror at ``target`` (its manifest came from there): the
+    mirror holds this save, so the step is journaled as mirrored, as a drain would have left
+    it (retention may remove it, ``dcp-nvme drain PATH`` confirms it with no ``--to``). Its
+    files are confirmed on the target by the next drain, never taken on trust."""
+    doc = {"version": JOURNAL_VERSION, "target": target, "save_key": save_key, "state": MIRRORED,
+           "cause": "", "files": {}, "bytes_sent": 0, "bytes_total": 0, "attempts": 0,
+           "restored_from": target, "updated_unix": time.time()}
+    if storage_options:
+        doc[OPTIONS] = without_credentials(storage_options)
+    LocalStore(path).write_atomic(JOURNAL, json.dumps(doc).encode())
 
 
 class DrainBusy(RuntimeError):
@@ -190,13 +216,17 @@ class Journal:
         self.lock = threading.RLock()
 
     @classmethod
-    def open(cls, path: str, target: str, save_key: str) -> Journal:
-        """The existing journal when it describes this save and target, else a fresh one."""
+    def open(cls, path: str, target: str, save_key: str, storage_options: dict[str, Any] | None = None) -> Journal:
+        """The existing journal when it describes this save and target, else a fresh one. It
+        keeps ``storage_options`` without credentials (``config.without_credentials``): a later
+        ``dcp-nvme drain PATH`` needs only those given again."""
         doc = load_journal(path)
         if (doc is None or doc.get("version") != JOURNAL_VERSION or doc.get("save_key") != save_key
                 or doc.get("target") != target or not isinstance(doc.get("files"), dict)):
             doc = {"version": JOURNAL_VERSION, "target": target, "save_key": save_key, "state": LOCAL,
                    "cause": "", "files": {}, "bytes_sent": 0, "bytes_total": 0, "attempts": 0}
+        if storage_options:
+            doc[OPTIONS] = without_credentials(storage_options)
         for counter in ("bytes_sent", "bytes_total", "attempts"):  # counters only: never trusted
             if not isinstance(doc.get(counter), int):
                 doc[counter] = 0

@@ -34,10 +34,24 @@ def _when(unix: float | None) -> str:
 # --------------------------------------------------------------------------- list
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    from dcp_nvme.tools.listing import list_checkpoints
+def _storage_options(args: argparse.Namespace, location: str) -> dict[str, Any] | None:
+    """``--storage-options``, checked; refused for a local path (only a URL has a filesystem to give them to)."""
+    from dcp_nvme.config import parse_storage_options
+    from dcp_nvme.errors import InvalidInputError
+    from dcp_nvme.storage.local_dir import is_remote_url
 
-    entries = list_checkpoints(args.dir)
+    options = parse_storage_options(getattr(args, "storage_options", None))
+    if options is not None and not is_remote_url(location):
+        raise InvalidInputError(f"--storage-options are for a URL (s3://bucket/run); {location} is a local path")
+    return options
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from dcp_nvme.storage.local_dir import is_remote_url
+    from dcp_nvme.tools.listing import list_checkpoints, list_remote
+
+    options = _storage_options(args, args.dir)
+    entries = list_remote(args.dir, options) if is_remote_url(args.dir) else list_checkpoints(args.dir)
     if args.json:
         _json([{"checkpoint": e.path, **e.to_dict()} for e in entries])
         return 0
@@ -65,7 +79,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from dcp_nvme.format.manifest import describe_topology
     from dcp_nvme.tools.inspection import inspect_checkpoint
 
-    info = inspect_checkpoint(args.checkpoint, filter=args.filter)
+    options = _storage_options(args, args.checkpoint)
+    info = inspect_checkpoint(args.checkpoint, filter=args.filter, storage_options=options)
     if args.json:
         _json(info.to_dict(), info.location)
         return 0 if info.ok else 1
@@ -103,7 +118,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"{human_bytes(info.total_bytes)}")
         from dcp_nvme.tiers.coded import describe_compression
 
-        coded = describe_compression(info.location)
+        coded = describe_compression(info.location, options)
         if coded:
             print(f"compressed:  {coded}")
     return 0 if info.ok else 1
@@ -123,7 +138,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     progress = not args.no_progress and not args.json
     report = verify_checkpoint(args.checkpoint, jobs=args.jobs, progress=progress,
-                               allow_pickle=args.allow_pickle)
+                               allow_pickle=args.allow_pickle,
+                               storage_options=_storage_options(args, args.checkpoint))
     if args.json:
         _json(report.to_dict(), report.location)
         return 0 if report.ok else 1
@@ -231,21 +247,30 @@ def register_unlock(subparsers: argparse._SubParsersAction) -> None:
 # --------------------------------------------------------------------------- registration
 
 
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-options", default=None, metavar="JSON",
+                        help="for a URL: a JSON object of fsspec storage options, e.g. "
+                             "'{\"endpoint_url\": \"http://host:8333\"}'")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("list", help="checkpoints under a run directory, newest first")
-    p.add_argument("dir", help="a run directory (or one checkpoint directory)")
+    p.add_argument("dir", help="a run directory (or one checkpoint directory), or its URL (s3://bucket/run)")
+    add_storage_options(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_list)
 
     p = subparsers.add_parser("inspect", help="tensors, shapes, dtypes and sizes of a checkpoint (no data read)")
     p.add_argument("checkpoint", help="checkpoint directory or fsspec URL")
     p.add_argument("--filter", metavar="GLOB", help="only names matching this glob, e.g. 'model.*'")
+    add_storage_options(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
 
     p = subparsers.add_parser("verify", help="read every byte and check every checksum; exit 0 only if intact")
     p.add_argument("checkpoint", help="checkpoint directory or fsspec URL")
     p.add_argument("--jobs", type=int, default=4, metavar="N", help="parallel readers (default 4)")
+    add_storage_options(p)
     p.add_argument("--allow-pickle", action="store_true",
                    help="kept for scripts: items that only full pickle can load are listed (PICKLE) "
                         "and never fail the integrity check")

@@ -75,15 +75,17 @@ def top_key(fqn: str) -> str:
     return fqn.split(".", 1)[0]
 
 
-def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None) -> Inspection:
+def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None,
+                       storage_options: dict[str, Any] | None = None) -> Inspection:
     """Describe a checkpoint; an unfinished or damaged one is described (``state``, ``reason``).
+    ``storage_options``: for a URL, its filesystem's options.
 
     Raises CheckpointNotFoundError when there is no dcp_nvme checkpoint at all (missing path,
     another tool's files). ``filter`` is a glob on names; matching nothing is a ValueError.
     """
     if what_is_local(location) in (HF_DIR, SAFETENSORS_FILE):
         return _inspect_safetensors(os.fspath(location), filter)
-    source = decoded_view(open_store(location))  # a compressed mirror reads as its plain files
+    source = decoded_view(open_store(location, storage_options))  # a compressed mirror reads as its plain files
     found = checkpoint_state(source)
     if found.state in (MISSING, NOT_A_CHECKPOINT, FOREIGN):
         raise CheckpointNotFoundError(found.reason)

@@ -76,6 +76,49 @@ def describe(path: str | os.PathLike) -> CheckpointEntry:
                            total, ranks, created, _tier_state(str(root)))
 
 
+def describe_remote(step: Any) -> CheckpointEntry:
+    """One step of a remote run (``storage.remote_run.RemoteStep``) as a list row: its state as
+    a local one's, from its small files; its tier ``remote`` (it is the object store's copy)."""
+    found = checkpoint_state(decoded_view(step.store))
+    ranks, created = None, 0.0
+    if found.manifest is not None:
+        ranks = found.manifest.doc.get("world_size")
+        created = found.manifest.created_unix or 0.0
+    elif found.data_files:
+        ranks = len(found.data_files)
+    return CheckpointEntry(step.url, step.name, step.step, found.state, found.reason, step.bytes, ranks,
+                           created, "remote")
+
+
+def list_remote(url: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointEntry]:
+    """The steps of the run at ``url`` (an fsspec URL), or the checkpoint ``url`` itself, newest
+    first, as :func:`list_checkpoints` orders them."""
+    from dcp_nvme.storage.fsspec_dir import FsspecStore
+    from dcp_nvme.storage.remote_run import listed_step, remote_steps
+
+    itself = listed_step(FsspecStore(url, storage_options))
+    if itself.committed:
+        return [describe_remote(itself)]
+    steps = remote_steps(url, fs=itself.store.fs)
+    if steps is None:
+        raise FileNotFoundError(f"{url} holds nothing (no such bucket or prefix, or the storage options "
+                                "point at another store)")
+    entries = [describe_remote(s) for s in steps if _looks_like_checkpoint_names(s.names)]
+    return _newest_first(entries)
+
+
+def _looks_like_checkpoint_names(names: Any) -> bool:
+    return MANIFEST in names or DCP_METADATA in names or any(save_key_of(n) for n in names)
+
+
+def _newest_first(entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+    if entries and all(e.step is not None for e in entries):
+        entries.sort(key=lambda e: (e.step, e.created_unix), reverse=True)
+    else:
+        entries.sort(key=lambda e: e.created_unix, reverse=True)
+    return entries
+
+
 def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
     """Checkpoints in ``run_dir`` (or ``run_dir`` itself if it is one), newest first.
 
@@ -90,9 +133,4 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
         candidates = [root]
     else:
         candidates = sorted(p for p in root.iterdir() if p.is_dir() and _looks_like_checkpoint(p))
-    entries = [describe(p) for p in candidates]
-    if entries and all(e.step is not None for e in entries):
-        entries.sort(key=lambda e: (e.step, e.created_unix), reverse=True)
-    else:
-        entries.sort(key=lambda e: e.created_unix, reverse=True)
-    return entries
+    return _newest_first([describe(p) for p in candidates])

@@ -93,8 +93,10 @@ def verify_checkpoint(
     progress: bool = False,
     span: int = DEFAULT_SPAN,
     allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> VerifyReport:
-    """Verify a checkpoint (local path or fsspec URL). ``report.ok`` only when all is intact.
+    """Verify a checkpoint (local path or fsspec URL, ``storage_options`` its filesystem's
+    options). ``report.ok`` only when all is intact.
 
     Raises CheckpointNotFoundError when the path is missing or holds no dcp_nvme checkpoint at
     all; an unfinished or damaged checkpoint is a report with problems, not an exception.
@@ -106,7 +108,7 @@ def verify_checkpoint(
         raise InvalidInputError(f"--jobs must be at least 1, got {jobs}")
     if not is_remote_url(location) and what_is(location) in (HF_DIR, SAFETENSORS_FILE):
         return _verify_safetensors(os.fspath(location))
-    source = decoded_view(open_store(location))  # a compressed mirror reads as its plain files
+    source = decoded_view(open_store(location, storage_options))  # a compressed mirror reads as its plain files
     report = VerifyReport(source.location)
     started = time.perf_counter()
     manifest = _manifest(source, report)

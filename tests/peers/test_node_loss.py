@@ -18,6 +18,7 @@ import pytest
 from dcp_nvme_harness.multinode import SCRIPTS, all_records, describe
 
 from dcp_nvme.format.container import REPLICA_MARKER, REPLICAS_DIR
+from dcp_nvme.tiers.journal import drain_state
 
 pytestmark = pytest.mark.slow
 SCRIPT = SCRIPTS / "node_loss.py"
@@ -129,3 +130,7 @@ def test_replicas_survive_a_lost_node(cluster3, seaweed, seaweed_bucket):
     assert any("mirror" in sources(node, 1)[0] for node in range(3))
     healed = os.listdir(_step(cluster, 1, 3))  # the replacement node kept what it fetched
     assert "manifest.json" in healed and any(n.startswith("rank_00001") for n in healed), healed
+    for node in range(3):  # step 1 came back from the mirror alone: journaled mirrored there
+        state = drain_state(str(_step(cluster, node, 1)))
+        assert (state.state, state.target, state.restored_from) == ("mirrored", f"{mirror}/step_1", f"{mirror}/step_1"), \
+            (node, state)

@@ -210,3 +210,72 @@ def test_an_overwrite_removes_the_replicas_and_kept_ranges_of_the_save_it_replac
     assert not os.path.exists(os.path.join(path, REPLICAS_DIR, "7"))
     assert os.listdir(os.path.join(path, ".ranges")) == []
     assert read_manifest(LocalStore(path), path).save_key != old.save_key
+
+
+def test_a_state_dict_key_naming_compression_keeps_a_plain_mirror_usable(tmp_path):
+    """Whether a mirror is compressed is what its manifest's compression section records: a
+    state dict key that is the word itself leaves a plain mirror a source."""
+    path = str(tmp_path / "run" / "step_1")
+    state = {"compression": torch.arange(5000, dtype=torch.float32), "w": torch.ones(100)}
+    dcp.save(state, storage_writer=NVMeWriter(path), no_dist=True)
+    mirror = tmp_path / "mirror"
+    shutil.copytree(path, mirror / "step_1")
+    rank_file = read_manifest(LocalStore(path), path).file_names[0]
+    os.unlink(os.path.join(path, rank_file))  # this node lost its data file
+    out = {"compression": torch.empty(5000), "w": torch.empty(100)}
+    reader = NVMeReader(path, mirror=str(mirror))
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert torch.equal(out["compression"], state["compression"]) and torch.equal(out["w"], state["w"])
+    assert reader.last_stats["sources"]["mirror"]["files"] == 1, reader.last_stats["sources"]
+
+    from dcp_nvme.format.manifest import seal
+    from dcp_nvme.peers.sources import mirror_source
+
+    coded = tmp_path / "coded" / "step_1"  # a manifest with the drain's section: no files from it
+    shutil.copytree(mirror / "step_1", coded)
+    doc = json.loads((coded / "manifest.json").read_bytes())
+    doc.pop("manifest_crc32c")
+    (coded / "manifest.json").write_bytes(seal({**doc, "compression": {"codec": "bytegroup"}}))
+    assert mirror_source(path, str(coded), None) is None and mirror_source(path, str(mirror), None) is not None
+
+
+def test_a_damaged_manifest_never_takes_an_older_save_of_the_step(tmp_path, caplog):
+    """This node's manifest is damaged; a replica here holds the step's earlier save (from before
+    an overwrite), the mirror the current one. The newer save by its recorded creation time is
+    loaded; when the times do not tell, nothing is loaded and both copies are named."""
+    from dcp_nvme.format.manifest import seal
+
+    old, current = str(tmp_path / "old" / "step_1"), str(tmp_path / "current" / "step_1")
+    dcp.save({"w": torch.zeros(1000)}, storage_writer=NVMeWriter(old), no_dist=True)
+    dcp.save({"w": torch.ones(1000)}, storage_writer=NVMeWriter(current), no_dist=True)
+    old_key = read_manifest(LocalStore(old), old).save_key
+    current_key = read_manifest(LocalStore(current), current).save_key
+
+    def damaged_node(name):
+        here = str(tmp_path / name / "step_1")
+        os.makedirs(here)
+        with open(os.path.join(here, "manifest.json"), "w") as f:
+            f.write('{"save_key": ')  # torn
+        replica = _hold_replica(old, here, read_manifest(LocalStore(old), old).node_of(0) or "n0")
+        return here, replica
+
+    here, replica = damaged_node("node")
+    out = {"w": torch.empty(1000)}
+    with caplog.at_level(logging.WARNING, logger="dcp_nvme.peers.sources"):
+        dcp.load(out, storage_reader=NVMeReader(here, mirror=str(tmp_path / "current")), no_dist=True)
+    assert torch.equal(out["w"], torch.ones(1000))
+    assert read_manifest(LocalStore(here), here).save_key == current_key
+    assert f"save {old_key}" in caplog.text and replica in caplog.text and "the newest" in caplog.text
+
+    # the mirror's manifest records the same creation time as the replica's: no way to tell
+    doc = json.loads(open(os.path.join(current, "manifest.json"), "rb").read())
+    doc.pop("manifest_crc32c")
+    doc["created_unix"] = read_manifest(LocalStore(old), old).doc["created_unix"]
+    with open(os.path.join(current, "manifest.json"), "wb") as f:
+        f.write(seal(doc))
+    here, replica = damaged_node("node2")
+    with pytest.raises(BaseException, match="different saves of the checkpoint") as caught:  # DCP wraps it
+        dcp.load(out, storage_reader=NVMeReader(here, mirror=str(tmp_path / "current")), no_dist=True)
+    assert replica in str(caught.value) and str(tmp_path / "current" / "step_1") in str(caught.value)
+    assert old_key in str(caught.value) and current_key in str(caught.value)
+    assert open(os.path.join(here, "manifest.json")).read() == '{"save_key": '  # nothing written
