@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("dcp_nvme.tools.commands", "consolidate into a Hugging Face safetensors model"),
     "convert": ("dcp_nvme.tools.commands", "to and from DCP's stock layout and torch.save files"),
     "drain": ("dcp_nvme.tiers", "copy a committed checkpoint to its mirror (resumes an interrupted drain)"),
-    "status": ("dcp_nvme.tiers", "drain state of a checkpoint, or of every checkpoint in a run directory"),
+    "status": ("dcp_nvme.tools.commands", "drain state of a checkpoint, or of every checkpoint in a run directory"),
     "tune": ("dcp_nvme.tune.command", "sweep queue depth x block size on a directory; save the best for the plugin"),
     "bench": ("dcp_nvme.bench", "measure dcp_nvme against the device limit, DCP FileSystemWriter, "
                                 "torch.save, safetensors"),

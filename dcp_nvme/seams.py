@@ -76,6 +76,8 @@ coded_engine = Seam("coded_engine", "reads of a compressed mirror; (store, manif
                     "config) -> an engine, or None for a plain checkpoint")
 decoded_store = Seam("decoded_store", "a compressed mirror's files as the plain checkpoint they hold; "
                      "(store, manifest, location) -> a store")
+mirror_restored = Seam("mirror_restored", "a step whose metadata a restore took from its mirror: journal it "
+                       "as mirrored there; (path, target, save_key, storage_options) -> None")
 save_diagnostics = Seam("save_diagnostics", "drive health and block-layer advice around a save's write, "
                         "when asked (dcp-nvme bench/tune); (directory, queue_depth, local_ranks, "
                         "block_size) -> an object whose finish() returns fields for last_stats")

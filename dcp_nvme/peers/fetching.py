@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from dcp_nvme import seams
 from dcp_nvme.errors import ManifestError, PeerError
 from dcp_nvme.format.container import REPLICA_MARKER, REPLICAS_DIR, is_served_name, save_key_of
 from dcp_nvme.format.pieces import plan_pieces, verify_piece
@@ -307,13 +308,11 @@ def _last_name(location: str) -> str:
 
 def journal_restored(directory: str, source: Any, save_key: str) -> None:
     """The metadata of ``directory`` came from ``source``: when that is the mirror, the step is
-    journaled as mirrored there (``tiers.journal.journal_restored``); never fatal to the load."""
-    if not isinstance(source, MirrorSource):
+    journaled as mirrored there (the ``mirror_restored`` seam); never fatal to the load."""
+    if not isinstance(source, MirrorSource) or not seams.mirror_restored.plugged:
         return
-    from dcp_nvme.tiers.journal import journal_restored as write_journal
-
     try:
-        write_journal(directory, source.describe(), save_key, source.storage_options)
+        seams.mirror_restored(directory, source.describe(), save_key, source.storage_options)
     except OSError as exc:
         log.warning("dcp_nvme: %s: restored from the mirror %s, but its drain journal could not be "
                     "written (%s): it shows as local", directory, source.describe(), exc)

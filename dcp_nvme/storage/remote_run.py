@@ -4,7 +4,7 @@ each can load, the newest. What ``dcp_nvme.latest`` and ``dcp-nvme list|status``
 One listing of the run's prefix, then per step its ``manifest.json`` and the size of each file
 it lists (``storage.intact.quick_check``): no table or data read. A step is a prefix directly
 under the run's that holds ``manifest.json`` (a drain writes it last: its presence means the
-mirror is committed). Steps are ordered by the step in their names (``storage.run_dir.parse_step``)
+mirror is committed). Steps are ordered by the step in their names (``storage.step_names.parse_step``)
 when every name carries one, else by their manifests' creation times.
 """
 
@@ -21,7 +21,7 @@ from dcp_nvme.format.manifest import read_manifest_doc
 from dcp_nvme.host.files import bare_name
 from dcp_nvme.storage.fsspec_dir import FsspecStore, filesystem
 from dcp_nvme.storage.intact import one_line, quick_check
-from dcp_nvme.storage.run_dir import parse_step
+from dcp_nvme.storage.step_names import parse_step
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import stat
 import warnings
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dcp_nvme.errors import InvalidInputError
+from dcp_nvme.storage.step_names import parse_step
 
 NVME_MARKER = "manifest.json"
 """dcp_nvme's commit marker: renamed into place last, so its presence means committed."""
@@ -36,27 +36,6 @@ NVME = "nvme"
 DCP = "dcp"
 _MARKERS = {NVME: NVME_MARKER, DCP: DCP_MARKER}
 
-_STEP_PATTERNS = (
-    re.compile(r"^(?:.*[_\-=.])?step[_\-=.]?(\d+)$", re.IGNORECASE),  # step_1, step-1, epoch=0-step=5
-    re.compile(r"^(?:iter|iteration|checkpoint|ckpt|epoch)[_\-=.]?(\d+)$", re.IGNORECASE),
-    re.compile(r"^(?:global_)?step(\d+)$", re.IGNORECASE),
-    re.compile(r"^(\d+)$"),
-)
-_LIGHTNING_SUFFIX = ".ckpt"  # Lightning's ModelCheckpoint names directories epoch=E-step=N.ckpt
-
-
-def parse_step(name: str) -> int | None:
-    """The training step in a checkpoint directory's name, or None when it names none.
-
-    >>> [parse_step(n) for n in ("step_1000", "epoch=2-step=30.ckpt", "iter_0000500", "final")]
-    [1000, 30, 500, None]
-    """
-    name = name.removesuffix(_LIGHTNING_SUFFIX)
-    for pattern in _STEP_PATTERNS:
-        match = pattern.match(name)
-        if match:
-            return int(match.group(1))
-    return None
 
 
 @dataclass(frozen=True)

@@ -58,19 +58,6 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=_drain)
 
-    if "status" in getattr(subparsers, "_name_parser_map", {}):
-        name = "drain-status"  # another module owns `status`
-    else:
-        name = "status"
-    parser = subparsers.add_parser(
-        name, help="drain state of a checkpoint, or of every checkpoint in a run directory")
-    parser.add_argument("path", help="a checkpoint directory, or a run directory holding checkpoints, "
-                                     "or its URL (s3://bucket/run)")
-    parser.add_argument("--storage-options", default=None, metavar="JSON",
-                        help="for a URL: a JSON object of fsspec storage options")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.set_defaults(func=_status)
-
 
 def _drain(args: argparse.Namespace) -> int:
     target = args.target or (load_journal(args.path) or {}).get("target")
@@ -126,15 +113,11 @@ def _local_bytes(path: str) -> int:
         return 0
 
 
-def _status(args: argparse.Namespace) -> int:
+def status_local(args: argparse.Namespace) -> int:
+    """``dcp-nvme status`` of a local checkpoint or run directory (``tools.commands`` registers it)."""
     from dcp_nvme.peers.replicate import protection, replication_state
-    from dcp_nvme.storage.local_dir import is_remote_url
 
     path = args.path
-    if is_remote_url(path):
-        return _status_remote(path, parse_storage_options(args.storage_options), args.json)
-    if args.storage_options is not None:
-        raise InvalidInputError(f"--storage-options are for a URL (s3://bucket/run); {path} is a local path")
     if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
         paths = [path]
     else:
@@ -168,26 +151,6 @@ def _status(args: argparse.Namespace) -> int:
         nodes = describe_topology(row["topology"], []) if row["topology"] else None
         where = f" [{nodes}]" if nodes and row["topology"]["mode"] == "node-local" else ""
         print(f"{row['path']}: {row['text']}{why}{extra}{zipped}{progress}{note}{where}{_replicas(row)}")
-    return 0
-
-
-def _status_remote(url: str, storage_options: dict | None, as_json: bool) -> int:
-    """The steps of a run in an object store (or one step): each is the mirror's own copy, so
-    its state is ``remote``, with whether it can load (``dcp-nvme inspect`` says how it is stored)."""
-    from dcp_nvme.tools.listing import list_remote
-
-    rows = []
-    for entry in list_remote(url, storage_options):
-        rows.append({"checkpoint": entry.path, "path": entry.path, "state": "remote",
-                     "checkpoint_state": entry.state, "cause": entry.reason,
-                     "text": f"remote ({entry.state}{f': {entry.reason}' if entry.reason else ''})"})
-    if as_json:
-        print_json(rows[0] if len(rows) == 1 and rows[0]["path"].rstrip("/") == url.rstrip("/") else rows)
-        return 0
-    if not rows:
-        print(f"no checkpoints under {url}")
-    for row in rows:
-        print(f"{row['path']}: {row['text']}")
     return 0
 
 

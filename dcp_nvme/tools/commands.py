@@ -1,4 +1,4 @@
-"""``dcp-nvme list | inspect | verify | export``: the command-line face of ``dcp_nvme.tools``.
+"""``dcp-nvme list | inspect | verify | export | convert | unlock | status``: the command-line face of ``dcp_nvme.tools``.
 
 Each command prints a table (or ``--json``) and returns its exit status; errors raise, and
 ``dcp_nvme.cli`` prints them as one line. The tools (and torch) are imported when a command
@@ -297,3 +297,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     register_convert(subparsers)
     register_unlock(subparsers)
+    register_status(subparsers)
+
+
+def register_status(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("status", help="drain state of a checkpoint, or of every checkpoint in a run directory")
+    p.add_argument("path", help="a checkpoint directory, or a run directory holding checkpoints, "
+                                "or its URL (s3://bucket/run)")
+    add_storage_options(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """A local path: its drain, replication and node state (``tiers.commands.status_local``); a
+    URL: the steps of the run in the object store, each the mirror's own copy (``remote``),
+    with whether it can load (``dcp-nvme inspect`` says how it is stored)."""
+    from dcp_nvme.storage.local_dir import is_remote_url
+
+    options = _storage_options(args, args.path)
+    if not is_remote_url(args.path):
+        from dcp_nvme.tiers.commands import status_local
+
+        return status_local(args)
+    from dcp_nvme.tools.listing import list_remote
+
+    url = args.path
+    rows = []
+    for entry in list_remote(url, options):
+        rows.append({"checkpoint": entry.path, "path": entry.path, "state": "remote",
+                     "checkpoint_state": entry.state, "cause": entry.reason,
+                     "text": f"remote ({entry.state}{f': {entry.reason}' if entry.reason else ''})"})
+    if args.json:
+        _json(rows[0] if len(rows) == 1 and rows[0]["path"].rstrip("/") == url.rstrip("/") else rows)
+        return 0
+    if not rows:
+        print(f"no checkpoints under {url}")
+    for row in rows:
+        print(f"{row['path']}: {row['text']}")
+    return 0

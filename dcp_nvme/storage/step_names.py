@@ -1,0 +1,28 @@
+"""The training step in a checkpoint directory's name (``storage.run_dir`` and
+``storage.remote_run`` order a run's steps by it)."""
+
+from __future__ import annotations
+
+import re
+
+_STEP_PATTERNS = (
+    re.compile(r"^(?:.*[_\-=.])?step[_\-=.]?(\d+)$", re.IGNORECASE),  # step_1, step-1, epoch=0-step=5
+    re.compile(r"^(?:iter|iteration|checkpoint|ckpt|epoch)[_\-=.]?(\d+)$", re.IGNORECASE),
+    re.compile(r"^(?:global_)?step(\d+)$", re.IGNORECASE),
+    re.compile(r"^(\d+)$"),
+)
+_LIGHTNING_SUFFIX = ".ckpt"  # Lightning's ModelCheckpoint names directories epoch=E-step=N.ckpt
+
+
+def parse_step(name: str) -> int | None:
+    """The training step in a checkpoint directory's name, or None when it names none.
+
+    >>> [parse_step(n) for n in ("step_1000", "epoch=2-step=30.ckpt", "iter_0000500", "final")]
+    [1000, 30, 500, None]
+    """
+    name = name.removesuffix(_LIGHTNING_SUFFIX)
+    for pattern in _STEP_PATTERNS:
+        match = pattern.match(name)
+        if match:
+            return int(match.group(1))
+    return None
