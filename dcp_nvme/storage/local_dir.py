@@ -23,6 +23,7 @@ from dcp_nvme.errors import (
     StorageError,
 )
 from dcp_nvme.format.container import (
+    MANIFEST,
     RANGES_DIR,
     REPLICAS_DIR,
     SPANS_SUFFIX,
@@ -328,3 +329,19 @@ def remove_save_files(directory: str, key: str) -> None:
         temp = temp_of(name)
         if save_key_of(name) == key or (temp and temp[1] == key):
             unlink_below(directory, name)
+
+
+def refuse_run_dir(path: str) -> None:
+    """A directory whose subdirectories hold checkpoints is a run directory: a save into it
+    would make it a checkpoint itself, and ``list`` and ``latest()`` would then see it, not its steps."""
+    try:
+        with os.scandir(path) as entries:
+            steps = sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+                           and os.path.lexists(os.path.join(e.path, MANIFEST)))
+    except OSError:
+        return  # not there yet (made next) or unreadable (the save says so next)
+    if steps:
+        shown = ", ".join(steps[:3]) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+        raise InvalidInputError(f"{path} holds checkpoints in directories ({shown}): it is a run directory, "
+                                "and a save into it would hide them; save each step into a directory of its own "
+                                f"under it, e.g. {os.path.join(path, 'step_000100')}")
