@@ -161,8 +161,17 @@ def check_size(name: str, value: Any, bounds: tuple[int, int], source: str = "th
     if not lo <= number <= hi:
         raise _invalid(name, value, source, f"must be from {format_size(lo)} to {format_size(hi)}")
     if number % multiple:
-        raise _invalid(name, value, source, f"must be a multiple of {format_size(multiple)}")
+        raise _invalid(name, value, source, f"must be a multiple of {format_size(multiple)}{_binary_hint(value)}")
     return number
+
+
+def _binary_hint(value: Any) -> str:
+    """``did you mean '8MiB'?`` for a decimal size such as ``"8MB"``, which is rarely meant."""
+    match = _SIZE_RE.match(value) if isinstance(value, str) and len(value) <= MAX_SIZE_TEXT else None
+    if not match or not match.group(2) or match.group(3) or not match.group(4):
+        return ""
+    number, unit = match.group(1), match.group(2)
+    return f" ({value.strip()!r} is decimal: {parse_size(value)} bytes); did you mean '{number}{unit.upper()}iB'?"
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...], source: str = "the argument") -> str:

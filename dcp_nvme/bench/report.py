@@ -94,7 +94,8 @@ def _row_line(row: dict[str, Any], ours: dict[str, Any] | None, limit: dict[str,
         return f"  {label:<52} FAILED (see below)"
     if row["skipped"]:
         return f"  {label:<52} skipped: {row['skipped']}"
-    versus_device = row["gbps"] / limit["gbps"] if limit and not limit["skipped"] and limit["gbps"] else None
+    measured = limit and not limit["skipped"] and limit["gbps"] and limit["extra"].get("device_limit") is not False
+    versus_device = row["gbps"] / limit["gbps"] if measured and limit else None
     ours_ratio = None
     if ours and not ours["skipped"] and row["gbps"] and row["role"] != "ours":
         ours_ratio = ours["gbps"] / row["gbps"]

@@ -38,6 +38,8 @@ def compute_ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
 
     def gbps(key: str) -> float | None:
         row = by_key.get(key)
+        if row and row["extra"].get("device_limit") is False:
+            return None  # without fio the "limit" is our own engine: a ratio to it would mislead
         return row["gbps"] if row and not row["skipped"] and row["gbps"] > 0 else None
 
     def ratio(a: float | None, b: float | None) -> float | None:

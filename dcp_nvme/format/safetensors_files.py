@@ -6,7 +6,10 @@ every top-level ``*.safetensors``) and each file's entries (``scan_file``).
 Every name and number read from these files is checked here, before it is used: the header by
 ``container.parse_header`` (length cap, dtypes, shapes, non-overlapping offsets), each item
 inside the file, the index's file names bare names of regular files beside it, torch's
-``DCP_SHARDING_INFO`` offsets counts of the tensor's rank. ``load.foreign`` reads them.
+``DCP_SHARDING_INFO`` offsets counts of the tensor's rank; every shard a regular file (a FIFO
+is refused, never opened blocking) inside the directory (a link may lead only to the Hugging
+Face cache's ``blobs/`` of the same model); the chunks of each tensor tiling it exactly
+(``check_layout``), before a byte of data is read. ``load.foreign`` reads them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dcp_nvme.format.container import (
     parse_header,
     save_key_of,
 )
+from dcp_nvme.host.files import file_kind, open_regular, read_regular
 
 HF_INDEX = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
@@ -80,27 +84,60 @@ class StoredChunk:
 
 def hf_files(path: str, kind: str | None) -> list[str]:
     """The files of a Hugging Face model directory (its index's, else every top-level
-    ``*.safetensors``, by name), or the single file."""
+    ``*.safetensors``, by name), each checked by ``_check_shard``, or the single file."""
     if kind == SAFETENSORS_FILE:
         return [path]
     index = os.path.join(path, HF_INDEX)
-    if os.path.isfile(index):
-        return [os.path.join(path, name) for name in _weight_map(index, path)]
-    names = sorted(n for n in os.listdir(path) if n.endswith(SUFFIX) and _FILE_NAME.match(n))
-    return [os.path.join(path, n) for n in names]
+    if os.path.lexists(index):
+        names = _weight_map(index, path)
+    else:
+        names = sorted(n for n in os.listdir(path) if n.endswith(SUFFIX) and _FILE_NAME.match(n))
+    return [_check_shard(path, name, index if os.path.lexists(index) else None) for name in names]
+
+
+def _check_shard(directory: str, name: str, index: str | None) -> str:
+    """``directory/name`` if it is a regular file there, or a link to one that stays inside the
+    directory (or, in the Hugging Face cache's ``snapshots/<revision>/``, inside that model's
+    ``blobs/``): a FIFO would hang the first read, a link elsewhere reads what is not the model."""
+    path = os.path.join(directory, name)
+    named = f"{index} names {name}, which" if index else f"{path}"
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise ManifestError(f"{named} is not in {directory}; put the missing shard back (or download "
+                            "the model again)") from None
+    if stat.S_ISLNK(mode):
+        real, roots = os.path.realpath(path), [os.path.realpath(directory)]
+        parent = os.path.dirname(roots[0])
+        if os.path.basename(parent) == "snapshots":
+            roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+        if not any(os.path.commonpath([real, root]) == root for root in roots):
+            raise ManifestError(f"{path} is a symbolic link to {real}, outside {directory}; a model's shards are "
+                                "read only from its own directory, so it is refused: copy the file there")
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise ManifestError(f"{path} is a link to {real}, which cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise ManifestError(f"{named} is {file_kind(mode)}; a model's shards must be regular files, so it is "
+                            "refused: replace it with the shard file")
+    return path
+
+
+def open_shard(file: str) -> int:
+    """A read fd of a shard checked by ``hf_files`` (or a single file): its link, if any, resolved
+    once, and opened non-blocking first, so that a FIFO swapped in since is refused, not waited on."""
+    return open_regular(os.path.realpath(file))
 
 
 def _weight_map(index: str, directory: str) -> list[str]:
-    """The shard files ``model.safetensors.index.json`` names: bare ``.safetensors`` names of
-    regular files in its directory, each once, in first-use order."""
-    size = os.stat(index).st_size
-    if size > MAX_INDEX:
-        raise ManifestError(f"{index} is {size} bytes, more than the {MAX_INDEX} read")
-    with open(index, "rb") as f:
-        try:
-            doc = json.loads(f.read(MAX_INDEX))
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise ManifestError(f"{index} is not valid JSON ({exc})") from None
+    """The shard files ``model.safetensors.index.json`` names: bare ``.safetensors`` names, each
+    once, in first-use order (``_check_shard`` checks the files)."""
+    doc_bytes = read_regular(index, MAX_INDEX)
+    try:
+        doc = json.loads(doc_bytes)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ManifestError(f"{index} is not valid JSON ({exc})") from None
     weights = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weights, dict) or not weights:
         raise ManifestError(f"{index} has no weight_map (a JSON object of tensor name -> file name)")
@@ -111,20 +148,13 @@ def _weight_map(index: str, directory: str) -> list[str]:
                                 "beside the index")
         if name not in names:
             names.append(name)
-    for name in names:
-        try:
-            mode = os.lstat(os.path.join(directory, name)).st_mode
-        except FileNotFoundError:
-            raise ManifestError(f"{index} names {name}, which is not in {directory}") from None
-        if not stat.S_ISREG(mode):
-            raise ManifestError(f"{index} names {name}, which is not a regular file")
     return names
 
 
 def scan_file(file: str) -> list[StoredChunk]:
     """A safetensors file's entries, each checked: the header (``parse_header``), the data inside
     the file, a dtype torch has, ``DCP_SHARDING_INFO`` offsets (when there) of the tensor's rank."""
-    with open(file, "rb") as f:
+    with os.fdopen(open_shard(file), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         length = header_length(f.read(8), size, file)
         f.seek(0)
@@ -160,3 +190,46 @@ def _sharding_info(metadata: dict[str, object], file: str) -> dict[str, Any] | N
     if not isinstance(info, dict):
         raise ManifestError(f"{file}: the header's {SHARDING_INFO} is not a JSON object")
     return info
+
+
+def check_layout(chunks: list[StoredChunk], location: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape (the chunks' extent), once its chunks agree on dtype and rank and tile
+    it exactly: no two overlap and together they cover every element. A shard file missing or
+    two chunks at overlapping offsets would otherwise leave elements at the destination's old
+    values or mix two chunks. Checked before any data is read."""
+    by_fqn: dict[str, list[StoredChunk]] = {}
+    for chunk in chunks:
+        first = by_fqn.setdefault(chunk.fqn, [chunk])[0]
+        if chunk is not first:
+            if (chunk.dtype, len(chunk.shape)) != (first.dtype, len(first.shape)):
+                raise ManifestError(f"{chunk.file}: {chunk.fqn!r} is {chunk.dtype} of {len(chunk.shape)} dims "
+                                    f"here, {first.dtype} of {len(first.shape)} dims in {first.file}")
+            by_fqn[chunk.fqn].append(chunk)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for fqn, group in by_fqn.items():
+        shape = tuple(max(o + n for o, n in pair) for pair in zip(*[list(zip(c.offsets, c.shape)) for c in group])) \
+            if group[0].shape else ()
+        # sorted by the first dim's start: only chunks whose first-dim ranges meet can overlap
+        ordered = sorted(group, key=lambda c: c.offsets[:1])
+        for i, a in enumerate(ordered):
+            for b in ordered[i + 1:]:
+                if a.shape and b.offsets[0] >= a.offsets[0] + a.shape[0]:
+                    break
+                if all(bo < ao + an and ao < bo + bn for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape)):
+                    raise ManifestError(f"{location}: {fqn!r}'s chunk at offsets {list(a.offsets)} in {a.file} "
+                                        f"overlaps the one at {list(b.offsets)} in {b.file}; the model's files do "
+                                        "not belong together")
+        covered = sum(_volume(c.shape) for c in group)
+        if covered != _volume(shape):
+            raise ManifestError(f"{location}: {fqn!r}'s chunks cover {covered} of the {_volume(shape)} elements of "
+                                f"its shape {list(shape)}: a shard file is missing (its files: "
+                                f"{sorted({os.path.basename(c.file) for c in group})}); put it back")
+        shapes[fqn] = shape
+    return shapes
+
+
+def _volume(shape: tuple[int, ...]) -> int:
+    total = 1
+    for n in shape:
+        total *= n
+    return total

@@ -191,3 +191,81 @@ def unlink_quietly(path: str) -> None:
     except OSError:
         pass
 
+
+
+# Removal below a directory others may write to: every step is opened relative to the last
+# (``dir_fd``) with O_NOFOLLOW, so a link planted anywhere on the way is an entry to remove at
+# most, never a way into the folder it points to.
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NO_FOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_dir_below(directory: str | os.PathLike, *names: str) -> int | None:
+    """An fd of ``directory/names...`` with no link followed below ``directory``; None when a
+    step is missing, a link or not a directory. The caller closes it."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for name in names:
+            inner = os.open(bare_name(name), _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except OSError:  # ELOOP/ENOTDIR for a link or a file on the way: nothing to list or remove there
+        os.close(fd)
+        return None
+    return fd
+
+
+def list_below(directory: str | os.PathLike, *names: str) -> list[str]:
+    """The entries of ``directory/names...`` (see ``open_dir_below``); [] when it is not a real directory."""
+    fd = open_dir_below(directory, *names)
+    if fd is None:
+        return []
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_at(fd: int, name: str) -> None:
+    if not stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
+        os.unlink(name, dir_fd=fd)  # a link goes, never its target
+        return
+    inner = os.open(name, _DIR_FLAGS, dir_fd=fd)  # O_NOFOLLOW: swapped for a link since, it fails
+    try:
+        for entry in os.listdir(inner):
+            _remove_at(inner, entry)
+    finally:
+        os.close(inner)
+    os.rmdir(name, dir_fd=fd)
+
+
+def remove_below(directory: str | os.PathLike, *names: str) -> bool:
+    """Remove the entry ``directory/names...`` (a file, a link or a whole tree) without following
+    any link below ``directory``. False when it was not there or could not be removed."""
+    if not names:
+        raise ValueError("remove_below removes an entry below the directory, never the directory itself")
+    fd = open_dir_below(directory, *names[:-1])
+    if fd is None:
+        return False
+    try:
+        _remove_at(fd, bare_name(names[-1]))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def unlink_below(directory: str | os.PathLike, *names: str) -> bool:
+    """Unlink the file (or link) ``directory/names...`` with no link followed on the way; a
+    directory there is left alone. False when nothing was removed."""
+    fd = open_dir_below(directory, *names[:-1])
+    if fd is None:
+        return False
+    try:
+        os.unlink(bare_name(names[-1]), dir_fd=fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

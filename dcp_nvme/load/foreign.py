@@ -3,8 +3,10 @@ model directory or a single ``.safetensors`` file (``SafetensorsReader``: DCP's 
 reshards it like any checkpoint; chunks torch's HuggingFaceStorageWriter wrote per rank are
 placed by their ``DCP_SHARDING_INFO``), and a stock DCP checkpoint (FileSystemWriter's
 ``.metadata`` is a pickle: read only when the caller allows pickle). What each file says is
-checked in ``format.safetensors_files`` before use. These files carry no checksums: what is
-read is what is there.
+checked in ``format.safetensors_files`` before use, the layout as a whole (every tensor tiled
+by its chunks) before any data is read. These files carry no checksums: what is read is what is
+there. A slice that is one byte range of its chunk and a contiguous destination of its dtype
+(the common case: a whole tensor) is read straight into the destination, with no copy between.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from dcp_nvme.format.safetensors_files import (
     SAFETENSORS_FILE,
     STOCK_DCP,
     StoredChunk,
+    check_layout,
     hf_files,
+    open_shard,
     scan_file,
     what_is,
 )
@@ -88,24 +92,18 @@ class SafetensorsReader(StorageReader):
             self.__init__(checkpoint_id)  # type: ignore[misc]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        chunks = self.scan()
+        shapes = check_layout(chunks, self.path)  # the layout as a whole, before any read
         tensors: dict[str, TensorStorageMetadata] = {}
         self.chunks = {}
-        for chunk in self.scan():
+        for chunk in chunks:
             index = MetadataIndex(chunk.fqn, chunk.offsets)
-            if index in self.chunks:
-                raise ManifestError(f"{self.path}: {chunk.fqn!r} at offsets {list(chunk.offsets)} is in both "
-                                    f"{self.chunks[index].file} and {chunk.file}")
-            self.chunks[index] = chunk
-            dtype = parse_dtype(chunk.dtype, chunk.file)
+            self.chunks[index] = chunk  # check_layout refused two chunks at the same offsets
             meta = tensors.get(chunk.fqn)
             if meta is None:
-                meta = tensors[chunk.fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype),
-                                                                  torch.Size(chunk.shape), [])
-            elif meta.properties.dtype != dtype or len(meta.size) != len(chunk.shape):
-                raise ManifestError(f"{chunk.file}: {chunk.fqn!r} is {chunk.dtype} of {len(chunk.shape)} dims "
-                                    f"here, {meta.properties.dtype} of {len(meta.size)} dims in another file")
+                meta = tensors[chunk.fqn] = TensorStorageMetadata(
+                    TensorProperties(dtype=parse_dtype(chunk.dtype, chunk.file)), torch.Size(shapes[chunk.fqn]), [])
             meta.chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.shape)))
-            meta.size = torch.Size(max(s, o + n) for s, o, n in zip(meta.size, chunk.offsets, chunk.shape))
         self.load_id = self.load_id or os.urandom(8).hex()
         return Metadata(state_dict_metadata=dict(tensors), storage_meta=StorageMeta(load_id=self.load_id))
 
@@ -128,22 +126,29 @@ class SafetensorsReader(StorageReader):
                                         "as the state dict asks (a non-tensor value, or another checkpoint's name)")
             by_file.setdefault(chunk.file, []).append((item, chunk))
         for file, items in by_file.items():
-            with open(file, "rb") as f:
+            fd = open_shard(file)
+            try:
                 for item, chunk in sorted(items, key=lambda pair: pair[1].start):
-                    f.seek(chunk.start)
-                    data = bytearray(f.read(chunk.nbytes))
-                    if len(data) != chunk.nbytes:
-                        raise ManifestError(f"{file}: {chunk.fqn!r} ends past the end of the file (truncated?)")
-                    stored = (torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
-                    value = stored.view(parse_dtype(chunk.dtype, file)).reshape(chunk.shape)
-                    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                        value = value.narrow(dim, offset, length)
                     target = planner.resolve_tensor(item).detach()
-                    if target.shape != value.shape:
+                    if tuple(target.shape) != tuple(item.lengths):
                         raise ManifestError(f"{file}: {chunk.fqn!r}: the planner asked for {tuple(target.shape)}, "
-                                            f"the slice is {tuple(value.shape)}")
-                    target.copy_(value)
+                                            f"the slice is {tuple(item.lengths)}")
+                    span = _byte_range(chunk, item)
+                    dtype = parse_dtype(chunk.dtype, file)
+                    if span is not None and target.dtype == dtype and target.device.type == "cpu" \
+                            and target.is_contiguous():
+                        _read_into(fd, file, chunk, span, _bytes_of(target))  # no buffer between
+                    else:
+                        data = bytearray(chunk.nbytes)
+                        _read_into(fd, file, chunk, (chunk.start, chunk.nbytes), memoryview(data))
+                        stored = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                        value = stored.view(dtype).reshape(chunk.shape)
+                        for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                            value = value.narrow(dim, offset, length)
+                        target.copy_(value)
                     planner.commit_tensor(item, target)
+            finally:
+                os.close(fd)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -155,3 +160,42 @@ class SafetensorsReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return what_is(checkpoint_id) in (HF_DIR, SAFETENSORS_FILE)
+
+
+def _byte_range(chunk: StoredChunk, item: ReadItem) -> tuple[int, int] | None:
+    """(file offset, length) of the slice ``item`` asks of ``chunk`` when it is one byte range
+    (dims after some dim whole, dims before it of length one); None otherwise."""
+    shape, offsets, lengths = chunk.shape, tuple(item.storage_offsets), tuple(item.lengths)
+    count = 1
+    for n in lengths:
+        count *= n
+    elements = 1
+    for n in shape:
+        elements *= n
+    itemsize = chunk.nbytes // elements if elements else 0
+    dim = len(shape)
+    while dim > 0 and offsets[dim - 1] == 0 and lengths[dim - 1] == shape[dim - 1]:
+        dim -= 1
+    if any(n != 1 for n in lengths[:max(dim - 1, 0)]):
+        return None
+    start, stride = 0, itemsize
+    for d in reversed(range(len(shape))):
+        start += offsets[d] * stride
+        stride *= shape[d]
+    return chunk.start + start, count * itemsize
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.reshape(-1)
+    # numpy's buffer stub before 3.12
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(bytearray())  # type: ignore[arg-type]
+
+
+def _read_into(fd: int, file: str, chunk: StoredChunk, span: tuple[int, int], into: memoryview) -> None:
+    offset, length = span
+    total = 0
+    while total < length:
+        got = os.preadv(fd, [into[total:length]], offset + total)
+        if got == 0:
+            raise ManifestError(f"{file}: {chunk.fqn!r} ends past the end of the file (truncated?)")
+        total += got

@@ -123,6 +123,7 @@ class PeerLoad:
         for kind, entry in fetched.taken.items():
             mine = self.came.setdefault(kind, {"files": 0, "bytes": 0, "seconds": 0.0})
             mine["bytes"] += entry["bytes"]
+            mine["seconds"] += entry["seconds"]
         if fetched.damaged:
             self.came.setdefault("damaged", []).extend(fetched.damaged)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -213,8 +214,13 @@ def _keep_metadata(path: str, payload: Any, key: str, node: str, problem: str | 
         except (DCPNVMeError, OSError):
             pass
         write_metadata(path, manifest_bytes, [(n, files[n]) for n in files if n != MANIFEST])
-    log.warning("dcp_nvme: %s: this node's manifest was %s; it came from %s", path,
-                problem or "missing", node if "/" in node else f"node {node}")
+    source = node if "/" in node else f"node {node}"
+    if problem is None or problem.startswith(f"{CheckpointNotFoundError.__name__}:"):
+        log.warning("dcp_nvme: %s: this node held no manifest of the step, so the one from %s was written "
+                    "in its place", path, source)
+    else:
+        log.warning("dcp_nvme: %s: this node's manifest could not be used (%s), so the one from %s was written "
+                    "in its place", path, problem, source)
 
 
 class Fetch:
@@ -445,6 +451,17 @@ def _transfer(path: str, assigned: list[tuple[int, int, Span, int]], records: di
 
 def _from_mirror_all(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
                      mirror: MirrorSource | None, optional: bool, out: Fetch) -> tuple[str | None, list[Span]]:
+    """``_from_mirror_spans``, its time counted as the mirror's in ``out.taken`` (last_stats)."""
+    began = time.perf_counter()
+    try:
+        return _from_mirror_spans(path, manifest, records, mine, mirror, optional, out)
+    finally:
+        if "mirror" in out.taken:
+            out.taken["mirror"]["seconds"] += time.perf_counter() - began
+
+
+def _from_mirror_spans(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
+                       mirror: MirrorSource | None, optional: bool, out: Fetch) -> tuple[str | None, list[Span]]:
     """This rank's asks that no node holds, from the mirror: ranged reads of ``MIRROR_RANGE``
     bytes, ``MIRROR_IN_FLIGHT`` at once (one span at a time, one read each, left the link
     mostly idle), each span checked and kept as soon as all of it came; at most

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +43,16 @@ from dcp_nvme.format.container import (
 from dcp_nvme.format.manifest import MAX_MANIFEST, read_files, read_manifest
 from dcp_nvme.format.pieces import plan_pieces, verify_piece
 from dcp_nvme.format.tables import FileRecord
-from dcp_nvme.host.files import create_no_follow, make_private_dir, open_regular, pwrite_all, read_regular
+from dcp_nvme.host.files import (
+    create_no_follow,
+    list_below,
+    make_private_dir,
+    open_regular,
+    pwrite_all,
+    read_regular,
+    remove_below,
+    unlink_below,
+)
 from dcp_nvme.host.threads import in_background
 from dcp_nvme.peers.fetching import Limiter, replica_files, write_metadata, write_small
 from dcp_nvme.storage.local_dir import LocalStore
@@ -182,24 +190,11 @@ def _marker(directory: str, node: str) -> dict[str, Any] | None:
 
 
 def clear_replica(replica_dir: str) -> None:
-    """Uncommit (marker first), then remove everything a replica directory holds."""
-    try:
-        os.unlink(os.path.join(replica_dir, REPLICA_MARKER))
-    except OSError:
-        pass
-    try:
-        names = os.listdir(replica_dir)
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(replica_dir, name)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        except OSError:
-            pass
+    """Uncommit (marker first), then remove everything a replica directory holds (no link
+    inside is followed: a link goes, never what it points to)."""
+    unlink_below(replica_dir, REPLICA_MARKER)
+    for name in list_below(replica_dir):
+        remove_below(replica_dir, name)
 
 
 # --------------------------------------------------------------------------- the background thread

@@ -297,8 +297,19 @@ class NVMeStager(AsyncStager):
         try:
             self._prepare(arena, state_dict, future, started)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the save
-            log.error("dcp_nvme: staging failed: %s", exc)
-            future.set_exception(exc)
+            if not threading.main_thread().is_alive() or (isinstance(exc, RuntimeError)
+                                                          and "after interpreter shutdown" in str(exc)):
+                # the process exits (Ctrl-C, the end of the script): Python's pools refuse new work
+                abandoned = RuntimeError(
+                    "the process is exiting (its main thread ended, e.g. by Ctrl-C) while a save was being "
+                    "staged: that save is abandoned and nothing of it is written; the checkpoints before it "
+                    "are untouched. Wait for upload_completion before the script ends to keep a save")
+                abandoned.__cause__ = exc
+                log.warning("dcp_nvme: %s", abandoned)
+                future.set_exception(abandoned)
+            else:
+                log.error("dcp_nvme: staging failed: %s", exc)
+                future.set_exception(exc)
         finally:
             assert future.prepared is not None
             future.prepared.set()

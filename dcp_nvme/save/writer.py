@@ -109,6 +109,7 @@ from dcp_nvme.storage.local_dir import (
     LocalStore,
     finish_begins,
     is_local_path,
+    refuse_run_dir,
     remove_other_saves_copies,
     remove_save_files,
     require_location,
@@ -118,6 +119,7 @@ from dcp_nvme.storage.local_dir import (
 )
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,7 @@ class NVMeWriter(StorageWriter):
                 f"{self.path}: dcp_nvme saves need use_collectives=True (the default): one manifest, "
                 "committed by the coordinator, describes every rank's data. Save without "
                 "use_collectives=False, or give each rank its own checkpoint directory")
+        refuse_run_dir(self._dir)
         try:
             os.makedirs(self._dir, exist_ok=True)
         except OSError as exc:

@@ -9,9 +9,7 @@ primitives under it (no link followed, no FIFO opened) are ``host.files``.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
-import shutil
 import stat
 import threading
 from collections.abc import Callable
@@ -25,6 +23,7 @@ from dcp_nvme.errors import (
     StorageError,
 )
 from dcp_nvme.format.container import (
+    MANIFEST,
     RANGES_DIR,
     REPLICAS_DIR,
     SPANS_SUFFIX,
@@ -36,9 +35,12 @@ from dcp_nvme.host.files import (
     bare_name,
     create_no_follow,
     fsync_dir,
+    list_below,
     not_regular,
     open_regular,
     read_regular,
+    remove_below,
+    unlink_below,
     unlink_quietly,
     write_file_fresh,
 )
@@ -299,28 +301,20 @@ def remove_other_saves_copies(directory: str, key: str) -> None:
     """After save ``key`` committed here: the replicas (``.replicas/<node>/``) and kept ranges
     (``.ranges/``) of any other save in ``directory`` go too -- a replica left from before an
     overwrite must never stand in for this save's files or metadata."""
-    replicas = os.path.join(directory, REPLICAS_DIR)
-    with contextlib.suppress(OSError):
-        for holder in os.listdir(replicas):
-            where = os.path.join(replicas, holder)
-            names = os.listdir(where) if stat.S_ISDIR(os.lstat(where).st_mode) else []
-            if any((owner := save_key_of(name)) and owner != key for name in names) or not names:
-                shutil.rmtree(where, ignore_errors=True)
+    # listed and removed relative to the directory, never through a link planted on the way
+    for holder in list_below(directory, REPLICAS_DIR):
+        names = list_below(directory, REPLICAS_DIR, holder)  # [] for a link or a file: it goes
+        if any((owner := save_key_of(name)) and owner != key for name in names) or not names:
+            remove_below(directory, REPLICAS_DIR, holder)
     drop_kept(directory, lambda name: save_key_of(name) == key)
 
 
 def drop_kept(directory: str, keep: Callable[[str], bool]) -> None:
     """Remove the kept ranges whose file name ``keep`` refuses (those of another save)."""
-    root = os.path.join(directory, RANGES_DIR)
-    try:
-        entries = os.listdir(root)
-    except OSError:
-        return
-    for entry in entries:
+    for entry in list_below(directory, RANGES_DIR):
         name = entry[: -len(SPANS_SUFFIX)] if entry.endswith(SPANS_SUFFIX) else entry
         if not keep(name):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(root, entry))
+            unlink_below(directory, RANGES_DIR, entry)
 
 
 def remove_save_files(directory: str, key: str) -> None:
@@ -334,7 +328,20 @@ def remove_save_files(directory: str, key: str) -> None:
     for name in names:
         temp = temp_of(name)
         if save_key_of(name) == key or (temp and temp[1] == key):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+            unlink_below(directory, name)
+
+
+def refuse_run_dir(path: str) -> None:
+    """A directory whose subdirectories hold checkpoints is a run directory: a save into it
+    would make it a checkpoint itself, and ``list`` and ``latest()`` would then see it, not its steps."""
+    try:
+        with os.scandir(path) as entries:
+            steps = sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+                           and os.path.lexists(os.path.join(e.path, MANIFEST)))
+    except OSError:
+        return  # not there yet (made next) or unreadable (the save says so next)
+    if steps:
+        shown = ", ".join(steps[:3]) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
+        raise InvalidInputError(f"{path} holds checkpoints in directories ({shown}): it is a run directory, "
+                                "and a save into it would hide them; save each step into a directory of its own "
+                                f"under it, e.g. {os.path.join(path, 'step_000100')}")

@@ -166,7 +166,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     progress = not args.no_progress and not args.json
     result = export_hf(args.checkpoint, args.out, keys=args.keys, strip_prefix=args.strip_prefix,
                        dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       overwrite=args.overwrite, progress=progress, include_optimizer=args.include_optimizer)
+                       overwrite=args.overwrite, progress=progress, include_optimizer=args.include_optimizer,
+                       config=args.config)
     if args.json:
         _json(result.to_dict(), args.checkpoint)
         return 0
@@ -175,6 +176,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if result.left_out:
         print("left out (not model weights): " + ", ".join(f"{k} ({n} tensor(s))" for k, n in sorted(result.left_out.items()))
               + "; pass --include-optimizer to export every tensor")
+    if result.config is None:
+        print("no config.json written (a checkpoint holds none; transformers' from_pretrained needs one): pass "
+              "--config FILE, the model's config.json, e.g. from the repository the model started from")
     if result.skipped_objects:
         print(f"skipped {len(result.skipped_objects)} non-tensor item(s): "
               + ", ".join(result.skipped_objects[:5]) + (" ..." if len(result.skipped_objects) > 5 else ""))
@@ -290,6 +294,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the model's weights, with a leading 'model.' removed")
     p.add_argument("--dtype", help="cast floating-point tensors, e.g. bf16, fp16, fp32")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB (default), 500MB")
+    p.add_argument("--config", metavar="FILE",
+                   help="the model's config.json, copied beside the weights (transformers' from_pretrained needs it)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -47,6 +47,9 @@ from dcp_nvme.tools.consolidate import (
 )
 
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+MAX_CONFIG = 16 << 20
+"""Largest model config read (``--config``); a model's is a few KB."""
 HEADER_ALIGN = 8
 """safetensors pads its header so the data is 8-byte aligned."""
 CAST_BUFFER = 16 << 20
@@ -68,6 +71,8 @@ class ExportResult:
     seconds: float = 0.0
     left_out: dict[str, int] = field(default_factory=dict)
     """Training state a model export leaves out: top-level key -> its tensors (``include_optimizer``)."""
+    config: str | None = None
+    """The ``config.json`` written beside the weights (from ``config``), or None."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +89,7 @@ def export_hf(
     overwrite: bool = False,
     progress: bool = False,
     include_optimizer: bool = False,
+    config: str | os.PathLike | None = None,
 ) -> ExportResult:
     """Write ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` to ``out``.
 
@@ -92,10 +98,12 @@ def export_hf(
     optimizer and training state (``tools.consolidate.model_selection``); ``include_optimizer``
     exports every tensor as named in the checkpoint. ``keys``: globs on the checkpoint's names
     (e.g. ``"model.*"``) instead; ``strip_prefix`` is removed from the names that start with it;
-    ``dtype`` casts floating-point tensors. The output appears whole or not at all (written to a
-    temporary sibling, then renamed).
+    ``dtype`` casts floating-point tensors. ``config``: a model's ``config.json`` (a JSON object)
+    copied beside the weights, which transformers' ``from_pretrained`` needs; the checkpoint holds
+    none. The output appears whole or not at all (written to a temporary sibling, then renamed).
     """
     started = time.perf_counter()
+    config_bytes = None if config is None else read_config(config)
     if is_remote_url(checkpoint):
         raise InvalidInputError(f"export reads local checkpoints; copy {checkpoint} to local disk first")
     location = os.fspath(checkpoint)
@@ -110,7 +118,7 @@ def export_hf(
             convert(location, converted, "nvme")
             return export_hf(converted, out, keys=keys, strip_prefix=strip_prefix, dtype=dtype,
                              max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
-                             include_optimizer=include_optimizer)
+                             include_optimizer=include_optimizer, config=config)
     if isinstance(keys, str):
         keys = [keys]
     out_dtype = parse_out_dtype(dtype)
@@ -150,6 +158,9 @@ def export_hf(
             result.shards.append(name)
         index_doc = {"metadata": {"total_size": result.total_size}, "weight_map": weight_map}
         (temp / INDEX_NAME).write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
+        if config_bytes is not None:
+            (temp / CONFIG_NAME).write_bytes(config_bytes)
+            result.config = str(out_path / CONFIG_NAME)
         _publish(temp, out_path)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
@@ -159,6 +170,26 @@ def export_hf(
         bar.close()
     result.seconds = time.perf_counter() - started
     return result
+
+
+def read_config(path: str | os.PathLike) -> bytes:
+    """The bytes of a model config file, checked before the export starts: a regular file of at
+    most ``MAX_CONFIG`` bytes holding a JSON object."""
+    from dcp_nvme.host.files import read_regular
+
+    where = os.fspath(path)
+    try:
+        data = read_regular(where, MAX_CONFIG)
+        doc = json.loads(data)
+    except FileNotFoundError:
+        raise InvalidInputError(f"--config {where}: no such file; pass the model's config.json") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise InvalidInputError(f"--config {where} is not a readable JSON file ({exc}); pass the model's "
+                                "config.json") from None
+    if not isinstance(doc, dict):
+        raise InvalidInputError(f"--config {where} holds {type(doc).__name__}, not a JSON object as a model's "
+                                "config.json does")
+    return data
 
 
 def _match(name: str, pattern: str) -> bool:

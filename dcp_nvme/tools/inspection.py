@@ -9,7 +9,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dcp_nvme.errors import CheckpointNotFoundError, InvalidInputError
-from dcp_nvme.format.safetensors_files import HF_DIR, SAFETENSORS_FILE, hf_files, scan_file, what_is
+from dcp_nvme.format.safetensors_files import (
+    HF_DIR,
+    SAFETENSORS_FILE,
+    check_layout,
+    hf_files,
+    scan_file,
+    what_is,
+)
 from dcp_nvme.format.validation import read_header
 from dcp_nvme.storage.fsspec_dir import open_store
 from dcp_nvme.storage.local_dir import Store, is_remote_url
@@ -116,7 +123,9 @@ def _inspect_safetensors(location: str, pattern: str | None) -> Inspection:
     result = Inspection(location, kind, "its own format: no checksums, no non-tensor items")
     result.files = [{"name": os.path.basename(f), "size": os.path.getsize(f)} for f in files]
     tensors: dict[str, TensorInfo] = {}
-    for chunk in (c for file in files for c in scan_file(file)):
+    chunks = [c for file in files for c in scan_file(file)]
+    check_layout(chunks, location)  # a missing shard or overlapping chunks: refused, not summed
+    for chunk in chunks:
         if pattern is not None and not fnmatch.fnmatchcase(chunk.fqn, pattern):
             continue
         name = os.path.basename(chunk.file)

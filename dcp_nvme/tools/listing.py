@@ -12,7 +12,7 @@ from dcp_nvme.storage.local_dir import LocalStore
 from dcp_nvme.storage.run_dir import parse_step
 from dcp_nvme.tiers import drain_state
 from dcp_nvme.tiers.coded import decoded_view
-from dcp_nvme.tools.status import checkpoint_state
+from dcp_nvme.tools.status import INCOMPLETE, NOT_A_CHECKPOINT, checkpoint_state
 
 
 @dataclass
@@ -45,6 +45,15 @@ def _looks_like_checkpoint(path: Path) -> bool:
     return MANIFEST in names or DCP_METADATA in names or any(save_key_of(n) for n in names)
 
 
+def _empty_step(path: Path) -> bool:
+    """A step directory with no checkpoint file in it: a save killed before its first file."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return parse_step(path.name) is not None and all(n.startswith(".") for n in names)  # a lock at most
+
+
 def _tier_state(path: str) -> Any:
     try:
         state = drain_state(path)
@@ -72,7 +81,11 @@ def describe(path: str | os.PathLike) -> CheckpointEntry:
         created = float(found.manifest.doc.get("created_unix") or newest)
     elif found.data_files:
         ranks = len(found.data_files)
-    return CheckpointEntry(str(root), root.name, parse_step(root.name), found.state, found.reason,
+    state, reason = found.state, found.reason
+    if state == NOT_A_CHECKPOINT and _empty_step(root):
+        state, reason = INCOMPLETE, (f"{root} is an empty step directory: a save there stopped (or was killed) "
+                                     "before it wrote a file; the next save of this step writes it, or remove it")
+    return CheckpointEntry(str(root), root.name, parse_step(root.name), state, reason,
                            total, ranks, created, _tier_state(str(root)))
 
 
@@ -132,5 +145,6 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
     if _looks_like_checkpoint(root):
         candidates = [root]
     else:
-        candidates = sorted(p for p in root.iterdir() if p.is_dir() and _looks_like_checkpoint(p))
+        candidates = sorted(p for p in root.iterdir()
+                            if p.is_dir() and (_looks_like_checkpoint(p) or _empty_step(p)))
     return _newest_first([describe(p) for p in candidates])

@@ -33,7 +33,15 @@ from dcp_nvme.errors import (
 from dcp_nvme.format.checksums import checks_within, host_crcs, items_in, mismatches
 from dcp_nvme.format.container import MANIFEST, parse_header
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
-from dcp_nvme.format.safetensors_files import HF_DIR, HF_INDEX, SAFETENSORS_FILE, hf_files, scan_file, what_is
+from dcp_nvme.format.safetensors_files import (
+    HF_DIR,
+    HF_INDEX,
+    SAFETENSORS_FILE,
+    check_layout,
+    hf_files,
+    scan_file,
+    what_is,
+)
 from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.format.validation import header_mismatches
 from dcp_nvme.humanize import progress_bar
@@ -133,12 +141,18 @@ def _verify_safetensors(location: str) -> VerifyReport:
     except ManifestError as exc:
         report.problems.append(Problem(HF_INDEX, "index", str(exc)))
         files = []
+    chunks = []
     for file in files:
         try:
-            scan_file(file)
+            chunks += scan_file(file)
         except (ManifestError, OSError) as exc:
             report.problems.append(Problem(os.path.basename(file), "header", str(exc)))
         report.files += 1
+    if not report.problems:
+        try:  # the files together: every tensor tiled by its chunks (no shard missing, none overlapping)
+            check_layout(chunks, location)
+        except ManifestError as exc:
+            report.problems.append(Problem(os.path.basename(location), "layout", str(exc)))
     report.seconds = time.perf_counter() - started
     return report
 

@@ -257,3 +257,13 @@ def test_device_limit_without_fio_uses_the_plugins_engine(tmp_path, monkeypatch)
         assert run.total_bytes - 4096 < row.bytes <= run.total_bytes and row.seconds[0] > 0
         assert row.extra["io"]["max_inflight"] <= 2
     assert not os.listdir(root)  # the probe's directory is gone
+    # not the device's limit: no ratio is taken to it, in the ratios or in the report's column
+    assert "not the device limit" in write.label and write.extra["device_limit"] is False
+    rows = [write.to_dict(), read.to_dict(), _row("dcp_nvme.save", "write", "ours", 1.0),
+            _row("dcp_nvme.load", "read", "ours", 1.0)]
+    ratios = bench.compute_ratios(rows)
+    assert ratios["save_vs_device"] is None and ratios["load_vs_device"] is None
+    from dcp_nvme.bench.report import _row_line
+
+    line = _row_line(rows[2], rows[2], rows[0])
+    assert line.split()[-2:] == ["-", "-"], line

@@ -89,6 +89,8 @@ def test_booleans_refuse_anything_else(name, value):
     (dict(block_size="4096.5"), "not a whole number of bytes"),
     (dict(block_size=1000), "must be from 4 KiB"),
     (dict(block_size=12289), "multiple of 4 KiB"),
+    (dict(block_size="8MB"), r"block_size='8MB' .* multiple of 4 KiB \('8MB' is decimal: 8000000 bytes\); did you "
+                             r"mean '8MiB'\?"),
     (dict(block_size=-4096), "negative"),
     (dict(engine="spdk"), "engine='spdk' .* expected one of auto, posix, kvikio"),
 ])

@@ -7,7 +7,8 @@ local-directory target. Every one of them is opened by ``storage.local_dir.creat
 (or made by ``make_private_dir``): the victim is never touched. A link under a name the drain
 owns outright (a temp or scratch file) is removed and the file made fresh, so the drain succeeds;
 the lock (shared by drains) and the scratch directory (files are created inside it by name) are
-refused with a StorageError naming the link.
+refused with a StorageError naming the link. The clean-up after a commit removes below the
+checkpoint directory only, never through a link planted there.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 from dcp_nvme_harness.hostile_kit import doc_of, files_of, sample_state, save, within
 
+from dcp_nvme import NVMeWriter
 from dcp_nvme.errors import DCPNVMeError, StorageError
+from dcp_nvme.format.container import RANGES_DIR, REPLICAS_DIR
 from dcp_nvme.tiers import MIRRORED, DrainOptions, drain, drain_state
 
 VICTIM = b"precious, not the drain's\n"
@@ -109,3 +113,46 @@ def test_a_planted_scratch_directory_link_is_refused(ckpt: Path, tmp_path: Path,
         within(60, lambda: drain(ckpt, str(tmp_path / "mirror"),
                                  options=DrainOptions(**FAST, compress="bytegroup")))
     untouched(victim)
+
+
+def test_clean_up_after_a_commit_removes_no_file_through_a_link(tmp_path: Path, victim: Path):
+    """The clean-up after a commit (other saves' replicas and kept ranges) lists and removes
+    below the checkpoint directory only: links planted there to a folder outside and to the
+    run's earlier steps go at most as entries, and what they point to stays."""
+    run = tmp_path / "run"
+    earlier = save(run / "step_1", sample_state())
+    before = sorted(os.listdir(earlier))
+    (victim.parent / "empty_holder").mkdir()  # an empty holder is a replica to remove
+    step = run / "step_2"
+    step.mkdir()
+    os.symlink(run, step / REPLICAS_DIR)  # the earlier steps look like other saves' replicas
+    os.symlink(victim.parent, step / RANGES_DIR)  # every file outside looks like another save's range
+    save(step, sample_state())
+    assert sorted(os.listdir(earlier)) == before and doc_of(earlier)
+    assert victim.read_bytes() == VICTIM and (victim.parent / "empty_holder").is_dir()
+    # the links one level further down: a holder and a kept range pointing outside
+    for name in (REPLICAS_DIR, RANGES_DIR):
+        os.unlink(step / name)
+        (step / name).mkdir()
+    os.symlink(victim.parent, step / REPLICAS_DIR / "node_b")
+    os.symlink(victim, step / RANGES_DIR / "victim")
+    dcp.save(sample_state(), storage_writer=NVMeWriter(step, overwrite=True), no_dist=True)
+    assert not os.path.lexists(step / REPLICAS_DIR / "node_b") and not os.path.lexists(step / RANGES_DIR / "victim")
+    assert victim.read_bytes() == VICTIM and sorted(os.listdir(victim.parent)) == ["empty_holder", "victim"]
+    assert sorted(os.listdir(earlier)) == before
+
+
+def test_remove_below_never_leaves_the_directory(tmp_path: Path, victim: Path):
+    from dcp_nvme.host.files import list_below, remove_below, unlink_below
+
+    root = tmp_path / "ckpt"
+    (root / "real" / "sub").mkdir(parents=True)
+    (root / "real" / "sub" / "f").write_bytes(b"x")
+    os.symlink(victim.parent, root / "link")
+    assert list_below(root, "link") == [] and not remove_below(root, "link", "victim")
+    assert not unlink_below(root, "link", "victim")
+    untouched(victim)
+    assert remove_below(root, "link") and not os.path.lexists(root / "link")
+    untouched(victim)
+    assert list_below(root, "real") == ["sub"] and remove_below(root, "real", "sub")
+    assert list_below(root, "real") == []

@@ -6,6 +6,7 @@ simulated nodes."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -16,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_nvme import NVMeWriter
 from dcp_nvme.engines.requests import SCRATCH
-from dcp_nvme.format.container import RANGES_DIR
+from dcp_nvme.format.container import MANIFEST, RANGES_DIR
 from dcp_nvme.format.manifest import read_files, read_manifest
 from dcp_nvme.format.pieces import Span
 from dcp_nvme.format.tables import FileRecord
@@ -199,9 +200,32 @@ def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_pa
         assert why is not None and "ChecksumMismatchError" in why and "mem://mirror/" + name in why
         assert got == spans[:bad]
         assert mirror.reads < sum(-(-s.length // (block // 4)) for s in spans)  # the rest was never read
+    assert out.taken["mirror"]["seconds"] > 0, out.taken  # measured: last_stats["sources"]["mirror"]
     for span in got:  # what came is kept at its own offsets, and held
         with open(os.path.join(node, RANGES_DIR, name), "rb") as f:
             f.seek(span.start)
             assert f.read(span.length) == data[span.start:span.end]
         held = out.hold.take(name, span.start, span.length) or []
         assert b"".join(bytes(v) for v in held) == data[span.start:span.end]
+
+
+def test_a_manifest_written_in_place_is_logged_as_a_sentence(saved, tmp_path, caplog):
+    """The restore's line for a manifest that came from elsewhere says what happened, in words,
+    whether this node had none or one that could not be used."""
+    path, _ = saved
+    node = str(tmp_path / "node")
+    shutil.copytree(path, node)
+    key = read_manifest(LocalStore(node), node).save_key
+    payload = exchange._metadata_payload(LocalStore(path))
+    os.remove(os.path.join(node, MANIFEST))
+    with caplog.at_level(logging.WARNING, logger="dcp_nvme.peers.exchange"):
+        exchange._keep_metadata(node, payload, key, "b", f"CheckpointNotFoundError: {node} has no manifest.json")
+    assert f"{node}: this node held no manifest of the step, so the one from node b was written in its place" \
+        in caplog.text
+    assert "CheckpointNotFoundError" not in caplog.text and read_manifest(LocalStore(node), node).save_key == key
+    os.remove(os.path.join(node, MANIFEST))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dcp_nvme.peers.exchange"):
+        exchange._keep_metadata(node, payload, key, "s3://bucket/run/step_1", "ManifestError: bad JSON")
+    assert (f"{node}: this node's manifest could not be used (ManifestError: bad JSON), so the one from "
+            "s3://bucket/run/step_1 was written in its place") in caplog.text

@@ -326,3 +326,28 @@ def _two_ranks(rank: int, world_size: int, root: str) -> None:
 def test_two_gloo_ranks_save_through_the_saver_and_load(tmp_path):
     run_ranks(2, _two_ranks, str(tmp_path))
     assert all((tmp_path / f"s{i}" / "manifest.json").exists() for i in range(2))
+
+
+CTRL_C_WHILE_STAGING = """
+import sys
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_nvme import NVMeStager, NVMeWriter
+
+state = {f"t{i}": torch.ones(20000) for i in range(3000)}  # a walk long enough to be cut
+pending = dcp.async_save(state, storage_writer=NVMeWriter(sys.argv[1]), async_stager=NVMeStager(), no_dist=True)
+raise KeyboardInterrupt  # Ctrl-C right after the call
+"""
+
+
+@pytest.mark.slow  # another process
+def test_ctrl_c_while_staging_says_the_save_is_abandoned(tmp_path):
+    """The interpreter's exit stops Python's thread pools under the staging thread: the message
+    says the process is exiting and the save is abandoned, not that staging failed."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = warm_python().run(["-c", CTRL_C_WHILE_STAGING, tmp_path / "step_1"], timeout=120, env=env)
+    assert "KeyboardInterrupt" in run.stderr, run.stderr
+    assert "cannot schedule new futures" not in run.stderr and "staging failed" not in run.stderr, run.stderr
+    assert "the process is exiting (its main thread ended, e.g. by Ctrl-C) while a save was being staged: " \
+           "that save is abandoned and nothing of it is written" in run.stderr, run.stderr
+    assert not (tmp_path / "step_1" / "manifest.json").exists()

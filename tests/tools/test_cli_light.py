@@ -135,3 +135,22 @@ def test_a_plain_value_item_is_judged_without_torch_only_in_the_shape_torch_writ
     with zipfile.ZipFile(stripped, "w") as archive:  # no version record: torch.load refuses it
         archive.writestr("archive/data.pkl", pickle.dumps(5, protocol=2))
     assert not _plain(stripped.getvalue())
+
+
+def test_export_writes_a_config_json_when_given_one_and_says_how_otherwise(tmp_path, capsys):
+    ckpt = tmp_path / "step_1"
+    dcp.save({"model": {"w": torch.arange(16, dtype=torch.float32)}}, storage_writer=NVMeWriter(ckpt), no_dist=True)
+    assert cli_main(["export", str(ckpt), "--to", "hf", str(tmp_path / "bare"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "no config.json written" in out and "pass --config FILE, the model's config.json" in out, out
+    assert not (tmp_path / "bare" / "config.json").exists()
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 16}\n')
+    assert cli_main(["export", str(ckpt), "--to", "hf", str(tmp_path / "hf"), "--config", str(config),
+                     "--no-progress"]) == 0
+    assert "no config.json" not in capsys.readouterr().out
+    assert (tmp_path / "hf" / "config.json").read_bytes() == config.read_bytes()
+    config.write_text("[1, 2]")  # refused before anything is written, naming the file
+    assert cli_main(["export", str(ckpt), "--to", "hf", str(tmp_path / "o2"), "--config", str(config)]) != 0
+    assert f"--config {config} holds list, not a JSON object" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()

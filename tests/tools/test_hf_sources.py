@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_nvme_harness.hostile_kit import within
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -142,3 +145,95 @@ def test_hostile_index_and_header_are_refused_naming_the_file(sharded_hf):
         from dcp_nvme.format.safetensors_files import scan_file
 
         scan_file(str(shard))
+
+
+def _refused_everywhere(path, match: str, state=None) -> None:
+    """NVMeReader, inspect, verify and convert --to nvme all refuse ``path`` before reading data,
+    each within seconds (a FIFO opened blocking would hang them)."""
+    dest = {k: torch.zeros_like(v) for k, v in (state or _state()).items()}
+    with pytest.raises(CheckpointException, match=match):
+        within(20, lambda: dcp.load(dest, storage_reader=NVMeReader(path), no_dist=True))
+    with pytest.raises(ManifestError, match=match):
+        within(20, lambda: inspect_checkpoint(path))
+    report = within(20, lambda: verify_checkpoint(path))
+    assert not report.ok and any(re.search(match, p.message) for p in report.problems), report.problems
+    out = path.parent / "converted"
+    with pytest.raises((ManifestError, CheckpointException), match=match):
+        within(20, lambda: convert(path, out, "nvme"))
+    assert not (out / "manifest.json").exists()
+
+
+def test_a_fifo_shard_or_a_link_outside_is_refused_not_read(sharded_hf, tmp_path):
+    (sharded_hf / "model.safetensors.index.json").unlink()  # every *.safetensors there is a shard
+    shard = sharded_hf / "model-00002-of-00002.safetensors"
+    outside = tmp_path / "outside.safetensors"
+    os.replace(shard, outside)
+    os.mkfifo(shard)
+    _refused_everywhere(sharded_hf, "model-00002-of-00002.safetensors is a FIFO; a model's shards must be "
+                                    "regular files")
+    shard.unlink()
+    os.symlink(outside, shard)
+    _refused_everywhere(sharded_hf, "model-00002-of-00002.safetensors is a symbolic link to .*outside.safetensors, "
+                                    "outside .*copy the file there")
+    # a link inside the directory, or from the Hugging Face cache's snapshot into its blobs/, is read
+    cache = tmp_path / "models--x" / "snapshots" / "abc"
+    (tmp_path / "models--x" / "blobs").mkdir(parents=True)
+    shutil.copytree(sharded_hf, cache, symlinks=False, ignore=shutil.ignore_patterns("model-00002*"))
+    os.replace(outside, tmp_path / "models--x" / "blobs" / "f00d")
+    os.symlink("../../blobs/f00d", cache / shard.name)
+    assert _bits_equal(_load(cache), _state())
+
+
+def _torch_sharded(tmp_path, ranks: int = 3):
+    """What torch's HF writer writes with save_distributed=True: a file per rank of row chunks
+    placed by DCP_SHARDING_INFO, written here one rank at a time (as ranks write them)."""
+    path = tmp_path / "sharded_hf"
+    path.mkdir()
+    full = torch.arange(36 * 4, dtype=torch.float32).reshape(36, 4)
+    rows = 36 // ranks
+    for rank in range(ranks):
+        info = {"w": {"saved_offsets": [rank * rows, 0]}}
+        save_file({"w": full[rank * rows:(rank + 1) * rows].clone()}, str(path / f"shard-0000{rank + 1}-model-00001"
+                  f"-of-00001.safetensors"), metadata={"DCP_SHARDING_INFO": json.dumps(info)})
+    return path, full
+
+
+def test_a_sharded_layout_that_does_not_tile_its_tensor_is_refused_before_any_read(tmp_path):
+    path, full = _torch_sharded(tmp_path)
+    dest = {"w": torch.zeros_like(full)}
+    dcp.load(dest, storage_reader=NVMeReader(path), no_dist=True)
+    assert torch.equal(dest["w"], full) and verify_checkpoint(path).ok
+    middle = path / "shard-00002-model-00001-of-00001.safetensors"
+    kept = middle.read_bytes()
+    middle.unlink()
+    _refused_everywhere(path, r"'w''s chunks cover 96 of the 144 elements of its shape \[36, 4\]: a shard file "
+                              "is missing", dest)
+    info = {"w": {"saved_offsets": [6, 0]}}  # rows 6..17 overlap the first file's 0..11
+    save_file({"w": full[12:24].clone()}, str(middle), metadata={"DCP_SHARDING_INFO": json.dumps(info)})
+    _refused_everywhere(path, r"'w''s chunk at offsets \[0, 0\] in .*shard-00001.* overlaps the one at \[6, 0\]",
+                        dest)
+    middle.write_bytes(kept)
+
+
+@pytest.mark.slow  # holds a few hundred MiB
+def test_a_large_tensor_is_read_straight_into_its_destination(tmp_path):
+    """Peak RSS while loading a 128 MiB tensor from .safetensors: the destination only, no
+    buffer of the tensor's size between the file and it (VmHWM, reset just before the load)."""
+    size = 128 << 20
+    big = torch.ones(size // 4, dtype=torch.float32)
+    save_file({"big": big}, str(tmp_path / "big.safetensors"))
+    del big
+    dest = {"big": torch.zeros(size // 4, dtype=torch.float32)}
+    reader = NVMeReader(tmp_path / "big.safetensors")
+
+    def peak_and_now() -> tuple[int, int]:
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return int(fields["VmHWM"].split()[0]) << 10, int(fields["VmRSS"].split()[0]) << 10
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from what is resident now
+    before = peak_and_now()[1]
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    extra = peak_and_now()[0] - before
+    assert bool(dest["big"].eq(1).all())
+    assert extra < size // 8, f"the load took {extra / size:.2f}x the tensor's size on top of it"

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_nvme_harness.dist_utils import run_ranks
 from dcp_nvme_harness.warm import warm_python
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_nvme import NVMeWriter
 from dcp_nvme.format.container import MANIFEST
@@ -108,14 +109,22 @@ def test_list_newest_first_with_states(tmp_path: Path):
     shutil.copytree(run / "step_300", run / "step_600")
     only(run / "step_600", "rank_").unlink()  # committed, then a file was lost
     (run / "logs").mkdir()  # not a checkpoint: not listed
+    (run / "step_700").mkdir()  # a save killed before its first file: listed, as incomplete
+    (run / "step_700" / ".save.lock").write_text("{}")
+    # a save into the run directory itself would hide its steps: refused, naming them
+    with pytest.raises(CheckpointException, match=f"{run} holds checkpoints in directories \\(step_100, step_2000, "
+                                                "step_300 and 2 more\\): it is a run directory.*step_000100"):
+        save(run, sample_state())
+    assert not (run / MANIFEST).exists()
 
     entries = list_checkpoints(run)
-    assert [e.step for e in entries] == [2000, 600, 500, 400, 300, 100]
+    assert [e.step for e in entries] == [2000, 700, 600, 500, 400, 300, 100]
     states = {e.step: e.state for e in entries}
-    assert states == {2000: "committed", 600: "damaged", 500: "corrupt", 400: "incomplete",
+    assert states == {2000: "committed", 700: "incomplete", 600: "damaged", 500: "corrupt", 400: "incomplete",
                       300: "committed", 100: "committed"}
     by_step = {e.step: e for e in entries}
     assert "did not finish" in by_step[400].reason
+    assert "empty step directory: a save there stopped (or was killed) before it wrote a file" in by_step[700].reason
     assert "index" in by_step[500].reason
     assert "missing" in by_step[600].reason
     assert by_step[2000].ranks == 1 and by_step[400].ranks == 1
@@ -124,7 +133,7 @@ def test_list_newest_first_with_states(tmp_path: Path):
     as_json, as_text = cli_many(["list", str(run), "--json"], ["list", str(run)])
     assert as_json.returncode == 0, as_json.stderr
     rows = json.loads(as_json.stdout)
-    assert [r["step"] for r in rows] == [2000, 600, 500, 400, 300, 100]
+    assert [r["step"] for r in rows] == [2000, 700, 600, 500, 400, 300, 100]
     assert as_text.returncode == 0 and "incomplete" in as_text.stdout and "did not finish" in as_text.stdout
 
 
