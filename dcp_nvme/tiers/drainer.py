@@ -56,9 +56,11 @@ from dcp_nvme.tiers.transfer import (
     exiting,
     is_permanent,
     matching_pieces,
+    no_credentials,
     overlap,
     piece_entry,
     step,
+    unreachable,
 )
 
 log = logging.getLogger(__name__)
@@ -165,6 +167,8 @@ class _DrainRun:
         self.journal: Journal | None = None
         self.source: DrainSource | None = None
         self.coded: CompressedSource | None = None
+        self.answered = False
+        """Whether the target answered in this drain (its preparation went through, once)."""
 
     def run(self) -> DrainResult:
         attempt = 0
@@ -174,6 +178,9 @@ class _DrainRun:
             try:
                 self._read_source(attempt)
                 sink = self.open_sink()
+                with step(f"preparing the target {sink.target}"):
+                    sink.prepare()
+                self.answered = True
                 _attempt(self._sending(), sink, self.journal, self.options, self.result, self.progress)
                 return self._mirrored()
             except Exception as exc:  # noqa: BLE001  (botocore errors are not OSErrors)
@@ -240,12 +247,17 @@ class _DrainRun:
         cause = classify(exc)
         if self.result is not None:
             self.result.errors.append(cause)
-        final = is_permanent(exc) or attempt > self.options.retries
+        # an endpoint that never answered, after botocore's and s3fs's own connection retries,
+        # is a wrong URL or a server that is down: waiting minutes between attempts finds it down
+        permanent = is_permanent(exc) or (unreachable(exc) and not self.answered)
+        final = permanent or attempt > self.options.retries
         if self.coded is not None and (final or self.coded.failed):  # a failed coder codes again next time
             self.coded.close()
             self.coded = None
         # a drain cut short by the exit keeps what reached the target: its resume confirms it
-        if final and is_permanent(exc) and refused is None and journal is not None:
+        # (a target that never answered, or no credentials: nothing to clean there, and no way to)
+        if final and permanent and refused is None and journal is not None and not (
+                not self.answered and (unreachable(exc) or no_credentials(exc))):
             _discard(sink, journal, self.open_sink)
         if final:  # a later drain codes again (deterministic): the fast tier gets its space back
             remove_scratch(self.location)
@@ -256,8 +268,8 @@ class _DrainRun:
                 log.warning("dcp_nvme: the drain journal of %s could not record the failure: %s",
                             self.location, journal_error)
         if final:
-            log.error("dcp_nvme: drain of %s to %s failed after %d attempt(s): %s",
-                      self.location, self.target, attempt, cause)
+            log.error("dcp_nvme: drain of %s to %s failed after %d attempt(s)%s: %s", self.location,
+                      self.target, attempt, " (not retried: a retry cannot fix it)" if permanent else "", cause)
             raise DrainError(self.location, self.target, cause) from exc
         delay = backoff_delay(attempt, self.options.backoff, self.options.backoff_max)
         log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
@@ -308,8 +320,6 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
     part_size = options.part_size
     if isinstance(sink, S3Sink):
         part_size = max(part_size, S3_MIN_PART)
-    with step(f"preparing the target {sink.target}"):
-        sink.prepare()
     refuse_other_checkpoint(source, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
