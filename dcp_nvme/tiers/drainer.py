@@ -44,10 +44,17 @@ from dcp_nvme.tiers.journal import DRAINING, FAILED, MIRRORED, DrainBusy, Journa
 from dcp_nvme.tiers.options import DrainOptions
 from dcp_nvme.tiers.sinks import S3Sink, Sink, open_sink
 from dcp_nvme.tiers.source import DrainSource, overwritten
-from dcp_nvme.tiers.target import put_confirmed, refuse_other_checkpoint, wait_for_every_node
+from dcp_nvme.tiers.target import (
+    Heartbeat,
+    heartbeat_interval,
+    put_confirmed,
+    refuse_other_checkpoint,
+    wait_for_every_node,
+)
 from dcp_nvme.tiers.transfer import (
     S3_MIN_PART,
     IncompleteOnTarget,
+    NodeSilent,
     SourceChanged,
     TokenBucket,
     backoff_delay,
@@ -169,8 +176,16 @@ class _DrainRun:
         self.coded: CompressedSource | None = None
         self.answered = False
         """Whether the target answered in this drain (its preparation went through, once)."""
+        self.heartbeat: Heartbeat | None = None
 
     def run(self) -> DrainResult:
+        try:
+            return self._run()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+
+    def _run(self) -> DrainResult:
         attempt = 0
         while True:
             attempt += 1
@@ -192,6 +207,9 @@ class _DrainRun:
         if self.source is not None and fresh.save_key != self.source.save_key:
             raise overwritten(self.location, f"save {self.source.save_key} was replaced by save {fresh.save_key}")
         self.source = fresh
+        if fresh.node_local and self.heartbeat is None:  # the other nodes' drains wait while it beats
+            self.heartbeat = Heartbeat(self.open_sink(), fresh.save_key, fresh.nodes_here,
+                                       heartbeat_interval(self.options))
         if self.journal is None:
             self.journal = Journal.open(self.location, self.target, fresh.save_key)
             self.result = DrainResult(self.location, self.target, fresh.save_key,
@@ -256,8 +274,9 @@ class _DrainRun:
             self.coded = None
         # a drain cut short by the exit keeps what reached the target: its resume confirms it
         # (a target that never answered, or no credentials: nothing to clean there, and no way to)
-        if final and permanent and refused is None and journal is not None and not (
-                not self.answered and (unreachable(exc) or no_credentials(exc))):
+        # nor a drain that gave up on a silent node: what this node sent stays for the resume
+        if final and permanent and refused is None and journal is not None and not isinstance(exc, NodeSilent) \
+                and not (not self.answered and (unreachable(exc) or no_credentials(exc))):
             _discard(sink, journal, self.open_sink)
         if final:  # a later drain codes again (deterministic): the fast tier gets its space back
             remove_scratch(self.location)
@@ -415,8 +434,9 @@ def _remove_stale(sink: Sink, save_key: str, sent: set[str]) -> None:
     so do temporary files of drains that were killed (partial files, half-written temps)."""
     try:
         for name in sink.names():
-            if name.startswith(".drain-node.") and not name.startswith(f".drain-node.{save_key}."):
-                sink.remove(name)  # another save's node markers
+            if name.startswith((".drain-node.", ".drain-alive.")):
+                if not name.startswith((f".drain-node.{save_key}.", f".drain-alive.{save_key}.")):
+                    sink.remove(name)  # another save's node markers and heartbeats
                 continue
             if name.startswith(".") and (".drain-partial" in name or ".drain-tmp-" in name):
                 if save_key_of(name[1:].split(".drain-", 1)[0].removesuffix(CODED_SUFFIX)) != save_key:

@@ -40,6 +40,14 @@ class IncompleteOnTarget(DrainFault):
     """A file on the target does not match the manifest after it was sent (size, coverage)."""
 
 
+class NodeSilent(DrainFault):
+    """A node-local checkpoint's drain: another node, whose files the mirror still lacks, wrote
+    no heartbeat on the target for the silence limit (it died, or its drain ended without them).
+    Not retried; what this node sent stays on the target for the resume."""
+
+    permanent = True
+
+
 class LocalDamage(DrainFault):
     """A file of the local checkpoint is missing or is not the size its manifest records: the
     save being drained is damaged here, and no retry brings the bytes back."""

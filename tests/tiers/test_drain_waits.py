@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,3 +104,48 @@ def test_a_bad_exit_wait_names_the_variable():
     assert exit_wait({}) == 600 and exit_wait({"DCP_NVME_EXIT_WAIT": "0"}) == 0
     with pytest.raises(InvalidInputError, match="'soon' from environment variable DCP_NVME_EXIT_WAIT"):
         exit_wait({"DCP_NVME_EXIT_WAIT": "soon"})
+
+
+class _Journal:
+    def __init__(self) -> None:
+        self.causes: list[str] = []
+
+    def update(self, **fields) -> None:
+        self.causes.append(fields.get("cause", ""))
+
+
+class _NodeLocalSave:
+    """What ``wait_for_every_node`` reads of a node-local save drained by node 0 of nodes 0 and 1."""
+
+    save_key, nodes_here, manifest_bytes = "k1", ["0"], b"{}"
+    files = {"rank_00000.k1.safetensors": SimpleNamespace(size=10)}
+
+    class manifest:  # noqa: N801
+        @staticmethod
+        def files_by_node():
+            return {"0": ["rank_00000.k1.safetensors"], "1": ["rank_00001.k1.safetensors"]}
+
+
+@pytest.mark.slow
+def test_a_node_that_stops_beating_is_given_up_on_by_name(tmp_path):
+    """Node 1's drain beats on the target for 2 s (longer than the silence limit), then its
+    process dies. Node 0, its own files sent, waits while node 1 beats and gives up on it, by
+    name, once its heartbeat has been silent for node_silence seconds, not after node_wait."""
+    from dcp_nvme.tiers.sinks import LocalSink
+    from dcp_nvme.tiers.target import Heartbeat, wait_for_every_node
+    from dcp_nvme.tiers.transfer import NodeSilent
+
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    options = DrainOptions(node_wait=60, node_silence=0.8)
+    other = Heartbeat(LocalSink(str(mirror)), "k1", ["1"], interval=0.1)
+    threading.Timer(2.0, other.stop).start()  # node 1 dies
+    journal = _Journal()
+    began = time.monotonic()
+    with pytest.raises(NodeSilent, match=r"node\(s\) 1 did not drain their files of save k1 and wrote no "
+                                         r"heartbeat there for 1 s \(node_silence\)"):
+        wait_for_every_node(LocalSink(str(mirror)), _NodeLocalSave(), options, journal)
+    waited = time.monotonic() - began
+    assert 2.0 <= waited < 10, waited
+    assert "waiting for node(s) 1 to drain their files" in journal.causes[0]
+    assert (mirror / ".drain-node.k1.0").exists()
