@@ -41,6 +41,9 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.distributed.checkpoint._version":
         "its ``_derived_version``, set while those old keys are computed, as DefaultLoadPlanner "
         "does (load/load_planner.py)",
+    "torch.distributed.ProcessGroup._get_backend":
+        "the default group's gloo backend, whose ``options._timeout`` is the job's timeout "
+        "(``init_process_group(timeout=...)``): the groups dcp_nvme makes get it too (job_timeout)",
 }
 """Fully qualified name -> what dcp_nvme uses it for."""
 
@@ -102,3 +105,27 @@ def run_before_thread_pools_stop(hook: Any) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def job_timeout() -> Any:
+    """The job's timeout (a timedelta): ``init_process_group(timeout=...)``, as the default group
+    holds it; None when it cannot be read. ``new_group`` without a timeout gets torch's default
+    (30 min for gloo), not the job's: a peer that stops answering would hold a receive that long."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        backend = resolve("torch.distributed.ProcessGroup._get_backend")(dist.group.WORLD, torch.device("cpu"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def new_gloo_group(ranks: list[int] | None = None) -> Any:
+    """A gloo group of ``ranks`` (every rank: None) whose operations fail after the job's timeout."""
+    import torch.distributed as dist
+
+    timeout = job_timeout()
+    if timeout is None:
+        return dist.new_group(ranks=ranks, backend="gloo")
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)

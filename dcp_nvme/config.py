@@ -352,8 +352,23 @@ OUTSIDE_OPTIONS = ("replica_stride",)
 """The options outside IOConfig read through ``option_or_env``, each as ``DCP_NVME_<NAME>``
 (how the nodes are racked: replicas go to nodes i+k*stride)."""
 
-OTHER_ENV = ("DCP_NVME_TUNE_FILE",)
-"""The other ``DCP_NVME_*`` variable read: where the tune file is."""
+EXIT_WAIT_ENV = "DCP_NVME_EXIT_WAIT"
+EXIT_WAIT_DEFAULT = 600
+EXIT_WAIT_RANGE = (0, 7 * 24 * 3600)
+"""Seconds a process that ends waits for its background drains (0: it does not wait)."""
+
+OTHER_ENV = ("DCP_NVME_TUNE_FILE", EXIT_WAIT_ENV)
+"""The other ``DCP_NVME_*`` variables read: where the tune file is, and how long the exit waits
+for drains."""
+
+
+def exit_wait(environ: Any = None) -> int:
+    """Seconds the interpreter's exit waits for this process's drains: ``DCP_NVME_EXIT_WAIT``
+    (whole seconds, 0 for no wait), else ``EXIT_WAIT_DEFAULT``."""
+    raw = (os.environ if environ is None else environ).get(EXIT_WAIT_ENV)
+    if raw is None or raw.strip() == "":
+        return EXIT_WAIT_DEFAULT
+    return check_int("exit_wait", raw, EXIT_WAIT_RANGE, f"environment variable {EXIT_WAIT_ENV}")
 
 REMOVED_ENV = {
     "DCP_NVME_VERIFY": "pass verify=... to NVMeReader",

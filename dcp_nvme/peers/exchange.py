@@ -42,6 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dcp_nvme.compat import new_gloo_group
 from dcp_nvme.errors import CheckpointNotFoundError, DCPNVMeError, ManifestError
 from dcp_nvme.format.container import MANIFEST, RANGES_DIR, REPLICAS_DIR, save_key_of, tables_of
 from dcp_nvme.format.manifest import Manifest, read_files, read_manifest
@@ -86,7 +87,7 @@ def active() -> bool:
 def _exchange_group() -> Any:
     global _group
     if _group is None:
-        _group = dist.new_group(backend="gloo")
+        _group = new_gloo_group()  # the job's timeout: a peer that stops answering fails the restore
     return _group
 
 

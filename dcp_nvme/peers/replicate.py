@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_nvme.compat import new_gloo_group
 from dcp_nvme.errors import ChecksumMismatchError, InvalidInputError, ManifestError
 from dcp_nvme.format.container import (
     MANIFEST,
@@ -227,10 +228,9 @@ def replication_group(ranks: tuple[int, ...]) -> None:
     """Every rank of a node-local save with ``replicas`` calls this at the same point of
     ``write_data``: the gloo group of the ranks that commit a node's copy, made once per set."""
     global _current
-    import torch.distributed as dist
 
     if ranks not in _groups:
-        _groups[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
+        _groups[ranks] = new_gloo_group(list(ranks))  # the job's timeout, not torch's 30 min
     _current = _groups[ranks]
 
 
@@ -393,10 +393,16 @@ def _receive(group: Any, owner_rank: int, directory: str, manifest: Any, records
     import torch.distributed as dist
 
     owner = check_node_name(owner, directory)
-    make_private_dir(os.path.join(directory, REPLICAS_DIR))
-    replica_dir = make_private_dir(os.path.join(directory, REPLICAS_DIR, owner))
-    clear_replica(replica_dir)
-    problem, copied = None, 0
+    problem: str | None = None
+    copied, replica_dir = 0, None
+    # a failure here (a full disk) still receives every piece: the owner's sends and both ranks'
+    # later collectives stay in step, and the failure is told to both, not waited on
+    try:
+        make_private_dir(os.path.join(directory, REPLICAS_DIR))
+        replica_dir = make_private_dir(os.path.join(directory, REPLICAS_DIR, owner))
+        clear_replica(replica_dir)
+    except OSError as exc:
+        problem = f"cannot make the replica directory of node {owner} here: {type(exc).__name__}: {exc}"
 
     def check_and_write(fd: int, record: FileRecord, piece: Any, buffer: Any) -> int:
         data = memoryview(buffer.numpy()).cast("B")  # numpy's buffer stub before 3.12
@@ -418,8 +424,13 @@ def _receive(group: Any, owner_rank: int, directory: str, manifest: Any, records
                 pending = None
 
         for record in records:
-            temp = os.path.join(replica_dir, f".{record.name}.fetch-{secrets.token_hex(4)}")
-            fd = create_no_follow(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd, temp = -1, ""
+            if problem is None and replica_dir is not None:
+                temp = os.path.join(replica_dir, f".{record.name}.fetch-{secrets.token_hex(4)}")
+                try:
+                    fd = create_no_follow(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                except OSError as exc:
+                    problem = f"cannot write {record.name} from node {owner} here: {type(exc).__name__}: {exc}"
             try:
                 for piece in plan_pieces(record.size, record.data_start, record.checksum_block, PIECE):
                     status = torch.zeros(1, dtype=torch.int64)
@@ -435,15 +446,23 @@ def _receive(group: Any, owner_rank: int, directory: str, manifest: Any, records
                         pending = pool.submit(check_and_write, fd, record, piece, buffer)
                 settle()
                 if problem is None:
-                    os.fsync(fd)
+                    try:
+                        os.fsync(fd)
+                    except OSError as exc:
+                        problem = f"cannot write {record.name} from node {owner} here: {type(exc).__name__}: {exc}"
             finally:
                 settle()
-                os.close(fd)
-            if problem is None:
-                os.replace(temp, os.path.join(replica_dir, record.name))
-    if problem is not None:
-        clear_replica(replica_dir)
-        raise ManifestError(problem)
+                if fd >= 0:
+                    os.close(fd)
+            if problem is None and replica_dir is not None:
+                try:
+                    os.replace(temp, os.path.join(replica_dir, record.name))
+                except OSError as exc:
+                    problem = f"cannot write {record.name} from node {owner} here: {type(exc).__name__}: {exc}"
+    if problem is not None or replica_dir is None:
+        if replica_dir is not None:
+            clear_replica(replica_dir)
+        raise ManifestError(problem or f"no replica directory of node {owner}")
     local = LocalStore(directory)
     manifest_bytes = local.read(MANIFEST, MAX_MANIFEST)
     tables = [(entry["name"], local.read(entry["name"])) for _, entry in tables_of(manifest.doc)]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcp_nvme.errors import ChecksumMismatchError, DCPNVMeError
+from dcp_nvme.errors import ChecksumMismatchError, DCPNVMeError, PeerError
 from dcp_nvme.format.pieces import Span, verify_piece
 from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import open_regular
@@ -194,6 +194,14 @@ def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, i
     def guarded(fn: Any, *args: Any) -> None:
         try:
             fn(*args)
+        except RuntimeError as exc:  # gloo's: the peer closed the link, or sent nothing within the job's timeout
+            peer, role = args[0], "holder" if fn is receive_from else "receiver"
+            failure = PeerError(f"node {nodes[peer]} (rank {peer}, the {role} of a transfer) stopped answering: "
+                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__} "
+                                "(a process that is frozen, killed or cut off; the group fails after the job's "
+                                "timeout, init_process_group(timeout=...))")
+            failure.__cause__ = exc
+            errors.append(failure)
         except BaseException as exc:  # noqa: BLE001  raised below, once every thread ended
             errors.append(exc)
 

@@ -17,7 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 from dcp_nvme.compat import run_before_thread_pools_stop
-from dcp_nvme.errors import DrainError
+from dcp_nvme.config import EXIT_WAIT_DEFAULT, EXIT_WAIT_ENV, exit_wait
+from dcp_nvme.errors import DrainError, InvalidInputError
 from dcp_nvme.tiers.drainer import DrainResult, drain
 from dcp_nvme.tiers.journal import drain_state
 from dcp_nvme.tiers.options import DrainOptions
@@ -67,7 +68,7 @@ class Drainer:
             future = Future()
             future.set_exception(DrainError(os.fspath(local), target, str(refused) if refused is not None
                                             else f"the drainer is closed ({exc})"))
-        _track(future)
+        _track(future, os.fspath(local), target)
         future.add_done_callback(_log_failure)
         with self._lock:
             self._futures = [f for f in self._futures if not f.done()] + [future]
@@ -88,22 +89,38 @@ class Drainer:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
 
 
-_pending: set[Future] = set()
-"""Every drain submitted in this process, by any Drainer, that has not ended."""
+_pending: dict[Future, tuple[str, str, float]] = {}
+"""Every drain submitted in this process, by any Drainer, that has not ended: its checkpoint,
+its target and when it was submitted (monotonic)."""
 _ended = threading.Condition()
 
 
-def _track(future: Future) -> None:
+def _track(future: Future, local: str, target: str) -> None:
     with _ended:
-        _pending.add(future)
+        _pending[future] = (local, target, time.monotonic())
     future.add_done_callback(_untrack)  # at once when it has already ended
 
 
 def _untrack(future: Future) -> None:
     with _ended:
-        _pending.discard(future)
+        _pending.pop(future, None)
         if not _pending:
             _ended.notify_all()
+
+
+def _waiting_for() -> list[str]:
+    """What each drain still pending is at: its checkpoint, target, age and journaled state."""
+    with _ended:
+        pending = list(_pending.values())
+    now, out = time.monotonic(), []
+    for local, target, since in pending:
+        try:
+            state = drain_state(local)
+            at = f"{state.state}, attempt {state.attempts}" + (f": {state.cause}" if state.cause else "")
+        except Exception as exc:  # noqa: BLE001  a line of the log must not stop the exit
+            at = f"state unknown ({type(exc).__name__})"
+        out.append(f"{local} -> {target} (submitted {now - since:.0f} s ago; {at})")
+    return out
 
 
 def wait_for_drains(timeout: float | None = None) -> bool:
@@ -114,6 +131,10 @@ def wait_for_drains(timeout: float | None = None) -> bool:
     ``failed: <cause>``, and the log has it. The same wait runs at interpreter exit."""
     with _ended:
         return _ended.wait_for(lambda: not _pending, timeout)
+
+
+EXIT_WAIT_SAID = 60.0
+"""While the exit waits for drains, it says what it still waits for this often (seconds)."""
 
 
 _SAVES_FIRST: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -135,11 +156,25 @@ def _wait_at_exit() -> None:
                     function(**kwargs)
             except Exception as exc:  # noqa: BLE001  the drains already submitted are still waited for
                 log.error("dcp_nvme: at exit, %s.%s failed: %s", module, name, exc)
-        with _ended:
-            count = len(_pending)
-        if count:
-            log.info("dcp_nvme: waiting for %d drain(s) to the mirror before the process exits", count)
-            wait_for_drains()
+        waiting = _waiting_for()
+        if not waiting:
+            return
+        try:
+            bound = exit_wait()
+        except InvalidInputError as exc:
+            bound = EXIT_WAIT_DEFAULT
+            log.error("dcp_nvme: %s; waiting the default %d s", exc, bound)
+        log.warning("dcp_nvme: the process waits up to %d s (%s) for %d drain(s) to the mirror before it "
+                    "exits: %s", bound, EXIT_WAIT_ENV, len(waiting), "; ".join(waiting))
+        deadline = time.monotonic() + bound
+        while not wait_for_drains(min(EXIT_WAIT_SAID, max(0.0, deadline - time.monotonic()))):
+            waiting = _waiting_for()
+            if time.monotonic() >= deadline:
+                log.error("dcp_nvme: the process exits without waiting longer than %d s (%s) for %d drain(s): "
+                          "%s. What reached each target stays; `dcp-nvme status PATH` tells, `dcp-nvme drain "
+                          "PATH` resumes", bound, EXIT_WAIT_ENV, len(waiting), "; ".join(waiting))
+                return
+            log.warning("dcp_nvme: at exit, still waiting for %d drain(s): %s", len(waiting), "; ".join(waiting))
     except KeyboardInterrupt:
         log.error("dcp_nvme: interrupted at exit: the drains still running stop when Python stops its "
                   "thread pools; `dcp-nvme status PATH` tells, `dcp-nvme drain PATH` resumes")

@@ -44,10 +44,17 @@ from dcp_nvme.tiers.journal import DRAINING, FAILED, MIRRORED, DrainBusy, Journa
 from dcp_nvme.tiers.options import DrainOptions
 from dcp_nvme.tiers.sinks import S3Sink, Sink, open_sink
 from dcp_nvme.tiers.source import DrainSource, overwritten
-from dcp_nvme.tiers.target import put_confirmed, refuse_other_checkpoint, wait_for_every_node
+from dcp_nvme.tiers.target import (
+    Heartbeat,
+    heartbeat_interval,
+    put_confirmed,
+    refuse_other_checkpoint,
+    wait_for_every_node,
+)
 from dcp_nvme.tiers.transfer import (
     S3_MIN_PART,
     IncompleteOnTarget,
+    NodeSilent,
     SourceChanged,
     TokenBucket,
     backoff_delay,
@@ -56,9 +63,11 @@ from dcp_nvme.tiers.transfer import (
     exiting,
     is_permanent,
     matching_pieces,
+    no_credentials,
     overlap,
     piece_entry,
     step,
+    unreachable,
 )
 
 log = logging.getLogger(__name__)
@@ -166,8 +175,18 @@ class _DrainRun:
         self.journal: Journal | None = None
         self.source: DrainSource | None = None
         self.coded: CompressedSource | None = None
+        self.answered = False
+        """Whether the target answered in this drain (its preparation went through, once)."""
+        self.heartbeat: Heartbeat | None = None
 
     def run(self) -> DrainResult:
+        try:
+            return self._run()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+
+    def _run(self) -> DrainResult:
         attempt = 0
         while True:
             attempt += 1
@@ -175,6 +194,9 @@ class _DrainRun:
             try:
                 self._read_source(attempt)
                 sink = self.open_sink()
+                with step(f"preparing the target {sink.target}"):
+                    sink.prepare()
+                self.answered = True
                 _attempt(self._sending(), sink, self.journal, self.options, self.result, self.progress)
                 return self._mirrored()
             except Exception as exc:  # noqa: BLE001  (botocore errors are not OSErrors)
@@ -186,6 +208,9 @@ class _DrainRun:
         if self.source is not None and fresh.save_key != self.source.save_key:
             raise overwritten(self.location, f"save {self.source.save_key} was replaced by save {fresh.save_key}")
         self.source = fresh
+        if fresh.node_local and self.heartbeat is None:  # the other nodes' drains wait while it beats
+            self.heartbeat = Heartbeat(self.open_sink(), fresh.save_key, fresh.nodes_here,
+                                       heartbeat_interval(self.options))
         if self.journal is None:
             self.journal = Journal.open(self.location, self.target, fresh.save_key, self.storage_options)
             self.result = DrainResult(self.location, self.target, fresh.save_key,
@@ -241,12 +266,18 @@ class _DrainRun:
         cause = classify(exc)
         if self.result is not None:
             self.result.errors.append(cause)
-        final = is_permanent(exc) or attempt > self.options.retries
+        # an endpoint that never answered, after botocore's and s3fs's own connection retries,
+        # is a wrong URL or a server that is down: waiting minutes between attempts finds it down
+        permanent = is_permanent(exc) or (unreachable(exc) and not self.answered)
+        final = permanent or attempt > self.options.retries
         if self.coded is not None and (final or self.coded.failed):  # a failed coder codes again next time
             self.coded.close()
             self.coded = None
         # a drain cut short by the exit keeps what reached the target: its resume confirms it
-        if final and is_permanent(exc) and refused is None and journal is not None:
+        # (a target that never answered, or no credentials: nothing to clean there, and no way to)
+        # nor a drain that gave up on a silent node: what this node sent stays for the resume
+        if final and permanent and refused is None and journal is not None and not isinstance(exc, NodeSilent) \
+                and not (not self.answered and (unreachable(exc) or no_credentials(exc))):
             _discard(sink, journal, self.open_sink)
         if final:  # a later drain codes again (deterministic): the fast tier gets its space back
             remove_scratch(self.location)
@@ -257,8 +288,8 @@ class _DrainRun:
                 log.warning("dcp_nvme: the drain journal of %s could not record the failure: %s",
                             self.location, journal_error)
         if final:
-            log.error("dcp_nvme: drain of %s to %s failed after %d attempt(s): %s",
-                      self.location, self.target, attempt, cause)
+            log.error("dcp_nvme: drain of %s to %s failed after %d attempt(s)%s: %s", self.location,
+                      self.target, attempt, " (not retried: a retry cannot fix it)" if permanent else "", cause)
             raise DrainError(self.location, self.target, cause) from exc
         delay = backoff_delay(attempt, self.options.backoff, self.options.backoff_max)
         log.warning("dcp_nvme: drain of %s to %s, attempt %d failed (%s); retrying in %.2f s",
@@ -309,8 +340,6 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
     part_size = options.part_size
     if isinstance(sink, S3Sink):
         part_size = max(part_size, S3_MIN_PART)
-    with step(f"preparing the target {sink.target}"):
-        sink.prepare()
     refuse_other_checkpoint(source, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
@@ -406,8 +435,9 @@ def _remove_stale(sink: Sink, save_key: str, sent: set[str]) -> None:
     so do temporary files of drains that were killed (partial files, half-written temps)."""
     try:
         for name in sink.names():
-            if name.startswith(".drain-node.") and not name.startswith(f".drain-node.{save_key}."):
-                sink.remove(name)  # another save's node markers
+            if name.startswith((".drain-node.", ".drain-alive.")):
+                if not name.startswith((f".drain-node.{save_key}.", f".drain-alive.{save_key}.")):
+                    sink.remove(name)  # another save's node markers and heartbeats
                 continue
             if name.startswith(".") and (".drain-partial" in name or ".drain-tmp-" in name):
                 if save_key_of(name[1:].split(".drain-", 1)[0].removesuffix(CODED_SUFFIX)) != save_key:

@@ -49,6 +49,11 @@ class DrainOptions:
     node_wait: float = 3600.0
     """A node-local checkpoint: seconds a node's drain waits, its own files sent, for the other
     nodes' drains before the mirror commits (each node drains the files on its own disk)."""
+    node_silence: float = 600.0
+    """A node-local checkpoint: while a node's drain runs it writes a heartbeat on the target; a
+    node waiting for another node's files gives up (an error naming it, not retried) when that
+    node's heartbeat has not changed for this many seconds: it died, or its drain of this save
+    ended without its files (or has not begun: it is still draining an earlier save)."""
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESS_MODES:
@@ -67,4 +72,6 @@ class DrainOptions:
             raise InvalidInputError(f"retries must be >= 0, got {self.retries}")
         if not self.node_wait > 0:
             raise InvalidInputError(f"node_wait must be > 0 seconds, got {self.node_wait}")
+        if not self.node_silence > 0:
+            raise InvalidInputError(f"node_silence must be > 0 seconds, got {self.node_silence}")
 

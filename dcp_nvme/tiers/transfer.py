@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -37,6 +38,14 @@ class TargetTaken(DrainFault):
 
 class IncompleteOnTarget(DrainFault):
     """A file on the target does not match the manifest after it was sent (size, coverage)."""
+
+
+class NodeSilent(DrainFault):
+    """A node-local checkpoint's drain: another node, whose files the mirror still lacks, wrote
+    no heartbeat on the target for the silence limit (it died, or its drain ended without them).
+    Not retried; what this node sent stays on the target for the resume."""
+
+    permanent = True
 
 
 class LocalDamage(DrainFault):
@@ -147,6 +156,27 @@ def step(what: str) -> Iterator[None]:
         raise
 
 
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
+"""botocore's (not imported here): no key and secret found in the options, the environment or a
+profile. A retry finds none either."""
+_UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError")
+"""botocore's: the endpoint did not answer a connection, after botocore's and s3fs's own retries."""
+
+
+def _named(exc: BaseException, names: tuple[str, ...]) -> bool:
+    return any(kind.__name__ in names for kind in type(exc).__mro__)
+
+
+def no_credentials(exc: BaseException) -> bool:
+    """botocore found no credentials to sign with."""
+    return _named(exc, _NO_CREDENTIALS)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """The target's endpoint did not take a connection (refused, or no answer in time)."""
+    return _named(exc, _UNREACHABLE) or isinstance(exc, (ConnectionRefusedError, socket.gaierror))
+
+
 def classify(exc: BaseException) -> str:
     """A one-line cause for the drain state: what went wrong, during which operation on which
     file (when known), in words a user can act on."""
@@ -160,6 +190,9 @@ def classify(exc: BaseException) -> str:
         return f"source changed: {text}"
     if isinstance(exc, DrainFault):
         return f"{where}{text}"
+    if no_credentials(exc):
+        return (f"no credentials: {where}{text} (give key and secret in storage_options, or set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE)")
     if isinstance(exc, PermissionError):
         return f"access denied (credentials refused?): {where}{text}"
     if isinstance(exc, BucketMissingError):
@@ -175,12 +208,16 @@ def classify(exc: BaseException) -> str:
 
 def is_permanent(exc: BaseException) -> bool:
     """Errors a retry cannot fix: bad or missing local data, a corrupt mirror, a local checkpoint
-    gone or overwritten under the drain, a backend package that is not installed."""
+    gone or overwritten under the drain, a backend package that is not installed, no
+    credentials, credentials refused (access denied), a bucket that does not exist. (An endpoint
+    that never answered is decided by the drain: see ``_DrainRun._failed``.)"""
     from dcp_nvme.errors import CheckpointNotFoundError, ManifestError, MissingDependencyError
 
     if isinstance(exc, DrainFault):
         return exc.permanent
-    return isinstance(exc, (ChecksumMismatchError, CheckpointNotFoundError, ManifestError, MissingDependencyError))
+    return no_credentials(exc) or isinstance(exc, (
+        ChecksumMismatchError, CheckpointNotFoundError, ManifestError, MissingDependencyError, PermissionError,
+        BucketMissingError))
 
 
 def backoff_delay(attempt: int, base: float, cap: float) -> float:

@@ -273,16 +273,17 @@ def test_misspelt_environment_variable_is_named_with_the_closest_real_one(monkey
 
 
 PER_CLUSTER_ENV = {"DCP_NVME_QUEUE_DEPTH", "DCP_NVME_BLOCK_SIZE", "DCP_NVME_DIRECT_IO", "DCP_NVME_ENGINE",
-                   "DCP_NVME_NODE_QUEUE_DEPTH", "DCP_NVME_TUNE_FILE", "DCP_NVME_REPLICA_STRIDE"}
+                   "DCP_NVME_NODE_QUEUE_DEPTH", "DCP_NVME_TUNE_FILE", "DCP_NVME_REPLICA_STRIDE",
+                   "DCP_NVME_EXIT_WAIT"}
 
 
 def test_every_variable_the_package_reads_is_known_to_the_misspelling_warning():
-    """The product reads only the 7 variables an operator sets per cluster; a DCP_NVME_* name in
+    """The product reads only the 8 variables an operator sets per cluster; a DCP_NVME_* name in
     the code that warn_unknown_env does not know would be read and warned about as misspelt at
     once. Only config.py names the removed ones (to say what replaced them)."""
     from dcp_nvme.config import REMOVED_ENV, known_env_names, warn_unknown_env
 
-    assert set(known_env_names()) == PER_CLUSTER_ENV and len(known_env_names()) == 7
+    assert set(known_env_names()) == PER_CLUSTER_ENV and len(known_env_names()) == 8
     assert not set(REMOVED_ENV) & PER_CLUSTER_ENV
     root = Path(__file__).parents[2]
     sources = [*(root / "dcp_nvme").rglob("*.py"), root / "scripts" / "dev.sh"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -117,6 +118,21 @@ def test_a_node_dying_mid_save_leaves_the_previous_step_newest_everywhere(cluste
     _ok(results, records, 2)
     for node in (0, 1):
         assert len(_save_keys(_step_dir(cluster, node, 2))) == 1, os.listdir(_step_dir(cluster, node, 2))
+
+
+def test_a_node_dying_mid_drain_is_given_up_on_by_name(cluster, tmp_path):
+    """Node 1 dies once its drain sent a piece: node 0's drain, its own files sent, gives up on
+    node 1 after node_silence seconds without its heartbeat (not node_wait's 120 s, retried),
+    with an error naming it, and its process ends."""
+    env = {"MIRROR_ROOT": str(tmp_path / "pfs"), "STEPS": "1", "NODE_SILENCE": "3"}
+    began = time.monotonic()
+    results, records = _records(cluster, "save", env, env_per_node={1: {"DIE_IN_DRAIN": "1"}}, ranks_per_node=1)
+    took = time.monotonic() - began
+    assert [r["rank"] for r in records] == [0], describe(results)
+    error = records[0]["error"]
+    assert error and "node(s) 1 did not drain their files" in error and "node_silence" in error, describe(results)
+    assert took < 100, took
+    print(f"the survivor gave up after {took:.1f} s in all")
 
 
 def test_drain_of_every_node_to_s3_loads_at_another_world_size(cluster, seaweed, seaweed_bucket):

@@ -50,15 +50,25 @@ def test_replicas_survive_a_lost_node(cluster3, seaweed, seaweed_bucket):
           "AWS_ENDPOINT_URL_S3": seaweed.node_endpoint_url}
     # what node 2 sends its replica arrives damaged (a fault of the test): node 0 finds it and
     # makes no replica, and that fails no save; node i holds node i-1's files, node i+1 confirmed
-    # node i's
+    # node i's. Node 1's disk is full when it makes its replica of step 1: both node 0's and node
+    # 1's replication of step 1 end with that error, and steps 2 and 3 replicate as usual (they
+    # waited forever behind it)
     results, records = _run(cluster, "save", {"STEPS": "1,2,3", "REPLICAS": "1", "KEEP": "2",
                                               "MIRROR_ROOT": mirror, **s3},
-                            env_per_node={2: {"FLIP_REPLICA_SENDS": "1"}})
+                            env_per_node={2: {"FLIP_REPLICA_SENDS": "1"}, 1: {"NO_ROOM_FOR_REPLICAS_OF": "1"}})
     _ok(results, records, 3)
     for rec in records:
         node = rec["rank"]
         for entry in rec["saves"]:
             rep = entry["replication"]
+            if entry["step"] == 1 and node in (0, 1):
+                full = "cannot make the replica directory of node 0 here: OSError: [Errno 28] No space left"
+                if node == 1:
+                    assert full in rep["pulled"]["0"], rep
+                else:
+                    assert rep["replicated_on"] == [] and full in rep["failed"]["1"], rep
+                    assert rep["pulled"]["2"].startswith("ManifestError: ChecksumMismatchError"), rep
+                continue
             if node == 0:
                 assert rep["pulled"]["2"].startswith("ManifestError: ChecksumMismatchError"), rep
             else:

@@ -6,7 +6,8 @@ ACTION (one per torchrun launch, as a job would do it):
   save      save steps $STEPS (comma-separated) to RUN_DIR/step_<s>, each rank's shard of ``w``
             full of 10*step + rank; ``overwrite=True`` for every step in $OVERWRITE; with
             $MIRROR_ROOT each is drained there (``mirror_root``) by a Drainer(keep_last=$KEEP) and
-            waited for; $CRASH_AT_STEP makes this node's ranks die while writing that step's data
+            waited for; $CRASH_AT_STEP makes this node's ranks die while writing that step's data,
+            $DIE_IN_DRAIN=1 once their drain sent a piece; $NODE_SILENCE: the drains' node_silence
   load      find ``latest(RUN_DIR)`` and load it into fresh tensors (a restart)
   reshard   load RUN_DIR/step_$STEP at this run's world size: from the node's disk (expected to
             fail where the bytes are on another node) and from $MIRROR_ROOT/step_$STEP
@@ -61,7 +62,13 @@ def saved_values(step: int, saved_world: int) -> list[float]:
 
 def do_save(record: dict) -> None:
     keep = int(os.environ.get("KEEP", "0")) or None
-    set_default_drainer(Drainer(DrainOptions(backoff=0.1, retries=2, node_wait=120), keep_last=keep))
+    set_default_drainer(Drainer(DrainOptions(backoff=0.1, retries=2, node_wait=120,
+                                             node_silence=float(os.environ.get("NODE_SILENCE", "600"))),
+                                keep_last=keep))
+    if os.environ.get("DIE_IN_DRAIN") == "1":  # this node dies once its drain sent a piece
+        from dcp_nvme.tiers.drainer import set_drain_hook
+
+        set_drain_hook(lambda point, info: os._exit(9) if point == "piece-sent" else None)
     crash_at = int(os.environ.get("CRASH_AT_STEP", "0"))
     overwrite = {int(s) for s in os.environ.get("OVERWRITE", "").split(",") if s}
     writer = NVMeWriter(os.path.join(run_dir, "step_0"), mirror_root=mirror_root, mirror_options=mirror_options)

@@ -9,6 +9,7 @@ ACTION:
   restore  load RUN_DIR/step_<s> for each s in $LOAD_STEPS (saved by $SAVED_WORLD ranks) with
            ``NVMeReader(mirror=$MIRROR_ROOT, peers=True)``: each rank checks its values bit for bit
 
+Faults: $FLIP_REPLICA_SENDS, $NO_ROOM_FOR_REPLICAS_OF (below).
 Each rank prints one ``RESULT {json}`` line. $SHARD_ELEMS: float32 elements per saved rank.
 $MIRROR_OPTIONS: storage options (JSON) for an s3:// mirror.
 """
@@ -66,9 +67,28 @@ def flip_what_this_node_replicates() -> None:
     replicate._read_piece = flipped
 
 
+def no_room_for_replicas_of(step: str) -> None:
+    """A fault of this test ($NO_ROOM_FOR_REPLICAS_OF=STEP): this node's disk is full when it
+    makes the directory of the replica it holds of step STEP (it fails before a byte comes)."""
+    import errno
+
+    from dcp_nvme.peers import replicate
+
+    real = replicate.make_private_dir
+
+    def full(path, *args, **kwargs):
+        if f"step_{step}{os.sep}.replicas" in os.fspath(path):
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    replicate.make_private_dir = full
+
+
 def do_save(record: dict) -> None:
     if os.environ.get("FLIP_REPLICA_SENDS") == "1":
         flip_what_this_node_replicates()
+    if os.environ.get("NO_ROOM_FOR_REPLICAS_OF"):
+        no_room_for_replicas_of(os.environ["NO_ROOM_FOR_REPLICAS_OF"])
     keep = int(os.environ.get("KEEP", "0")) or None
     set_default_drainer(Drainer(DrainOptions(backoff=0.1, retries=2, node_wait=120), keep_last=keep))
     writer = NVMeWriter(os.path.join(run_dir, "step_0"), mirror_root=mirror_root, mirror_options=mirror_options,
