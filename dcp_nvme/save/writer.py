@@ -75,6 +75,7 @@ from dcp_nvme.host.job import (
 from dcp_nvme.save import copies
 from dcp_nvme.save.dropin import (
     POINTER,
+    held_key,
     is_stock_file,
     refuse_existing,
     refuse_existing_early,
@@ -135,6 +136,9 @@ class RankPlan:
     replicators: tuple[int, ...] = ()
     """With ``replicas`` in a node-local save: the ranks that commit a node's copy (the
     coordinator and the node writers), which replicate over a group of their own."""
+    overwrite: bool = False
+    """A committed checkpoint in this rank's directory is replaced: the writer's ``overwrite``,
+    or the coordinator found the step not whole on every node (``NodeTag.held``)."""
 
 
 class NVMeWriter(StorageWriter):
@@ -286,10 +290,11 @@ class NVMeWriter(StorageWriter):
         remove_probe(self._dir, self._probe)
         self._probe = write_probe(self._dir) if _world_size() > 1 and leads_its_node() else None
         # the coordinator counts ranks per host, and finds which nodes share its directory
-        return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe, plan.items))
+        held = held_key(self._dir) if self._probe is not None else None  # is a step here whole?
+        return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe, held, plan.items))
 
-    def _refuse_existing(self, where: str) -> None:
-        refuse_existing(self._dir, where, self.overwrite)  # ours, or a stock DCP checkpoint
+    def _refuse_existing(self, where: str, overwrite: bool, whole: bool | None = None) -> None:
+        refuse_existing(self._dir, where, overwrite, whole)  # ours, or a stock DCP checkpoint
 
     def mirror_url(self) -> str | None:
         """Where this checkpoint drains: ``mirror``, or ``mirror_root`` + its directory name."""
@@ -319,10 +324,15 @@ class NVMeWriter(StorageWriter):
         self._release_lock()
         self._lock = save_lock.acquire(self._dir, key)
         try:
-            self._refuse_existing(self._dir)
             plans, cached = with_cached_plans(plans, self._sent_plans, self._dir)  # enable_plan_caching
             check_planner_data(plans)  # fail before any byte is written, not after
             tags = [plan.storage_data if isinstance(plan.storage_data, NodeTag) else None for plan in plans]
+            leaders = [tag.held for tag in tags if tag is not None and tag.probe is not None]
+            # the step is whole only when every node's directory holds the same loadable save;
+            # one the ranks' latest() passes over is replaced, on every node alike
+            whole = all(leaders) and len(set(leaders)) == 1 if any(h is not None for h in leaders) else None
+            self._refuse_existing(self._dir, self.overwrite, whole)
+            overwrite = self.overwrite or whole is False
             counts = ranks_per_host([tag.host if tag else None for tag in tags])
             if not (cached and self._topology is not None):
                 self._topology = decide(self._rank, tags, lambda name: probe_visible(self._dir, name))
@@ -339,7 +349,7 @@ class NVMeWriter(StorageWriter):
             primary = [n if n < len(plan.items) else None for n, plan in zip(counts_primary, plans)]
         replicators = tuple(sorted(writers | {self._rank})) if self.replicas and writers else ()
         return [replace(plan, storage_data=RankPlan(rank, key, counts[rank], rank in writers, primary[rank],
-                                                    replicators))
+                                                    replicators, overwrite))
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -364,7 +374,7 @@ class NVMeWriter(StorageWriter):
         end_waiting(self._dir)  # an earlier failed save's committer lets go of this node's lock
         lock = save_lock.acquire(self._dir, target.save_key)
         try:
-            self._refuse_existing(f"{self.path} on node {node_identity()}")
+            self._refuse_existing(f"{self.path} on node {node_identity()}", target.overwrite)
         except BaseException:
             lock.release()
             raise

@@ -260,8 +260,8 @@ def _agree_walk(rank, world, runs, missing):
 
     os.environ["GROUP_RANK"] = str(rank)
     checked = []
-    real = intact.examine
-    intact.examine = lambda path: checked.append(Path(path).name) or real(path)
+    real = intact.read_manifest_doc  # once per step checked
+    intact.read_manifest_doc = lambda store, where: checked.append(Path(where).name) or real(store, where)
     try:
         assert latest(runs[rank], agree=True) == Path(runs[rank]) / "step_40"
         assert checked == ["step_40"], checked
@@ -275,7 +275,7 @@ def _agree_walk(rank, world, runs, missing):
         assert checked == ["step_40", "step_39"], checked
         assert "step_40 is not loadable on node(s) 0" in " ".join(str(w.message) for w in caught) or rank, caught
     finally:
-        intact.examine = real
+        intact.read_manifest_doc = real
     with pytest.raises(CheckpointNotFoundError, match=f"run directory {missing} does not exist"):
         latest(missing, agree=True)
 
