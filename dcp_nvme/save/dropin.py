@@ -137,11 +137,23 @@ def held_key(directory: str) -> str | None:
     return "" if why is not None or key is None else key
 
 
-def refuse_existing(directory: str, where: str, overwrite: bool, whole: bool | None = None) -> None:
-    """While planning (the coordinator, a node writer): CheckpointExistsError if ``existing_refusal``."""
+def whole_on_every_node(tags: list[Any]) -> bool | None:
+    """Whether every node's directory holds the same loadable save of the step (the node
+    leaders' ``NodeTag.held``), so that a step committed on some nodes only, or damaged on one,
+    is replaced on every node alike; None where no leader found one (one process: judged there)."""
+    held = [tag.held for tag in tags if tag is not None and tag.probe is not None]
+    if all(h is None for h in held):
+        return None
+    return all(held) and len(set(held)) == 1
+
+
+def refuse_existing(directory: str, where: str, overwrite: bool, whole: bool | None = None) -> bool:
+    """While planning (the coordinator, a node writer): CheckpointExistsError if ``existing_refusal``;
+    else whether a checkpoint found in the directories is replaced (``overwrite``, or not whole)."""
     message = existing_refusal(directory, where, overwrite, whole)
     if message is not None:
         raise CheckpointExistsError(message)
+    return overwrite or whole is False
 
 
 def alone() -> bool:

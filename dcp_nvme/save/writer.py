@@ -79,6 +79,7 @@ from dcp_nvme.save.dropin import (
     is_stock_file,
     refuse_existing,
     refuse_existing_early,
+    whole_on_every_node,
     with_cached_plans,
     write_pointer,
     writer_stock_options,
@@ -137,8 +138,7 @@ class RankPlan:
     """With ``replicas`` in a node-local save: the ranks that commit a node's copy (the
     coordinator and the node writers), which replicate over a group of their own."""
     overwrite: bool = False
-    """A committed checkpoint in this rank's directory is replaced: the writer's ``overwrite``,
-    or the coordinator found the step not whole on every node (``NodeTag.held``)."""
+    """The writer's ``overwrite``, or the step is not whole on every node (``whole_on_every_node``)."""
 
 
 class NVMeWriter(StorageWriter):
@@ -293,9 +293,6 @@ class NVMeWriter(StorageWriter):
         held = held_key(self._dir) if self._probe is not None else None  # is a step here whole?
         return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe, held, plan.items))
 
-    def _refuse_existing(self, where: str, overwrite: bool, whole: bool | None = None) -> None:
-        refuse_existing(self._dir, where, overwrite, whole)  # ours, or a stock DCP checkpoint
-
     def mirror_url(self) -> str | None:
         """Where this checkpoint drains: ``mirror``, or ``mirror_root`` + its directory name."""
         if self.mirror_root is None:
@@ -327,12 +324,8 @@ class NVMeWriter(StorageWriter):
             plans, cached = with_cached_plans(plans, self._sent_plans, self._dir)  # enable_plan_caching
             check_planner_data(plans)  # fail before any byte is written, not after
             tags = [plan.storage_data if isinstance(plan.storage_data, NodeTag) else None for plan in plans]
-            leaders = [tag.held for tag in tags if tag is not None and tag.probe is not None]
-            # the step is whole only when every node's directory holds the same loadable save;
-            # one the ranks' latest() passes over is replaced, on every node alike
-            whole = all(leaders) and len(set(leaders)) == 1 if any(h is not None for h in leaders) else None
-            self._refuse_existing(self._dir, self.overwrite, whole)
-            overwrite = self.overwrite or whole is False
+            # ours (whole on every node: a step the ranks' latest() passes over is replaced) or stock
+            overwrite = refuse_existing(self._dir, self._dir, self.overwrite, whole_on_every_node(tags))
             counts = ranks_per_host([tag.host if tag else None for tag in tags])
             if not (cached and self._topology is not None):
                 self._topology = decide(self._rank, tags, lambda name: probe_visible(self._dir, name))
@@ -374,7 +367,7 @@ class NVMeWriter(StorageWriter):
         end_waiting(self._dir)  # an earlier failed save's committer lets go of this node's lock
         lock = save_lock.acquire(self._dir, target.save_key)
         try:
-            self._refuse_existing(f"{self.path} on node {node_identity()}", target.overwrite)
+            refuse_existing(self._dir, f"{self.path} on node {node_identity()}", target.overwrite)
         except BaseException:
             lock.release()
             raise
