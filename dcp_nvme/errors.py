@@ -7,10 +7,29 @@ InvalidInputError, UnsafeItemError)."""
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 
 class DCPNVMeError(Exception):
-    """Base class of every error raised by dcp_nvme."""
+    """Base class of every error raised by dcp_nvme.
+
+    Each one pickles with its message and attributes: DCP gathers a failed rank's exception to
+    every rank by pickling it, and the default reduce calls ``__init__`` with the message alone,
+    which a subclass taking other arguments refuses."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type[DCPNVMeError], args: tuple[Any, ...], state: dict[str, Any]) -> DCPNVMeError:
+    """An error of ``cls`` as pickled, built without the subclass's ``__init__`` (its signature is
+    its own): the built-in base's ``__new__``/``__init__`` take ``args`` as raised, which keeps an
+    OSError's ``errno``."""
+    builtin = next(c for c in cls.__mro__ if not issubclass(c, DCPNVMeError))
+    error = builtin.__new__(cls, *args)
+    builtin.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class CheckpointNotFoundError(DCPNVMeError, FileNotFoundError):

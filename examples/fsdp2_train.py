@@ -108,6 +108,7 @@ def save_async(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ck
 
 def resume(model: torch.nn.Module, opt: torch.optim.Optimizer, ckpt_dir: str | os.PathLike) -> int:
     """Load the newest committed checkpoint into model/opt; returns its step (0: none)."""
+    os.makedirs(ckpt_dir, exist_ok=True)  # latest() refuses a run directory that is not there
     latest = dcp_nvme.latest(ckpt_dir)  # newest committed checkpoint; None on a fresh start
     if latest is None:
         return 0

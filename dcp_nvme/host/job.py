@@ -126,6 +126,9 @@ class NodeTag:
     node: str
     probe: str | None = None
     """The probe file this rank created in the checkpoint directory (node leaders only)."""
+    held: str | None = None
+    """Of a node leader: the save key of the checkpoint committed in its directory that can
+    load, ``""`` for one that cannot (damaged, or only part of it there), None for none."""
     items: list | None = field(default=None, compare=False)
     """The rank's local plan's items, before the planner's dedup (the same list as the plan's,
     so it costs nothing when the plans are gathered): what a node-local save copies."""

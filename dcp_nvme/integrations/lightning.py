@@ -9,6 +9,7 @@ Usage::
     trainer = L.Trainer(strategy=strategy, ...)
     trainer.save_checkpoint("ckpts/step-4")                       # sync
     trainer.save_checkpoint("ckpts/step-8", storage_options={"async_save": True})
+    os.makedirs("ckpts", exist_ok=True)                          # latest() refuses a missing run dir
     trainer.fit(model, ckpt_path=dcp_nvme.latest("ckpts"))      # None on a fresh start
 
 With ``ModelCheckpoint(dirpath=..., every_n_train_steps=N, save_last=True)`` the checkpoints

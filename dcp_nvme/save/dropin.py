@@ -110,22 +110,50 @@ def exists_message(where: str, stock: bool = False) -> str:
                    "whose files overwrite=True removes once the new one commits" if stock else "")
 
 
-def existing_refusal(directory: str, where: str, overwrite: bool) -> str | None:
+def existing_refusal(directory: str, where: str, overwrite: bool, whole: bool | None = None) -> str | None:
     """The refusal when ``directory`` holds a committed checkpoint, ours or the stock writer's
-    (whose ``.metadata`` ``dcp.load`` would still read beside our manifest), and not ``overwrite``."""
+    (whose ``.metadata`` ``dcp.load`` would still read beside our manifest), and not ``overwrite``.
+    Ours only when it is whole (``whole``, else judged here: ``storage.intact``): a step that
+    ``latest()`` passes over, damaged or committed on some nodes only, is replaced, so that a
+    resumed job saves it again without ``overwrite``."""
     if overwrite:
         return None
     store = LocalStore(directory)
     if store.has(MANIFEST):
-        return exists_message(where)
+        if whole is None:
+            whole = held_key(directory) != ""
+        return exists_message(where) if whole else None
     return exists_message(where, stock=True) if store.has(DCP_METADATA) else None
 
 
-def refuse_existing(directory: str, where: str, overwrite: bool) -> None:
-    """While planning (the coordinator, a node writer): CheckpointExistsError if ``existing_refusal``."""
-    message = existing_refusal(directory, where, overwrite)
+def held_key(directory: str) -> str | None:
+    """The save key of the checkpoint committed in ``directory`` when it can load, ``""`` when
+    it cannot, None when there is none (``NodeTag.held``)."""
+    if not LocalStore(directory).has(MANIFEST):
+        return None
+    from dcp_nvme.storage.intact import examine  # here: the tables' reader only for a re-save
+
+    why, key = examine(directory)
+    return "" if why is not None or key is None else key
+
+
+def whole_on_every_node(tags: list[Any]) -> bool | None:
+    """Whether every node's directory holds the same loadable save of the step (the node
+    leaders' ``NodeTag.held``), so that a step committed on some nodes only, or damaged on one,
+    is replaced on every node alike; None where no leader found one (one process: judged there)."""
+    held = [tag.held for tag in tags if tag is not None and tag.probe is not None]
+    if all(h is None for h in held):
+        return None
+    return all(held) and len(set(held)) == 1
+
+
+def refuse_existing(directory: str, where: str, overwrite: bool, whole: bool | None = None) -> bool:
+    """While planning (the coordinator, a node writer): CheckpointExistsError if ``existing_refusal``;
+    else whether a checkpoint found in the directories is replaced (``overwrite``, or not whole)."""
+    message = existing_refusal(directory, where, overwrite, whole)
     if message is not None:
         raise CheckpointExistsError(message)
+    return overwrite or whole is False
 
 
 def alone() -> bool:

@@ -75,9 +75,11 @@ from dcp_nvme.host.job import (
 from dcp_nvme.save import copies
 from dcp_nvme.save.dropin import (
     POINTER,
+    held_key,
     is_stock_file,
     refuse_existing,
     refuse_existing_early,
+    whole_on_every_node,
     with_cached_plans,
     write_pointer,
     writer_stock_options,
@@ -137,6 +139,8 @@ class RankPlan:
     replicators: tuple[int, ...] = ()
     """With ``replicas`` in a node-local save: the ranks that commit a node's copy (the
     coordinator and the node writers), which replicate over a group of their own."""
+    overwrite: bool = False
+    """The writer's ``overwrite``, or the step is not whole on every node (``whole_on_every_node``)."""
 
 
 class NVMeWriter(StorageWriter):
@@ -289,10 +293,8 @@ class NVMeWriter(StorageWriter):
         remove_probe(self._dir, self._probe)
         self._probe = write_probe(self._dir) if _world_size() > 1 and leads_its_node() else None
         # the coordinator counts ranks per host, and finds which nodes share its directory
-        return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe, plan.items))
-
-    def _refuse_existing(self, where: str) -> None:
-        refuse_existing(self._dir, where, self.overwrite)  # ours, or a stock DCP checkpoint
+        held = held_key(self._dir) if self._probe is not None else None  # is a step here whole?
+        return replace(plan, storage_data=NodeTag(host_name(), node_identity(), self._probe, held, plan.items))
 
     def mirror_url(self) -> str | None:
         """Where this checkpoint drains: ``mirror``, or ``mirror_root`` + its directory name."""
@@ -322,10 +324,11 @@ class NVMeWriter(StorageWriter):
         self._release_lock()
         self._lock = save_lock.acquire(self._dir, key)
         try:
-            self._refuse_existing(self._dir)
             plans, cached = with_cached_plans(plans, self._sent_plans, self._dir)  # enable_plan_caching
             check_planner_data(plans)  # fail before any byte is written, not after
             tags = [plan.storage_data if isinstance(plan.storage_data, NodeTag) else None for plan in plans]
+            # ours (whole on every node: a step the ranks' latest() passes over is replaced) or stock
+            overwrite = refuse_existing(self._dir, self._dir, self.overwrite, whole_on_every_node(tags))
             counts = ranks_per_host([tag.host if tag else None for tag in tags])
             if not (cached and self._topology is not None):
                 self._topology = decide(self._rank, tags, lambda name: probe_visible(self._dir, name))
@@ -342,7 +345,7 @@ class NVMeWriter(StorageWriter):
             primary = [n if n < len(plan.items) else None for n, plan in zip(counts_primary, plans)]
         replicators = tuple(sorted(writers | {self._rank})) if self.replicas and writers else ()
         return [replace(plan, storage_data=RankPlan(rank, key, counts[rank], rank in writers, primary[rank],
-                                                    replicators))
+                                                    replicators, overwrite))
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -367,7 +370,7 @@ class NVMeWriter(StorageWriter):
         end_waiting(self._dir)  # an earlier failed save's committer lets go of this node's lock
         lock = save_lock.acquire(self._dir, target.save_key)
         try:
-            self._refuse_existing(f"{self.path} on node {node_identity()}")
+            refuse_existing(self._dir, f"{self.path} on node {node_identity()}", target.overwrite)
         except BaseException:
             lock.release()
             raise

@@ -1,6 +1,9 @@
-"""Whether a committed dcp_nvme checkpoint's files are all there, at the sizes its manifest
-records: a stat each, no table or data read. ``dcp-nvme list`` calls a checkpoint that fails
-this damaged; ``dcp_nvme.latest`` passes over it."""
+"""Whether a committed dcp_nvme checkpoint can load, from its small files: ``manifest.json`` and
+its tables read and checked (sizes, crc32c, every index row), and every data file it lists
+present at its size (a stat each, no data read). One check for all that judge a step:
+``dcp-nvme list`` and ``status`` call a checkpoint that fails it corrupt or damaged, and
+``dcp_nvme.latest`` passes over it. A changed data byte is found by the load (or ``dcp-nvme
+verify``), which reads the data."""
 
 from __future__ import annotations
 
@@ -9,27 +12,41 @@ import os
 from dcp_nvme import seams
 from dcp_nvme.errors import DCPNVMeError
 from dcp_nvme.format.container import MANIFEST, tables_of
-from dcp_nvme.format.manifest import Manifest, read_manifest_doc
+from dcp_nvme.format.manifest import Manifest, read_files, read_manifest, read_manifest_doc
 from dcp_nvme.storage.local_dir import LocalStore, Store
+
+
+def checked(source: Store, location: str) -> tuple[Manifest, list[str], list[str]]:
+    """The checkpoint's manifest read with all its tables (``read_manifest``, ``read_files``:
+    they raise for a damaged manifest or table), and :func:`quick_check`'s problems and nodes
+    elsewhere."""
+    manifest = read_manifest(source, location)
+    read_files(source, manifest, location)
+    problems, elsewhere = quick_check(source, manifest)
+    return manifest, problems, elsewhere
 
 
 def load_problem(path: str | os.PathLike[str]) -> str | None:
     """Why the committed dcp_nvme checkpoint at ``path`` cannot load, or None when it looks
-    whole: ``manifest.json`` parsed and checked, and every file it lists present at its size
-    (:func:`quick_check`). A stat per file, no table or data read."""
+    whole (:func:`checked`)."""
+    return examine(path)[0]
+
+
+def examine(path: str | os.PathLike[str]) -> tuple[str | None, str | None]:
+    """:func:`load_problem` and the checkpoint's save key (None where it has a problem)."""
     location = os.fspath(path)
     store: Store = LocalStore(location)
     try:
-        manifest = read_manifest_doc(store, location)
-        if manifest.doc.get("compression") is not None:  # a compressed mirror: its files are .dcz
-            store = seams.decoded_store(store, manifest, location)
-        problems, _ = quick_check(store, manifest)
+        doc = read_manifest_doc(store, location)
+        if doc.doc.get("compression") is not None:  # a compressed mirror: its files are .dcz
+            store = seams.decoded_store(store, doc, location)
+        manifest, problems, _ = checked(store, location)
     except (OSError, DCPNVMeError) as exc:
-        return one_line(exc)
+        return one_line(exc), None
     if problems and manifest.node_local:  # each node judges its own disk: the nodes may disagree
         problems.append("this is this node's copy of a node-local checkpoint, which other nodes may still "
                         "take: give every node the same step")
-    return "; ".join(problems) or None
+    return ("; ".join(problems), None) if problems else (None, manifest.save_key)
 
 
 def quick_check(source: Store, manifest: Manifest) -> tuple[list[str], list[str]]:

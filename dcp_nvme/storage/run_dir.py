@@ -15,7 +15,6 @@ FileSystemWriter). Steps are read from the usual names: ``step_N``, ``step-N``, 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import warnings
@@ -129,11 +128,15 @@ def latest(
     storage_options: dict[str, Any] | None = None,
 ) -> Path | str | None:
     """The newest committed dcp_nvme checkpoint under ``run_dir`` (see :func:`checkpoints`) that
-    can load, or None: one ``NVMeReader`` loads. A newer one that cannot (its manifest does not
-    parse, or a file it lists is missing or of another size: ``storage.intact``, no data read) is
-    passed over with a warning naming it and why. A stock DCP checkpoint in the same run is
-    passed over unless ``kinds`` names ``"dcp"`` too (``checkpoints()`` lists both, each with
-    its ``kind``); it is taken as committed, unchecked.
+    can load, or None when the run directory holds none yet: one ``NVMeReader`` loads. A newer
+    one that cannot (its manifest or a table is damaged, or a data file it lists is missing or of
+    another size: ``storage.intact``, the check by which ``dcp-nvme list`` calls it corrupt or
+    damaged; no data read) is passed over with a warning naming it and why. The newest
+    candidates are checked first and the walk stops at the first that passes. A stock DCP
+    checkpoint in the same run is passed over unless ``kinds`` names ``"dcp"`` too
+    (``checkpoints()`` lists both, each with its ``kind``); it is taken as committed, unchecked.
+    A ``run_dir`` that does not exist (a typo would otherwise start training from scratch)
+    raises CheckpointNotFoundError: create it before the first save.
 
     ``agree=True``: every rank of the job calls it (a collective over the default group), and
     every rank gets the same step: the newest one that every node can load. Node-local disks can
@@ -141,7 +144,9 @@ def latest(
     on one node -- and a restart that took each node's own newest would load one model from two
     steps. A node that holds the newest step prepared but not renamed (its vote was in, the
     commit was decided: another node renamed it) is rolled forward; a step some node lacks is
-    passed over, with a warning naming the node. In one process it is ``latest`` itself.
+    passed over, with a warning naming the node. The ranks walk down from the newest step
+    together, each checking only the steps it must. The run directory must exist on some node
+    (on a node without it, that node holds nothing). In one process it is ``latest`` itself.
 
     ``run_dir`` may be a URL (``s3://bucket/run``, any fsspec URL; ``storage_options`` go to its
     filesystem): the newest step there that can load, as a URL (str), for
@@ -163,7 +168,10 @@ def latest(
         return _agreed(run_dir, tuple(kinds), tuple(extra_markers))
     from dcp_nvme.storage.intact import load_problem  # here, so that `import dcp_nvme` loads no pyarrow
 
-    for found in reversed(checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)):
+    found_all = checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)
+    if not found_all and not os.path.isdir(run_dir):
+        raise _missing_run_dir(run_dir)
+    for found in reversed(found_all):
         why = load_problem(found.path) if found.kind == NVME else None
         if why is None:
             return found.path
@@ -173,41 +181,23 @@ def latest(
     return None
 
 
-def _node_view(run_dir: str | os.PathLike[str], kinds: tuple[str, ...],
-               extra_markers: tuple[str, ...]) -> dict[str, Any]:
-    """What this rank's disk holds of the run: the loadable checkpoints (name -> save key,
-    newest first) and the directories whose manifest is prepared but not renamed."""
+def _missing_run_dir(run_dir: str | os.PathLike[str]) -> Exception:
+    from dcp_nvme.errors import CheckpointNotFoundError
+
+    what = "is not a directory" if os.path.lexists(run_dir) else "does not exist"
+    return CheckpointNotFoundError(f"dcp_nvme.latest: the run directory {os.fspath(run_dir)} {what}: create it "
+                                   "(os.makedirs(run_dir, exist_ok=True) before the first save) or fix the path")
+
+
+def _prepared_key(step: str, kinds: tuple[str, ...]) -> str | None:
+    """The save key of the manifest prepared but not renamed in ``step``, else None."""
     from dcp_nvme.format.container import MANIFEST, temp_of
-    from dcp_nvme.host.job import node_identity
-    from dcp_nvme.storage.intact import load_problem
 
-    loadable, problems, prepared = {}, {}, {}
-    for found in reversed(checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)):
-        why = load_problem(found.path) if found.kind == NVME else None
-        if why is None:
-            loadable[found.name] = _save_key(found.path)
-        else:
-            problems[found.name] = why
     try:
-        entries = [e for e in os.scandir(run_dir) if e.is_dir(follow_symlinks=False) and e.name not in loadable]
+        keys = [t[1] for t in map(temp_of, os.listdir(step)) if t is not None and t[0] == MANIFEST]
     except OSError:
-        entries = []
-    for entry in entries:
-        with contextlib.suppress(OSError):
-            keys = [t[1] for t in map(temp_of, os.listdir(entry.path)) if t is not None and t[0] == MANIFEST]
-            if len(keys) == 1 and committed_kind(entry.path, kinds) is None:
-                prepared[entry.name] = keys[0]
-    return {"node": node_identity(), "loadable": loadable, "problems": problems, "prepared": prepared}
-
-
-def _save_key(path: Path) -> str | None:
-    from dcp_nvme.format.manifest import read_manifest_doc
-    from dcp_nvme.storage.local_dir import LocalStore
-
-    try:
-        return read_manifest_doc(LocalStore(path), str(path)).save_key
-    except (OSError, ValueError, KeyError):
-        return None  # a stock DCP checkpoint has no save key
+        return None
+    return keys[0] if len(keys) == 1 and committed_kind(step, kinds) is None else None
 
 
 def _told_by_rank_0(find: Any) -> Any:
@@ -238,43 +228,75 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+_LOADABLE, _PREPARED = "loadable", "prepared"
+
+
 def _agreed(run_dir: str | os.PathLike[str], kinds: tuple[str, ...], extra_markers: tuple[str, ...]) -> Path | None:
+    """Every rank lists its committed steps (no file read); then, from the newest step down, the
+    ranks say together which is the newest step each holds whole (loadable or prepared) and
+    with which save, until they all name the same step and save. A rank checks a step only on
+    its way down to its own offer, so an intact newest step costs one check per rank."""
     import torch.distributed as dist
 
     from dcp_nvme.errors import DCPNVMeError
     from dcp_nvme.format.container import MANIFEST
-    from dcp_nvme.storage.intact import load_problem
+    from dcp_nvme.host.job import node_identity
+    from dcp_nvme.storage.intact import examine, load_problem
     from dcp_nvme.storage.local_dir import commit_prepared
 
-    mine = _node_view(run_dir, kinds, extra_markers)
-    views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, mine)
-    names = list(dict.fromkeys(n for v in views for n in v["loadable"]))  # rank 0's order first
+    world, node = dist.get_world_size(), node_identity()
+    found = {c.name: c for c in checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)}
+    listed: list[Any] = [None] * world
+    dist.all_gather_object(listed, (os.path.isdir(run_dir), list(reversed(found))))
+    if not any(exists for exists, _ in listed):
+        raise _missing_run_dir(run_dir)
+    names = list(dict.fromkeys(n for _, mine in listed for n in mine))  # rank 0's order first
     names.sort(key=lambda n: (parse_step(n) is None, -(parse_step(n) or 0)))  # newest step first
-    chosen, forward = None, False
-    for name in names:
-        keys = {v["loadable"].get(name, v["prepared"].get(name)) for v in views}
-        if len(keys) == 1 and all(name in v["loadable"] or name in v["prepared"] for v in views):
-            chosen, forward = name, name in mine["prepared"]
+    checked: dict[str, tuple[str | None, str | None, str | None]] = {}
+
+    def status(name: str) -> tuple[str | None, str | None, str | None]:
+        """(loadable/prepared/None, save key, why it cannot load) of ``name`` on this rank."""
+        if name not in checked:
+            if name in found:
+                why, key = examine(found[name].path) if found[name].kind == NVME else (None, None)
+                checked[name] = (None, None, why) if why else (_LOADABLE, key, None)
+            else:
+                key = _prepared_key(os.path.join(os.fspath(run_dir), name), kinds)
+                checked[name] = (_PREPARED if key else None, key, None)
+        return checked[name]
+
+    chosen, at, first = None, 0, None
+    while at < len(names):  # each rank offers its newest step from `at` down that it holds whole
+        offer = next((i for i in range(at, len(names)) if status(names[i])[0] is not None), None)
+        said: list[Any] = [None] * world
+        dist.all_gather_object(said, (node, status(names[at]), offer))
+        first = first or said
+        offers = [o for _, _, o in said]
+        if None in offers:  # a rank holds none of the steps left
             break
+        if all(o == at for o in offers) and len({s[1] for _, s, _ in said}) == 1:
+            chosen = names[at]
+            break
+        at = max(max(offers), at + 1)  # nothing newer than the oldest offer is on every rank
     why = None
-    if forward and dist.get_rank() == min(r for r, v in enumerate(views) if v["node"] == mine["node"]):
+    forward = chosen is not None and status(chosen)[0] == _PREPARED
+    if forward and dist.get_rank() == min(r for r, (n, _, _) in enumerate(said) if n == node):
         step = os.path.join(os.fspath(run_dir), str(chosen))
         try:  # the commit was decided (another node renamed it): finish this node's half
-            commit_prepared(step, MANIFEST, mine["prepared"][chosen])
+            commit_prepared(step, MANIFEST, str(status(str(chosen))[1]))
             why = load_problem(step)
         except (OSError, DCPNVMeError) as exc:
             why = f"{type(exc).__name__}: {exc}"
-    said: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(said, (mine["node"], why))
-    for node, problem in said:
-        if problem:
-            raise DCPNVMeError(f"latest(agree=True): node {node} could not finish its commit of {chosen} "
-                               f"under {os.fspath(run_dir)}: {problem}")
-    newest = next(iter(mine["loadable"]), None)
-    if newest is not None and newest != chosen:
-        lacking = sorted({v["node"] for v in views if newest not in v["loadable"]})
-        reasons = "; ".join(f"node {v['node']}: {v['problems'][newest]}" for v in views if newest in v["problems"])
-        warnings.warn(f"dcp_nvme.latest: {newest} is not loadable on node(s) {', '.join(lacking)}"
+    if chosen is not None and any(s[0] == _PREPARED for _, s, _ in said):
+        ends: list[Any] = [None] * world
+        dist.all_gather_object(ends, (node, why))
+        for where, problem in ends:
+            if problem:
+                raise DCPNVMeError(f"latest(agree=True): node {where} could not finish its commit of {chosen} "
+                                   f"under {os.fspath(run_dir)}: {problem}")
+    if names and names[0] != chosen and first is not None:
+        lacking = sorted({n for n, s, _ in first if s[0] is None})
+        reasons = "; ".join(f"node {n}: {s[2]}" for n, s, _ in first if s[2])
+        warnings.warn(f"dcp_nvme.latest: {names[0]} is not loadable on node(s) {', '.join(lacking) or 'any'}"
                       f"{f' ({reasons})' if reasons else ''}; every rank takes {chosen or 'nothing'}", stacklevel=3)
     return None if chosen is None else Path(run_dir) / chosen

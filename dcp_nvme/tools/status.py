@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from dcp_nvme.errors import CheckpointNotCommittedError, CheckpointNotFoundError, DCPNVMeError
 from dcp_nvme.format.container import DCP_METADATA, MANIFEST, save_key_of
-from dcp_nvme.format.manifest import Manifest, read_manifest
+from dcp_nvme.format.manifest import Manifest
 from dcp_nvme.host.files import file_kind, open_regular
-from dcp_nvme.storage.intact import one_line, quick_check
+from dcp_nvme.storage.intact import checked, one_line
 from dcp_nvme.storage.local_dir import LocalStore, Store
 
 COMMITTED = "committed"
@@ -50,7 +50,7 @@ def checkpoint_state(source: Store) -> CheckpointState:
     names = source.names()
     data_files = [n for n in names if n.endswith(".safetensors") and save_key_of(n)]
     try:
-        manifest = read_manifest(source, location)
+        manifest, problems, elsewhere = checked(source, location)  # what latest() judges by too
     except CheckpointNotCommittedError as exc:
         return CheckpointState(location, INCOMPLETE, str(exc), data_files=data_files)
     except CheckpointNotFoundError as exc:
@@ -58,7 +58,6 @@ def checkpoint_state(source: Store) -> CheckpointState:
         return CheckpointState(location, state, str(exc), data_files=data_files)
     except Exception as exc:  # any damage to the manifest or index: report it, never crash
         return CheckpointState(location, CORRUPT, one_line(exc), data_files=data_files)
-    problems, elsewhere = quick_check(source, manifest)
     if problems:
         return CheckpointState(location, DAMAGED, "; ".join(problems), manifest, data_files, elsewhere)
     return CheckpointState(location, COMMITTED, "", manifest, data_files, elsewhere)

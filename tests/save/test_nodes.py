@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -169,3 +170,71 @@ def test_the_coordinator_waits_as_long_as_the_process_group_not_longer(tmp_path)
         commit_on_every_node(store, str(tmp_path), "abcd1234", b"{}", [], {2: "1"})
     assert time.monotonic() - began < 30
     assert os.listdir(tmp_path) == []  # its prepared manifest is gone too
+
+
+def _value(path, step: float) -> float:
+    out = {"w": torch.zeros(1000)}
+    dcp.load(out, storage_reader=NVMeReader(path), no_dist=True)
+    assert torch.equal(out["w"], torch.full((1000,), out["w"][0].item()))
+    return out["w"][0].item()
+
+
+@pytest.mark.parametrize("damage", ["a data file cut short", "a table byte changed"])
+def test_a_step_latest_passes_over_is_saved_again_without_overwrite(tmp_path, damage):
+    """A resumed job reaches the step latest() passed over and saves it again: no overwrite
+    needed (the README's loop passes none). A whole checkpoint is still refused."""
+    step = tmp_path / "run" / "step_2"
+    for value in (1.0, 2.0):
+        dcp.save({"w": torch.full((1000,), value)}, storage_writer=NVMeWriter(tmp_path / "run" / f"step_{value:.0f}"),
+                 no_dist=True)
+    doc = json.loads((step / "manifest.json").read_text())
+    if damage == "a data file cut short":
+        os.truncate(step / doc["files"][0]["name"], doc["files"][0]["size"] - 1)
+    else:
+        with open(step / doc["index"]["name"], "r+b") as handle:
+            handle.seek(60)
+            byte = handle.read(1)
+            handle.seek(60)
+            handle.write(bytes([byte[0] ^ 0x40]))
+    with pytest.warns(UserWarning, match="step_2 .* cannot load"):
+        assert dcp_nvme.latest(tmp_path / "run") == tmp_path / "run" / "step_1"
+    dcp.save({"w": torch.full((1000,), 3.0)}, storage_writer=NVMeWriter(step), no_dist=True)
+    assert dcp_nvme.latest(tmp_path / "run") == step and _value(step, 3.0) == 3.0
+    assert len({n.split(".")[1] for n in os.listdir(step) if n.startswith("rank_")}) == 1  # the old files went
+    with pytest.raises(dcp_nvme.CheckpointExistsError, match="already exists at .*step_2 and overwrite=False"):
+        dcp.save({"w": torch.full((1000,), 4.0)}, storage_writer=NVMeWriter(step), no_dist=True)
+    assert _value(step, 3.0) == 3.0
+
+
+def _resave_on_two_nodes(rank, world, runs):
+    """Rank r is node r with its own disk (runs[r]). Step 2 is committed on node 0 only (node 1
+    was killed before its vote): every rank agrees on step 1, then saves step 2 again without
+    overwrite, on both nodes; a second save of the now whole step 2 is refused on every rank."""
+    import torch.distributed as dist
+
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # one rank per node
+    run = runs[rank]
+
+    def save(step, value):
+        dcp.save({"w": torch.full((1000,), value)}, storage_writer=NVMeWriter(f"{run}/step_{step}"))
+
+    save(1, 1.0)
+    save(2, 2.0)
+    if rank == 1:
+        os.remove(f"{run}/step_2/manifest.json")
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # node 0 says that step_2 is not loadable on node 1
+        assert dcp_nvme.latest(run, agree=True).name == "step_1"
+    save(2, 3.0)
+    found = dcp_nvme.latest(run, agree=True)
+    assert found.name == "step_2" and _value(found, 3.0) == 3.0, found
+    with pytest.raises(CheckpointException, match="already exists at .*step_2 and overwrite=False"):
+        save(2, 4.0)
+    assert _value(found, 3.0) == 3.0
+
+
+@pytest.mark.slow
+def test_a_step_committed_on_one_node_only_is_saved_again_on_every_node(tmp_path):
+    runs = [str(tmp_path / f"node{n}" / "run") for n in range(2)]
+    run_ranks(2, _resave_on_two_nodes, runs)

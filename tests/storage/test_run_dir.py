@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_nvme
 from dcp_nvme import NVMeReader, NVMeWriter
-from dcp_nvme.format import manifest as manifest_module
+from dcp_nvme.errors import CheckpointNotFoundError
 from dcp_nvme.storage.run_dir import checkpoints, committed_kind, latest, parse_step
 from dcp_nvme.tools.listing import list_checkpoints
 
@@ -97,7 +97,12 @@ def test_symlinks_and_non_regular_markers_are_not_checkpoints(tmp_path):
 
 def test_missing_run_dir_and_bad_kind(tmp_path):
     assert checkpoints(tmp_path / "nope") == []
-    assert latest(tmp_path / "nope") is None
+    with pytest.raises(CheckpointNotFoundError, match=f"run directory {tmp_path / 'nope'} does not exist: create it"):
+        latest(tmp_path / "nope")  # a typo must not start training from scratch
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointNotFoundError, match="is not a directory: create it .* or fix the path"):
+        latest(tmp_path / "file")
+    assert latest(tmp_path) is None  # there, and empty: a fresh start
     with pytest.raises(ValueError, match="unknown checkpoint kind"):
         checkpoints(tmp_path, kinds=("zarr",))
 
@@ -119,7 +124,8 @@ def _save_steps(run: Path, steps) -> None:
 def test_latest_passes_over_what_cannot_load_and_says_why(tmp_path, monkeypatch):
     """A committed checkpoint whose rank file is gone, whose data file is short or whose manifest
     was edited is skipped with one warning naming the step and the reason (what `dcp-nvme list`
-    says of it), from stats and the manifests alone; the resume then loads the newest whole one."""
+    says of it), from stats, the manifests and tables alone; the resume then loads the newest
+    whole one."""
     run = tmp_path / "run"
     _save_steps(run, (1, 2, 3, 4))
     for rank_file in (run / "step_4").glob("rank_*"):
@@ -131,13 +137,12 @@ def test_latest_passes_over_what_cannot_load_and_says_why(tmp_path, monkeypatch)
     opened = []
     real_open = os.open
     monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.path.basename(path)) or real_open(path, *a, **k))
-    monkeypatch.setattr(manifest_module, "_read_index", lambda *a: pytest.fail("latest() decoded a table"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         found = latest(run)
     monkeypatch.undo()
     assert found == run / "step_1"
-    assert set(opened) == {"manifest.json"}  # no table or data file was read
+    assert {name.split(".")[0] for name in opened} <= {"manifest", "index", "blocks"}  # no data file was read
     said = [str(w.message) for w in caught]
     assert len(said) == 3, said
     assert "step_4 (step 4) is committed but cannot load" in said[0] and "rank_00000." in said[0] \
@@ -223,3 +228,67 @@ def test_latest_agreed_never_mixes_steps(tmp_path):
     for rank_file in (runs[0] / "step_2").glob("rank_*"):
         rank_file.unlink()
     run_ranks(2, _agree, [str(r) for r in runs], "step_1", [[], ["node(s) 0", "node 0:"]])
+
+
+@pytest.mark.parametrize("table", ["index", "blocks"])
+def test_latest_passes_over_a_step_whose_table_list_calls_corrupt(tmp_path, table):
+    """One byte of a table changed, its size kept: ``dcp-nvme list`` calls the step corrupt, and
+    latest() passes over it with the same reason (it used to return it)."""
+    import json
+
+    run = tmp_path / "run"
+    _save_steps(run, (1, 2))
+    name = json.loads((run / "step_2" / "manifest.json").read_text())[table]["name"]
+    with open(run / "step_2" / name, "r+b") as handle:
+        handle.seek(50)
+        byte = handle.read(1)
+        handle.seek(50)
+        handle.write(bytes([byte[0] ^ 0x40]))
+    states = {e.name: (e.state, e.reason) for e in list_checkpoints(run)}
+    assert states["step_2"][0] == "corrupt" and "does not match manifest.json" in states["step_2"][1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest(run) == run / "step_1"
+    assert len(caught) == 1 and states["step_2"][1] in str(caught[0].message), caught
+
+
+def _agree_walk(rank, world, runs, missing):
+    """``latest(agree=True)`` checks each rank's steps from the newest down only as far as it
+    must: one step when the newest is whole everywhere; a run directory missing on every node
+    raises on every rank."""
+    from dcp_nvme.storage import intact
+
+    os.environ["GROUP_RANK"] = str(rank)
+    checked = []
+    real = intact.read_manifest_doc  # once per step checked
+    intact.read_manifest_doc = lambda store, where: checked.append(Path(where).name) or real(store, where)
+    try:
+        assert latest(runs[rank], agree=True) == Path(runs[rank]) / "step_40"
+        assert checked == ["step_40"], checked
+        checked.clear()
+        for rank_file in (Path(runs[0]) / "step_40").glob("rank_*"):  # node 0's copy is damaged
+            if rank == 0:
+                rank_file.unlink()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert latest(runs[rank], agree=True) == Path(runs[rank]) / "step_39"
+        assert checked == ["step_40", "step_39"], checked
+        assert "step_40 is not loadable on node(s) 0" in " ".join(str(w.message) for w in caught) or rank, caught
+    finally:
+        intact.read_manifest_doc = real
+    with pytest.raises(CheckpointNotFoundError, match=f"run directory {missing} does not exist"):
+        latest(missing, agree=True)
+
+
+@pytest.mark.slow
+def test_latest_agreed_checks_from_the_newest_down_and_stops(tmp_path):
+    from dcp_nvme_harness.dist_utils import run_ranks
+
+    shared = tmp_path / "saved"
+    _save_steps(shared, (1,))
+    for step in range(2, 41):  # 40 whole steps (copies: the walk is what is measured)
+        shutil.copytree(shared / "step_1", shared / f"step_{step}")
+    runs = [tmp_path / f"node{n}" / "run" for n in range(2)]
+    for run in runs:
+        shutil.copytree(shared, run)
+    run_ranks(2, _agree_walk, [str(r) for r in runs], str(tmp_path / "nope"))
