@@ -20,10 +20,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -121,7 +118,6 @@ from dcp_nvme.storage.local_dir import (
 )
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
