@@ -244,6 +244,17 @@ def test_present_tense_pages_narrate_no_history() -> None:
     assert not marks, "pages of how it is now that narrate what changed:\n" + "\n".join(marks)
 
 
+def test_architecture_lists_every_seam() -> None:
+    """docs/architecture.md's table of seams has one row per seam ``seams.py`` defines, no more."""
+    tree = ast.parse((PACKAGE / "seams.py").read_text())
+    defined = {target.id for node in tree.body if isinstance(node, ast.Assign)
+               and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "Seam"
+               for target in node.targets if isinstance(target, ast.Name)}
+    page = (REPO / "docs" / "architecture.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", page.split("## Seams", 1)[1].split("\n## ", 1)[0], re.MULTILINE))
+    assert defined and rows == defined, f"seams.py defines {sorted(defined)}; docs/architecture.md lists {sorted(rows)}"
+
+
 def test_no_orphaned_docstring():
     """A bare string statement documents what stands right before it: the start of a module,
     class or function, or an assignment (an attribute docstring). One anywhere else documents
