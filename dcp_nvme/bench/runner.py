@@ -167,11 +167,16 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     try:
         if options.ranks == 1:
             return Bench(options, Group(0, 1), root).run()
+        import multiprocessing
+
         import torch.multiprocessing as mp
 
         result = os.path.join(root, "result.json")
-        mp.spawn(_rank_entry, args=(options.ranks, free_port(), options, root, result),
-                 nprocs=options.ranks, join=True)
+        # each rank forked from a server that imported torch and the bench once, not a fresh
+        # interpreter per rank: fresh processes all the same (no state of this one), started at once
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed.checkpoint", __name__])
+        mp.start_processes(_rank_entry, args=(options.ranks, free_port(), options, root, result),
+                           nprocs=options.ranks, join=True, start_method="forkserver")
         with open(result) as handle:
             return json.load(handle)
     finally:
