@@ -288,6 +288,29 @@ def test_torchtitan_async_modes_wait_for_the_background_copy(tmp_path, one_rank_
         assert torch.equal(fresh.state_dict()[name], value), name
 
 
+def test_torchtitan_manager_is_found_where_each_release_keeps_it(monkeypatch) -> None:
+    """torchtitan moved its manager to ``torchtitan.components.checkpointer``; the module of
+    before (``torchtitan.components.checkpoint``) is an alias in 0.3 that later releases drop.
+    The integration imports without that alias, and with only it (a release before the move)."""
+    if not _has("torchtitan"):
+        pytest.skip("torchtitan is not installed (see integration/requirements.txt)")
+    import types
+
+    import torchtitan.components.checkpointer as moved
+
+    def fresh_import() -> types.ModuleType:
+        monkeypatch.delitem(sys.modules, "dcp_nvme.integrations.torchtitan", raising=False)
+        return importlib.import_module("dcp_nvme.integrations.torchtitan")
+
+    monkeypatch.setitem(sys.modules, "torchtitan.components.checkpoint", None)  # a release without the alias
+    assert fresh_import().CheckpointManager is moved.CheckpointManager
+    old = types.ModuleType("torchtitan.components.checkpoint")  # a release before the move
+    old.MODEL, old.AsyncMode, old.CheckpointManager = moved.MODEL, moved.AsyncMode, moved.CheckpointManager
+    monkeypatch.setitem(sys.modules, "torchtitan.components.checkpoint", old)
+    monkeypatch.setitem(sys.modules, "torchtitan.components.checkpointer", None)
+    assert fresh_import().NVMeCheckpointManager.__mro__[1] is moved.CheckpointManager
+
+
 def test_torchtitan_remote_folder_stays_torchtitans(tmp_path, one_rank_group) -> None:
     """A remote checkpoint.folder (fsspec URL) is saved, found and loaded by torchtitan's own
     path (DCP's fsspec writer, .metadata), not rejected by dcp_nvme's local writer."""
