@@ -364,6 +364,29 @@ def test_megatron_private_touch_point(one_rank_group) -> None:
     assert sorted(nv._to_pyt(replicated, is_loading=False)[0]) == ["a", "r"]
 
 
+def test_megatron_tensors_metadata_passes_torch_empty_only_its_own_fields() -> None:
+    """load_tensors_metadata makes each tensor from the metadata's TensorProperties: torch 2.15
+    adds a field there (``strides``) that torch.empty does not take."""
+    if not _has("megatron.core"):
+        pytest.skip("megatron.core is not installed (see integration/requirements.txt)")
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dcp_nvme.integrations.megatron import NVMeLoadShardedStrategy
+
+    props = TensorProperties(dtype=torch.bfloat16)
+    props.strides = (4, 1)  # as torch 2.15 records it
+    chunk = ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 4]))
+    metadata = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size([2, 4]), [chunk])})
+    (got,) = NVMeLoadShardedStrategy().load_tensors_metadata("unused", metadata=metadata).values()
+    assert (got.key, got.dtype, tuple(got.local_shape)) == ("w", torch.bfloat16, (2, 4))
+
+
 def test_megatron_tools_after_one_import(tmp_path, one_rank_group) -> None:
     """A 1-rank Megatron checkpoint written through install(); then, in a fresh process that
     only imports dcp_nvme.integrations.megatron, Megatron's own tools resolve the backend, read
