@@ -13,7 +13,7 @@ import functools
 import importlib
 from typing import Any
 
-TESTED_TORCH = ("2.13", "2.13")
+TESTED_TORCH = ("2.13", "2.15")
 """The oldest and newest torch releases (major.minor) the test suite has run on."""
 
 MIN_TORCH = "2.13"

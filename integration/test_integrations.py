@@ -288,6 +288,29 @@ def test_torchtitan_async_modes_wait_for_the_background_copy(tmp_path, one_rank_
         assert torch.equal(fresh.state_dict()[name], value), name
 
 
+def test_torchtitan_manager_is_found_where_each_release_keeps_it(monkeypatch) -> None:
+    """torchtitan moved its manager to ``torchtitan.components.checkpointer``; the module of
+    before (``torchtitan.components.checkpoint``) is an alias in 0.3 that later releases drop.
+    The integration imports without that alias, and with only it (a release before the move)."""
+    if not _has("torchtitan"):
+        pytest.skip("torchtitan is not installed (see integration/requirements.txt)")
+    import types
+
+    import torchtitan.components.checkpointer as moved
+
+    def fresh_import() -> types.ModuleType:
+        monkeypatch.delitem(sys.modules, "dcp_nvme.integrations.torchtitan", raising=False)
+        return importlib.import_module("dcp_nvme.integrations.torchtitan")
+
+    monkeypatch.setitem(sys.modules, "torchtitan.components.checkpoint", None)  # a release without the alias
+    assert fresh_import().CheckpointManager is moved.CheckpointManager
+    old = types.ModuleType("torchtitan.components.checkpoint")  # a release before the move
+    old.MODEL, old.AsyncMode, old.CheckpointManager = moved.MODEL, moved.AsyncMode, moved.CheckpointManager
+    monkeypatch.setitem(sys.modules, "torchtitan.components.checkpoint", old)
+    monkeypatch.setitem(sys.modules, "torchtitan.components.checkpointer", None)
+    assert fresh_import().NVMeCheckpointManager.__mro__[1] is moved.CheckpointManager
+
+
 def test_torchtitan_remote_folder_stays_torchtitans(tmp_path, one_rank_group) -> None:
     """A remote checkpoint.folder (fsspec URL) is saved, found and loaded by torchtitan's own
     path (DCP's fsspec writer, .metadata), not rejected by dcp_nvme's local writer."""
@@ -339,6 +362,29 @@ def test_megatron_private_touch_point(one_rank_group) -> None:
                   "r": ShardedTensor.from_rank_offsets("r", torch.ones(2), (0, 0, 1), replica_id=1)}
     assert sorted(nv._to_pyt(replicated, is_loading=False, keep_only_main_replica=True)[0]) == ["a"]
     assert sorted(nv._to_pyt(replicated, is_loading=False)[0]) == ["a", "r"]
+
+
+def test_megatron_tensors_metadata_passes_torch_empty_only_its_own_fields() -> None:
+    """load_tensors_metadata makes each tensor from the metadata's TensorProperties: torch 2.15
+    adds a field there (``strides``) that torch.empty does not take."""
+    if not _has("megatron.core"):
+        pytest.skip("megatron.core is not installed (see integration/requirements.txt)")
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dcp_nvme.integrations.megatron import NVMeLoadShardedStrategy
+
+    props = TensorProperties(dtype=torch.bfloat16)
+    props.strides = (4, 1)  # as torch 2.15 records it
+    chunk = ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 4]))
+    metadata = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size([2, 4]), [chunk])})
+    (got,) = NVMeLoadShardedStrategy().load_tensors_metadata("unused", metadata=metadata).values()
+    assert (got.key, got.dtype, tuple(got.local_shape)) == ("w", torch.bfloat16, (2, 4))
 
 
 def test_megatron_tools_after_one_import(tmp_path, one_rank_group) -> None:

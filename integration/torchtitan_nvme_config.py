@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.checkpointer import BaseCheckpointManager
+from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
 
 from dcp_nvme.integrations.torchtitan import NVMeCheckpointManager
 

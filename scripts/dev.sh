@@ -11,6 +11,14 @@
 #                                              clusters and the integrations (-m "not slow and not
 #                                              cluster": harness/dcp_nvme_harness/progress.py);
 #                                              CI (.ci/run) runs the whole suite
+#   bash scripts/dev.sh test --torch 2.15 [...] the suite's parts that a torch release can break, on
+#                                              that release (2.13, 2.14 or 2.15), in .venv-torch2.15
+#                                              (made and installed once, pip's cache reused): save,
+#                                              load, format, tools, peers, tiers, PyTorch's own DCP
+#                                              tests with ours (tests/cross/test_conformance.py), the
+#                                              torch names of compat.py, the install that keeps torch,
+#                                              one simulated cluster and the integrations; paths given
+#                                              after it run instead of that list
 # Each part is installed once, and again when the files it comes from change (a stamp each in .venv/):
 # `test` after `demo` adds only the rest, `demo` after `test` installs nothing. The installer is uv
 # (pip install uv, then uv with pip's own settings: scripts/uv_pip.py), else pip where uv cannot be
@@ -25,6 +33,34 @@ case "$job" in
 esac
 
 venv=.venv
+torch_pin=torch==2.13.0
+# --torch X.Y (test only): the release to run on, in a venv of its own; constraints.txt with its pin
+torch_args=() torch_release=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --torch) torch_release="${2:-}"; shift 2 || { echo "dev.sh: --torch needs a release: 2.13, 2.14 or 2.15" >&2; exit 2; } ;;
+    *) torch_args+=("$1"); shift ;;
+  esac
+done
+set -- ${torch_args[@]+"${torch_args[@]}"}
+if [ -n "$torch_release" ]; then
+  case "$torch_release" in
+    2.13) torch_pin=torch==2.13.0 ;;
+    2.14) torch_pin=torch==2.14.1 ;;
+    2.15) torch_pin=torch==2.15.0 ;;  # the CUDA build (no CPU wheel of it is published); runs on CPU
+    *) echo "dev.sh: --torch $torch_release: the releases tested are 2.13, 2.14 and 2.15" >&2; exit 2 ;;
+  esac
+  [ "$job" = test ] || { echo "dev.sh: --torch is an option of test" >&2; exit 2; }
+  venv=".venv-torch$torch_release"
+  mkdir -p "$venv"
+  { grep -v '^torch==' constraints.txt; echo "$torch_pin"; } > "$venv/constraints.txt.new"
+  cmp -s "$venv/constraints.txt.new" "$venv/constraints.txt" || mv "$venv/constraints.txt.new" "$venv/constraints.txt"
+  rm -f "$venv/constraints.txt.new"
+  # in place of pip's site constraints, which may cap torch below the release asked for
+  export PIP_CONSTRAINT="$PWD/$venv/constraints.txt"
+fi
+constraints=constraints.txt
+[ -z "$torch_release" ] || constraints="$venv/constraints.txt"
 py="$venv/bin/python"
 [ -x "$py" ] || python3 -m venv "$venv"
 rm -f "$venv/.installed"  # the one stamp of before
@@ -34,7 +70,7 @@ install() {  # install ARGS...: pip install ARGS into .venv, under constraints.t
   if [ -z "$installer" ]; then
     installer=pip
     if [ "${DEV_INSTALLER:-uv}" != pip ]; then
-      if [ -x "$venv/bin/uv" ] || said="$("$py" -m pip install -q -c constraints.txt uv 2>&1)"; then
+      if [ -x "$venv/bin/uv" ] || said="$("$py" -m pip install -q -c "$constraints" uv 2>&1)"; then
         installer=uv
       else
         echo "$said" | tail -n 3 >&2
@@ -44,9 +80,9 @@ install() {  # install ARGS...: pip install ARGS into .venv, under constraints.t
     [ "$installer" = uv ] || "$py" -m pip install -q --upgrade pip
   fi
   if [ "$installer" = uv ]; then
-    "$py" scripts/uv_pip.py "$venv/bin/uv" -q -c constraints.txt "$@"
+    "$py" scripts/uv_pip.py "$venv/bin/uv" -q -c "$constraints" "$@"
   else
-    "$py" -m pip install -q -c constraints.txt "$@"
+    "$py" -m pip install -q -c "$constraints" "$@"
   fi
 }
 stale() {  # stale PART FILES...: whether PART is not installed as FILES now say (then `installed PART`)
@@ -56,14 +92,14 @@ stale() {  # stale PART FILES...: whether PART is not installed as FILES now say
 installed() { echo "$want" > "$venv/.installed-$1"; }
 
 # the demo's part: torch and dcp_nvme with the bench extra (matplotlib, for --plot)
-if stale demo pyproject.toml constraints.txt; then
-  install "torch==2.13.0" -e ".[bench]"
+if stale demo pyproject.toml "$constraints"; then
+  install "$torch_pin" -e ".[bench]"
   installed demo
 fi
 # the test suite's part: the dev and s3 extras; the test harness (simulated nodes, object stores), a
 # package of its own, never shipped; the trainer libraries the integration scenarios drive
 # (lightning, torchtitan, megatron-core)
-if [ "$job" = test ] && stale test pyproject.toml harness/pyproject.toml constraints.txt integration/requirements.txt; then
+if [ "$job" = test ] && stale test pyproject.toml harness/pyproject.toml "$constraints" integration/requirements.txt; then
   install -e ".[dev,s3,bench]" -e ./harness -r integration/requirements.txt
   installed test
 fi
@@ -76,9 +112,15 @@ case "$job" in
   # the harness collects them (the longest first; xdist would put the files of most tests first);
   # -n 0 runs in one process
   test)
-    args=()
+    args=() paths=0
     for arg in "$@"; do
       if [ "$arg" = --fast ]; then args+=(-m "not slow and not cluster"); else args+=("$arg"); fi
+      case "$arg" in tests*|integration*) paths=1 ;; esac
     done
+    if [ -n "$torch_release" ] && [ "$paths" = 0 ]; then
+      args+=(tests/save tests/load tests/format tests/tools tests/peers tests/tiers tests/cross/test_conformance.py
+             tests/cross/test_compat.py tests/cross/test_install_keeps_torch.py tests/cross/test_node_local.py
+             integration)
+    fi
     exec "$py" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 ${args[@]+"${args[@]}"} ;;
 esac

@@ -37,7 +37,7 @@ a container written before fnuz joined this table holds them as U8, which readin
 
 
 DTYPE_ITEMSIZE: dict[str, int] = {
-    "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1,
+    "bcomplex32": 4, "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1,
     "complex128": 16, "complex32": 4, "complex64": 8, "float16": 2, "float32": 4,
     "float4_e2m1fn_x2": 1, "float64": 8, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1,
     "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "int1": 1, "int16": 2, "int2": 1, "int3": 1,
@@ -46,9 +46,15 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "uint3": 1, "uint32": 4, "uint4": 1, "uint5": 1, "uint6": 1, "uint64": 8, "uint7": 1,
     "uint8": 1,
 }
-"""Bytes per element of every torch dtype, by the name torch gives it (``torch.<name>``), so that
-the tools check an index without importing torch; tests/format/test_container.py holds it to torch's own
-dtypes. A name torch adds later is looked up in torch itself (``dtype_itemsize``)."""
+"""Bytes per element of every torch dtype of the releases the suite runs on (``compat.TESTED_TORCH``),
+by the name torch gives it (``torch.<name>``), so that the tools check an index without importing
+torch; tests/format/test_container.py holds it to torch's own dtypes. A name torch adds later is
+looked up in torch itself (``dtype_itemsize``)."""
+
+
+NEWER_DTYPES: dict[str, str] = {"bcomplex32": "2.14"}
+"""Dtypes of ``DTYPE_ITEMSIZE`` that torch added after the oldest release dcp_nvme runs on
+(``compat.MIN_TORCH``) -> the release that added each: an older torch refuses one by name."""
 
 
 DTYPE_ALIASES: dict[str, str] = {
@@ -83,6 +89,9 @@ def parse_dtype(name: object, where: str = "the index") -> torch.dtype:
 
     value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(value, torch.dtype):
+        if name in NEWER_DTYPES:
+            raise ManifestError(f"{where}: dtype {name!r} is new in torch {NEWER_DTYPES[name]} and this is torch "
+                                f"{torch.__version__}: load it with torch {NEWER_DTYPES[name]} or newer")
         raise ManifestError(f"{where}: unknown dtype {name!r} (written by a newer torch?)")
     return value
 

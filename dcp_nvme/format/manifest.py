@@ -254,7 +254,7 @@ def _eager_metadata(chunks: list[ChunkRecord]) -> tuple[dict[str, Any], dict[Met
             entry = state.get(chunk.fqn)
             if entry is None:
                 entry = state[chunk.fqn] = TensorStorageMetadata(
-                    TensorProperties(dtype=parse_dtype(chunk.dtype)),
+                    TensorProperties(dtype=parse_dtype(chunk.dtype, f"{MANIFEST}: tensor {chunk.fqn!r}")),
                     torch.Size(chunk.global_shape),
                     [],
                 )
@@ -289,7 +289,7 @@ def metadata_over(cols: ChunkColumns) -> tuple[dict[str, Any], StorageView]:
                 else:
                     rows = order[first[g]:first[g] + counts[g]]
                     state[fqn] = IndexedTensorMetadata(
-                        TensorProperties(dtype=parse_dtype(cols.dtypes[cols.dtype[row]])),
+                        TensorProperties(dtype=parse_dtype(cols.dtypes[cols.dtype[row]], f"{MANIFEST}: tensor {fqn!r}")),
                         torch.Size(cols.list_of(2, row)), cols, rows, sweeps, g)
     return state, StorageView(cols, state, bytes_rows)
 

@@ -279,8 +279,12 @@ class NVMeLoadShardedStrategy(TorchDistLoadShardedStrategy):
         result = {}
         for k, tp in metadata.state_dict_metadata.items():
             if isinstance(tp, TensorStorageMetadata):
+                # the fields torch.empty takes, by name: torch 2.15's TensorProperties adds ``strides``
+                props = tp.properties
                 result[k] = ShardedTensor.from_rank_offsets(
-                    k, torch.empty(tp.size, **tp.properties.__dict__, device="meta")
+                    k, torch.empty(tp.size, dtype=props.dtype, layout=props.layout,
+                                   requires_grad=props.requires_grad, pin_memory=props.pin_memory,
+                                   memory_format=props.memory_format, device="meta")
                 ).without_data()
         return result
 

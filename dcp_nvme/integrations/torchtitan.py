@@ -40,8 +40,13 @@ from dcp_nvme.load.load_planner import NVMeLoadPlanner
 from dcp_nvme.storage.local_dir import is_remote_url
 from dcp_nvme.storage.run_dir import checkpoints
 
-_checkpoint = require("torchtitan.components.checkpoint", needed_by=__name__, install="torchtitan")
 _filesystem = require("torchtitan.tools.filesystem", needed_by=__name__, install="torchtitan")
+try:
+    # where torchtitan 0.3 keeps the manager (its __all__)
+    _checkpoint = require("torchtitan.components.checkpointer", needed_by=__name__, install="torchtitan")
+except ImportError:
+    # releases before the move had one module; 0.3 keeps it as an alias that later ones drop
+    _checkpoint = require("torchtitan.components.checkpoint", needed_by=__name__, install="torchtitan")
 MODEL, AsyncMode, CheckpointManager = _checkpoint.MODEL, _checkpoint.AsyncMode, _checkpoint.CheckpointManager
 
 __all__ = ["NVMeCheckpointManager", "latest_step"]
