@@ -7,7 +7,8 @@ import os
 import statistics
 import subprocess
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +23,9 @@ from dcp_nvme.errors import BenchError
 from dcp_nvme.humanize import format_size
 from dcp_nvme.observe.machine import evict_from_page_cache, files_under
 from dcp_nvme.tune.probe import engine_probe
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageReader
 
 
 class OursRows(BenchCore):
@@ -91,7 +95,7 @@ class OursRows(BenchCore):
                 arena[offset : offset + source.numel()].copy_(source)
                 offset += source.numel()
 
-        best = []
+        best: list[float] = []
         for copy in (by_memmove, by_torch):
             times = [self.group.timed(copy)[0] for _ in range(self.options.repeat)]
             if not best or statistics.median(times) < statistics.median(best):
@@ -230,7 +234,7 @@ class OursRows(BenchCore):
                                   "reshard", "ours"))
         peer = self.add(Row("reshard.fs", f"FileSystemReader resharded load (1/{split} of each tensor)",
                             "reshard", "peer"))
-        runs = [(ours, "dcp_nvme", lambda p: NVMeReader(p, **self.io_kwargs)),
+        runs: list[tuple[Row, str, Callable[[str], StorageReader]]] = [(ours, "dcp_nvme", lambda p: NVMeReader(p, **self.io_kwargs)),
                 (unverified, "dcp_nvme", lambda p: NVMeReader(p, verify=False, **self.io_kwargs)),
                 (peer, "fs", FileSystemReader)]
         missing = [k for k in ("dcp_nvme", "fs") if k not in self.kept]
