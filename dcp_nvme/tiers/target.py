@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcp_nvme.format.container import MANIFEST
 from dcp_nvme.tiers.coded import same_save
@@ -16,6 +16,9 @@ from dcp_nvme.tiers.journal import Journal
 from dcp_nvme.tiers.options import DrainOptions
 from dcp_nvme.tiers.sinks import Sink
 from dcp_nvme.tiers.source import DrainSource
+
+if TYPE_CHECKING:
+    from dcp_nvme.tiers.compress import CompressedSource
 from dcp_nvme.tiers.transfer import (
     IncompleteOnTarget,
     NodeSilent,
@@ -31,7 +34,7 @@ def _checkpoint_of(manifest: dict[str, Any]) -> str | None:
     return meta.get("checkpoint_id") if isinstance(meta, dict) else None
 
 
-def refuse_other_checkpoint(source: DrainSource, sink: Sink) -> None:
+def refuse_other_checkpoint(source: DrainSource | CompressedSource, sink: Sink) -> None:
     """A target whose committed manifest is another checkpoint's (another step drained onto the
     same URL) is never replaced: retention would then trust a mirror that no longer holds the
     checkpoint it deletes locally."""
