@@ -8,9 +8,10 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint import StorageReader
 
 from dcp_nvme.bench.core import BenchCore, same_state
 from dcp_nvme.bench.device import fio_sequential, fio_version
@@ -23,9 +24,6 @@ from dcp_nvme.errors import BenchError
 from dcp_nvme.humanize import format_size
 from dcp_nvme.observe.machine import evict_from_page_cache, files_under
 from dcp_nvme.tune.probe import engine_probe
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint import StorageReader
 
 
 class OursRows(BenchCore):

@@ -42,7 +42,9 @@ from dcp_nvme.storage.run_dir import checkpoints
 
 _checkpoint = require("torchtitan.components.checkpoint", needed_by=__name__, install="torchtitan")
 _filesystem = require("torchtitan.tools.filesystem", needed_by=__name__, install="torchtitan")
-MODEL, AsyncMode, CheckpointManager = _checkpoint.MODEL, _checkpoint.AsyncMode, _checkpoint.CheckpointManager
+# Any: a class of a module require() imports at run time, which mypy does not follow
+CheckpointManager: Any = _checkpoint.CheckpointManager
+MODEL, AsyncMode = _checkpoint.MODEL, _checkpoint.AsyncMode
 
 __all__ = ["NVMeCheckpointManager", "latest_step"]
 

@@ -349,7 +349,7 @@ def _attempt(source: DrainSource | CompressedSource, sink: Sink, journal: Journa
     part_size = options.part_size
     if isinstance(sink, S3Sink):
         part_size = max(part_size, S3_MIN_PART)
-    refuse_other_checkpoint(source, sink)
+    refuse_other_checkpoint(manifest.doc, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
     streamed: list[str] = []
