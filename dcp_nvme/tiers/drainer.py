@@ -226,7 +226,8 @@ class _DrainRun:
     def _sending(self) -> DrainSource | CompressedSource:
         """What goes to the target: the save itself, or its coded view (coded once per save,
         kept across retries)."""
-        options, (source, _, result) = self.options, self._current()
+        options = self.options
+        source, _, result = self._current()
         if options.compress == "off":
             return source
         if self.coded is None or self.coded.save_key != source.save_key:
