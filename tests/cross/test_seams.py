@@ -95,6 +95,7 @@ def _accepts(target, protocol) -> list[str]:
     return wrong
 
 
+@pytest.mark.slow  # imports every target: peers.exchange's torch.distributed takes seconds
 def test_every_seam_has_a_typed_signature_and_every_plugged_target_takes_it():
     import typing
 
