@@ -13,7 +13,7 @@ a chunk codes the XOR with it instead (delta mode); XOR of bytes is XOR of their
 delta chunk names where its base bytes lie in the base file (``base_offset``): the same tensor
 may sit at another offset there (the container's placement follows memory addresses).
 
-Container (``.dcz``), all integers little-endian; see docs/design.md:
+Container (``.dcz``), all integers little-endian; see docs/format.md:
 
     header  magic "DCPNVZC1", u16 version (2; 1 is read), u16 flags, u32 chunk count,
             u64 decoded size, u32 crc32c of the chunk table

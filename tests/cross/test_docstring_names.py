@@ -219,6 +219,43 @@ def test_pages_name_what_exists() -> None:
     assert not stale, "stale references in README.md and docs/:\n" + "\n".join(stale)
 
 
+_TRACKER = re.compile(r"\b[Ii]ssues? #?\d+|\([Ii]tems? \d+")
+_OUR_SOURCES = [PACKAGE, REPO / "tests", REPO / "benchmarks", REPO / "harness", REPO / "integration"]
+PRESENT_TENSE = ["architecture.md", "format.md", "decisions.md", "design.md"]
+"""The pages that say how the code is now: no marks of what changed or was added when."""
+
+
+def test_new_pages_are_checked() -> None:
+    assert {page.name for page in PAGES} >= {*PRESENT_TENSE, "benchmarks.md", "benchmarks-history.md"}
+
+
+def test_no_tracker_numbers() -> None:
+    """Code, docstrings, comments and pages say what the code does, not which ticket asked for it
+    (the whole source is read, not only its docstrings: parsing every file would cost seconds)."""
+    texts = [path for root in _OUR_SOURCES for path in root.rglob("*.py")] + PAGES
+    found = [f"{path.relative_to(REPO)}:{text[:m.start()].count(chr(10)) + 1}: {m.group()}"
+             for path in sorted(texts) for text in [path.read_text()] for m in _TRACKER.finditer(text)]
+    assert not found, "tracker numbers (say what the code does instead):\n" + "\n".join(found)
+
+
+def test_present_tense_pages_narrate_no_history() -> None:
+    marks = [f"{name}:{number}: {text.strip()[:80]}" for name in PRESENT_TENSE
+             for number, text in enumerate((REPO / "docs" / name).read_text().splitlines(), start=1)
+             if re.search(r"\((?:changed|added|new|was)\b", text, re.IGNORECASE)]
+    assert not marks, "pages of how it is now that narrate what changed:\n" + "\n".join(marks)
+
+
+def test_architecture_lists_every_seam() -> None:
+    """docs/architecture.md's table of seams has one row per seam ``seams.py`` defines, no more."""
+    tree = ast.parse((PACKAGE / "seams.py").read_text())
+    defined = {target.id for node in tree.body if isinstance(node, ast.Assign)
+               and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "Seam"
+               for target in node.targets if isinstance(target, ast.Name)}
+    page = (REPO / "docs" / "architecture.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", page.split("## Seams", 1)[1].split("\n## ", 1)[0], re.MULTILINE))
+    assert defined and rows == defined, f"seams.py defines {sorted(defined)}; docs/architecture.md lists {sorted(rows)}"
+
+
 def test_no_orphaned_docstring():
     """A bare string statement documents what stands right before it: the start of a module,
     class or function, or an assignment (an attribute docstring). One anywhere else documents

@@ -1,4 +1,4 @@
-"""Restores of trainers' node-local states (issue 39) from the other nodes, over the ranks' own
+"""Restores of trainers' node-local states from the other nodes, over the ranks' own
 gloo group (``peers=True``): a wiped node, a range that arrives damaged, a new empty node, and
 replicas of a data-parallel state that move nothing. Split from test_node_local_states.py, whose
 helpers it uses, so that the two files run on different workers; a wiped node's restore is part

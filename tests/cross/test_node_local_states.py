@@ -1,4 +1,4 @@
-"""Trainers' state dicts on node-local disks (issue 39): every item that several ranks hold.
+"""Trainers' state dicts on node-local disks: every item that several ranks hold.
 
 DCP's planner (``dedup_save_plans``) writes an item held by several ranks once per job, by one
 of them. With one disk per node that copy lands on a single node, and a restart on the same

@@ -148,10 +148,10 @@ def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch, refuse_a
     real_open, real_pwrite = os.open, os.pwrite
     direct_fds = set()
 
-    def fake_open(path, flags, mode=0o777):
+    def fake_open(path, flags, mode=0o777, **kwargs):
         if flags & os.O_DIRECT and refuse_at == "open":
             raise OSError(errno.EINVAL, "Invalid argument")
-        fd = real_open(path, flags, mode)
+        fd = real_open(path, flags, mode, **kwargs)
         (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)  # fds are reused
         return fd
 

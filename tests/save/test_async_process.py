@@ -1,5 +1,5 @@
 """NVMeStager with DCP's PROCESS checkpointer on DTensor states (FSDP2), and the async saver and
-the stager in the child of a fork() (issue 40, items 6 and 7)."""
+the stager in the child of a fork()."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A save that fails on a full disk leaves none of its files once its ranks have exited, even when
-they exit right after the failure (issue 40, item 5).
+they exit right after the failure.
 
 DCP skips ``finish`` when a rank's write fails and tells no writer: the files the other ranks
 wrote stay (the coordinator's directory; on each other node, its node writer's commit thread

@@ -1,4 +1,4 @@
-"""One save at a time per checkpoint directory (invariant 3 of docs/design.md): real processes racing,
+"""One save at a time per checkpoint directory (docs/design.md, "One save at a time"): real processes racing,
 a save of the same process, a SIGKILLed holder, a holder on another host. Deterministic: the
 holder is paused inside its write by an injected hook until the test lets it go."""
 

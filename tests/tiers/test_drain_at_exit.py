@@ -1,4 +1,4 @@
-"""A script that ends right after a save still gets its checkpoint mirrored (issue 40, item 4).
+"""A script that ends right after a save still gets its checkpoint mirrored.
 
 Python stops its thread pools at exit (``concurrent.futures`` refuses new work from then on:
 "cannot schedule new futures after interpreter shutdown"), and the drain needs them. The drains

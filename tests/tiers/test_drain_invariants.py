@@ -1,4 +1,4 @@
-"""Issue 11, drain side: a mirror is committed (and reported ``mirrored``) only once every file
+"""The drain's invariants: a mirror is committed (and reported ``mirrored``) only once every file
 on the target is confirmed; crashes (real processes, SIGKILL at exact points through the drain
 hook), a resume with another part size, a target that lost or mangled what the journal says it
 holds, a target that is the source, an overwrite racing the drain, broken siblings. Every

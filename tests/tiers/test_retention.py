@@ -1,5 +1,5 @@
 """Retention deletes only real, committed, mirrored, old checkpoints of the run directory
-(invariant 2 of docs/design.md): never through a symlink, never outside the run directory, never the
+(docs/tiers.md, "Retention"): never through a symlink, never outside the run directory, never the
 newest, never an unconfirmed mirror or one mirrored onto itself, never while a save writes it;
 a broken sibling never stops it. Real saves, real drains to a second directory."""
 

@@ -58,7 +58,7 @@ layout, run_dir = LAYOUTS[0], RUN_DIR  # this layout's, set for each in turn bel
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 per_node = int(os.environ["LOCAL_WORLD_SIZE"])
 nodes = world // per_node
-NOTE = b"dcp_nvme issue 39: a BytesIO every rank holds\x00\xff"
+NOTE = b"dcp_nvme node-local states: a BytesIO every rank holds\x00\xff"
 STEP = 1000
 TRAINED_SEED, FRESH_SEED = 0, 1234
 dist.init_process_group("gloo")
