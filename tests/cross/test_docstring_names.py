@@ -248,9 +248,10 @@ def test_present_tense_pages_narrate_no_history() -> None:
 def test_architecture_lists_every_seam() -> None:
     """docs/architecture.md's table of seams has one row per seam ``seams.py`` defines, no more."""
     tree = ast.parse((PACKAGE / "seams.py").read_text())
-    defined = {target.id for node in tree.body if isinstance(node, ast.Assign)
+    defined = {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
                and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "Seam"
-               for target in node.targets if isinstance(target, ast.Name)}
+               for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(target, ast.Name)}
     page = (REPO / "docs" / "architecture.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)` \|", page.split("## Seams", 1)[1].split("\n## ", 1)[0], re.MULTILINE))
     assert defined and rows == defined, f"seams.py defines {sorted(defined)}; docs/architecture.md lists {sorted(rows)}"
