@@ -77,6 +77,8 @@ def stdlib_text(limit: int = 4 << 20) -> bytes:
 class TinyLM(torch.nn.Module):
     """A byte-level causal transformer."""
 
+    mask: torch.Tensor  # a registered buffer (Module's __getattr__ is typed Tensor | Module)
+
     def __init__(self, dim: int, layers: int, seq: int) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(256, dim)
@@ -160,7 +162,7 @@ def measure_group(data: bytes, dtype: str, level: int, threads: int, base: bytes
     plain_input = data if base is None else codec._xor(memoryview(data), base)
     plain, zenc = _timed(zstandard.ZstdCompressor(level=level).compress, plain_input)
     mb = len(data) / 1e6
-    row = {"bytes": len(data), "bytegroup_ratio": len(data) / len(coded), "bytegroup_encode_MBps": mb / enc,
+    row: dict[str, Any] = {"bytes": len(data), "bytegroup_ratio": len(data) / len(coded), "bytegroup_encode_MBps": mb / enc,
            "bytegroup_decode_MBps": mb / dec, "zstd_ratio": len(data) / len(plain), "zstd_encode_MBps": mb / zenc}
     row["vs_zstd"] = row["bytegroup_ratio"] / row["zstd_ratio"]
     zipnn = _zipnn(plain_input, dtype)
@@ -169,7 +171,7 @@ def measure_group(data: bytes, dtype: str, level: int, threads: int, base: bytes
     return row
 
 
-def _zipnn(data: bytes, dtype: str) -> dict[str, float] | None:
+def _zipnn(data: bytes, dtype: str) -> dict[str, float | str] | None:
     try:
         from zipnn import ZipNN
     except Exception:  # noqa: BLE001  optional comparison only
@@ -209,6 +211,8 @@ def drain_rows(snapshots: dict[str, dict[str, torch.Tensor]], options: CompressO
     root = tempfile.mkdtemp(prefix="dcp-nvme-zbench-", dir=options.directory)
     server = None
     target, storage = options.drain_to, options.storage_options
+    if target is None:
+        raise BenchError("the compression bench drains only with drain_to (--drain-to)")
     try:
         if target == "s3-loopback":
             server, storage = _loopback_s3()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import shutil
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -21,6 +22,18 @@ from dcp_nvme.host.job import budgeted
 from dcp_nvme.observe.machine import cached_fraction, evict_from_page_cache, files_under
 
 
+class IOKwargs(TypedDict, total=False):
+    """The I/O options the rows hand NVMeWriter/NVMeReader (``read_mode`` is the reader's)."""
+
+    queue_depth: int
+    block_size: int
+    direct_io: bool
+    engine: str
+    read_mode: str
+    node_queue_depth: int | None
+    node_write_order: str
+
+
 class BenchCore:
     """The state of one run on one rank and the helpers the rows share. Rank 0 keeps the results."""
 
@@ -30,10 +43,10 @@ class BenchCore:
                                      direct_io=options.direct_io, engine="posix",
                                      node_queue_depth=options.node_queue_depth,
                                      node_write_order=options.node_write_order)
-        self.io_kwargs = {"queue_depth": self.config.queue_depth, "block_size": self.config.block_size,
+        self.io_kwargs: IOKwargs = {"queue_depth": self.config.queue_depth, "block_size": self.config.block_size,
                           "direct_io": self.config.direct_io}
         # every bench rank runs on this node: the node budget splits over all of them
-        self.writer_kwargs = {**self.io_kwargs, "node_queue_depth": self.config.node_queue_depth,
+        self.writer_kwargs: IOKwargs = {**self.io_kwargs, "node_queue_depth": self.config.node_queue_depth,
                               "node_write_order": self.config.node_write_order}
         self.device_config = budgeted(self.config, group.world)
         """What each rank of a save keeps in flight; fio's jobs and the engine probe use the same."""
@@ -112,7 +125,7 @@ class BenchCore:
         results = []
         for attempt in range(self.options.repeat):
             path = self._fresh(kind)
-            seconds, result = self.group.timed(lambda path=path: save(path))
+            seconds, result = self.group.timed(functools.partial(save, path))
             row.seconds.append(seconds)
             results.append(result)
             if keep and attempt == self.options.repeat - 1:

@@ -8,7 +8,7 @@ import resource
 import time
 from typing import Any
 
-from dcp_nvme.bench.core import BenchCore
+from dcp_nvme.bench.core import BenchCore, IOKwargs
 from dcp_nvme.bench.records import Row, Skip
 from dcp_nvme.engines.uring import uring_unavailable_reason
 
@@ -49,7 +49,7 @@ class DataPathRows(BenchCore):
             if engine == "uring" and reason is not None:
                 save.skipped = load.skipped = f"io_uring unavailable: {reason}"
                 continue
-            kwargs = dict(self.io_kwargs, engine=engine)
+            kwargs: IOKwargs = {**self.io_kwargs, "engine": engine}
             self._warm(kwargs)
             for _ in range(self.options.repeat):
                 path = self._fresh(f"engine_{label}")
@@ -67,7 +67,7 @@ class DataPathRows(BenchCore):
                 self._cpu_per_gb(row)
                 row.note = "cpu_seconds_per_gb: user+sys of the saving/loading processes per GB"
 
-    def _warm(self, kwargs: dict[str, Any]) -> None:
+    def _warm(self, kwargs: IOKwargs) -> None:
         """One untimed tiny save and load with these options: the engine for them (its bounce
         buffers, its ring) is created once per process and configuration, not in a timed row."""
         import torch
@@ -77,7 +77,8 @@ class DataPathRows(BenchCore):
 
         dcp, path = self._dcp(), self._fresh("engine_warm")
         mine = f"{path}/rank{self.group.rank}"  # every rank warms its own process's engine
-        writer_kwargs = {k: v for k, v in kwargs.items() if k != "read_mode"}  # a reader option
+        writer_kwargs = kwargs.copy()
+        writer_kwargs.pop("read_mode", None)  # a reader option
         dcp.save({"w": torch.zeros(1024)}, storage_writer=NVMeWriter(mine, **writer_kwargs), no_dist=True)
         dcp.load({"w": torch.empty(1024)}, storage_reader=NVMeReader(mine, **kwargs), no_dist=True)
         self._drop(path)
@@ -91,13 +92,14 @@ class DataPathRows(BenchCore):
             raise Skip("no dcp_nvme checkpoint (its save did not run)")
         dcp, no_dist = self._dcp(), not self.group.is_dist
         for mode in ("direct", "buffered"):
-            self._warm(dict(self.io_kwargs, read_mode=mode))
+            reader_kwargs: IOKwargs = {**self.io_kwargs, "read_mode": mode}
+            self._warm(reader_kwargs)
             row = self.add(Row(f"dcp_nvme.load.{mode}", f"dcp_nvme load (cold), read_mode={mode}",
                                "read", "ours"))
             for _ in range(self.options.repeat):
                 self._evict(path)
                 dest = self._zero_dest()
-                reader = NVMeReader(path, **dict(self.io_kwargs, read_mode=mode))
+                reader = NVMeReader(path, **reader_kwargs)
                 self._cpu_timed(row, lambda d=dest, r=reader: dcp.load(d, storage_reader=r, no_dist=no_dist))
                 self._check(row, self._dest_local)
             row.bytes = self.total_bytes

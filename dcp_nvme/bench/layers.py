@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcp_nvme.bench.core import BenchCore
+from dcp_nvme.bench.core import BenchCore, IOKwargs
 from dcp_nvme.bench.records import Row, Skip
 from dcp_nvme.observe.blockdev import check_queues, format_device
 from dcp_nvme.observe.drive_health import DriveWatch, format_drive
@@ -39,13 +39,13 @@ class LayerRows(BenchCore):
             raise Skip("runs with --node-queue-depth over 2+ ranks")
         per_rank = self.config.queue_depth
         # node_queue_depth = depth x ranks gives each rank exactly `depth`, whatever env or tune file say
-        kwargs = {**self.io_kwargs, "queue_depth": per_rank, "node_queue_depth": per_rank * self.group.world}
+        kwargs: IOKwargs = {**self.io_kwargs, "queue_depth": per_rank, "node_queue_depth": per_rank * self.group.world}
         stats = self._writer_saves(row, "dcp_nvme_per_rank_depth", kwargs)
         row.extra = {"queue_depth": per_rank, "total_depth": per_rank * self.group.world,
                      "max_inflight": max(s.get("io", {}).get("max_inflight", 0) for s in self.group.gather(stats[-1]))}
         row.note = f"{self.group.world} ranks x queue_depth {per_rank}"
 
-    def _writer_saves(self, row: Row, kind: str, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    def _writer_saves(self, row: Row, kind: str, kwargs: IOKwargs) -> list[dict[str, Any]]:
         """The row's repeated sync saves through NVMeWriter(**kwargs); this rank's stats of each."""
         from dcp_nvme.save.writer import NVMeWriter
 

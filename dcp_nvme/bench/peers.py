@@ -59,8 +59,8 @@ class PeerRows(BenchCore):
             if best is None or row.gbps > best.gbps:
                 best = row
         assert best is not None
-        count = best.key.rsplit("t", 1)[1]
-        self.add(Row("fs.save.best", f"DCP FileSystemWriter best thread_count (={count})", "write", "peer",
+        best_count = best.key.rsplit("t", 1)[1]
+        self.add(Row("fs.save.best", f"DCP FileSystemWriter best thread_count (={best_count})", "write", "peer",
                      bytes=best.bytes, seconds=list(best.seconds),
                      note="best of " + ", ".join(str(c) for c in FS_THREAD_COUNTS
                                                   if not (self.options.quick and c != 1))))

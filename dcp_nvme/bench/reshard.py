@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dcp_nvme.bench.synthetic import shard_rows
+from dcp_nvme.errors import BenchError
 
 RESHARD_SPLIT = 4
 """The resharded load needs 1/RESHARD_SPLIT of every saved chunk (see ``reshard_rows``)."""
@@ -23,16 +24,21 @@ def row_block_planner():
     Shard(0) rank would ask for: the storage layer sees a real resharded load.
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class RowBlockPlanner(DefaultLoadPlanner):
         def create_local_plan(self) -> LoadPlan:
+            assert self.metadata is not None  # set_up_planner gave it
             items = []
             for fqn, dest in self.state_dict.items():
                 chunk = ChunkStorageMetadata(offsets=torch.Size([0] * dest.dim()), sizes=dest.shape)
-                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+                saved = self.metadata.state_dict_metadata[fqn]
+                if not isinstance(saved, TensorStorageMetadata):
+                    raise BenchError(f"reshard planner: {fqn} is saved as {type(saved).__name__}, not a "
+                                     "tensor; load only tensors with it")
+                items += create_read_items_for_chunk_list(fqn, saved, [chunk])
             return LoadPlan(items)
 
     return RowBlockPlanner()

@@ -7,9 +7,11 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import StorageReader
 
 from dcp_nvme.bench.core import BenchCore, same_state
 from dcp_nvme.bench.device import fio_sequential, fio_version
@@ -91,7 +93,7 @@ class OursRows(BenchCore):
                 arena[offset : offset + source.numel()].copy_(source)
                 offset += source.numel()
 
-        best = []
+        best: list[float] = []
         for copy in (by_memmove, by_torch):
             times = [self.group.timed(copy)[0] for _ in range(self.options.repeat)]
             if not best or statistics.median(times) < statistics.median(best):
@@ -230,7 +232,7 @@ class OursRows(BenchCore):
                                   "reshard", "ours"))
         peer = self.add(Row("reshard.fs", f"FileSystemReader resharded load (1/{split} of each tensor)",
                             "reshard", "peer"))
-        runs = [(ours, "dcp_nvme", lambda p: NVMeReader(p, **self.io_kwargs)),
+        runs: list[tuple[Row, str, Callable[[str], StorageReader]]] = [(ours, "dcp_nvme", lambda p: NVMeReader(p, **self.io_kwargs)),
                 (unverified, "dcp_nvme", lambda p: NVMeReader(p, verify=False, **self.io_kwargs)),
                 (peer, "fs", FileSystemReader)]
         missing = [k for k in ("dcp_nvme", "fs") if k not in self.kept]

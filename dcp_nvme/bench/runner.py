@@ -87,7 +87,7 @@ class Bench(OursRows, DataPathRows, PeerRows, LayerRows):
     def document(self) -> dict[str, Any]:
         options = asdict(self.options)
         fio = fio_version()
-        doc = {
+        doc: dict[str, Any] = {
             "format": "dcp_nvme.bench", "format_version": 1, "created_unix": time.time(),
             "config": {
                 "size_requested": self.options.size, "state_bytes": self.total_bytes,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import io
 import pickle
 import shutil
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -51,14 +52,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_nvme.errors import UnknownOptionError, UnsafeItemError
 from dcp_nvme.integrations._common import make_reader, make_stager, make_writer, wait_future
 from dcp_nvme.lazy_imports import require
 from dcp_nvme.load.load_planner import NVMeLoadPlanner
 
-ModelParallelStrategy = require("lightning.pytorch.strategies", needed_by=__name__,
-                                install="lightning").ModelParallelStrategy
+# Any: a class of a module require() imports at run time, which mypy does not follow
+ModelParallelStrategy: Any = require("lightning.pytorch.strategies", needed_by=__name__,
+                                     install="lightning").ModelParallelStrategy
 
 __all__ = ["NVMeModelParallelStrategy", "META_KEY"]
 
@@ -117,7 +120,7 @@ class NVMeModelParallelStrategy(ModelParallelStrategy):
         self._nvme_reader_factory = reader_factory
         self._nvme_stager_factory = stager_factory
         self._nvme_async_default = async_save
-        self._nvme_pending = None
+        self._nvme_pending: Future[Any] | AsyncSaveResponse | None = None
         self._nvme_stager = None
         self._nvme_ckpt_pg = None
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_nvme.integrations._common import (
     ReaderFactory,
@@ -69,11 +70,12 @@ _async_utils = require("megatron.core.dist_checkpointing.strategies.async_utils"
 _base = require("megatron.core.dist_checkpointing.strategies.base", **_NEEDS)
 _mcore_torch = require("megatron.core.dist_checkpointing.strategies.torch", **_NEEDS)
 ShardedObject, ShardedTensor = _mapping.ShardedObject, _mapping.ShardedTensor
-AsyncRequest = _async_utils.AsyncRequest
+# Any: classes of modules require() imports at run time, which mypy does not follow
+AsyncRequest: Any = _async_utils.AsyncRequest
 StrategyAction = _base.StrategyAction
 MCoreLoadPlanner, MCoreSavePlanner = _mcore_torch.MCoreLoadPlanner, _mcore_torch.MCoreSavePlanner
-TorchDistSaveShardedStrategy = _mcore_torch.TorchDistSaveShardedStrategy
-TorchDistLoadShardedStrategy = _mcore_torch.TorchDistLoadShardedStrategy
+TorchDistSaveShardedStrategy: Any = _mcore_torch.TorchDistSaveShardedStrategy
+TorchDistLoadShardedStrategy: Any = _mcore_torch.TorchDistLoadShardedStrategy
 
 __all__ = [
     "BACKEND",
@@ -123,6 +125,7 @@ class _AlreadyStaged:
     """AsyncStager that hands the (already staged) state dict through."""
 
     should_synchronize_after_execute = False
+    _synchronize_after_execute = False  # what torch's AsyncStager protocol keeps the above in
 
     def stage(self, state_dict):
         return state_dict
@@ -154,7 +157,7 @@ class NVMeSaveShardedStrategy(TorchDistSaveShardedStrategy):
         self.stager_factory = stager_factory
         self._pg = process_group
         self._stager = None
-        self._pending = None
+        self._pending: Future[Any] | AsyncSaveResponse | None = None
 
     def _prepare(self, sharded_state_dict, checkpoint_dir):
         pyt_state_dict, _ = _to_pyt(sharded_state_dict, is_loading=False,

@@ -47,7 +47,9 @@ try:
 except ImportError:
     # releases before the move had one module; 0.3 keeps it as an alias that later ones drop
     _checkpoint = require("torchtitan.components.checkpoint", needed_by=__name__, install="torchtitan")
-MODEL, AsyncMode, CheckpointManager = _checkpoint.MODEL, _checkpoint.AsyncMode, _checkpoint.CheckpointManager
+# Any: a class of a module require() imports at run time, which mypy does not follow
+CheckpointManager: Any = _checkpoint.CheckpointManager
+MODEL, AsyncMode = _checkpoint.MODEL, _checkpoint.AsyncMode
 
 __all__ = ["NVMeCheckpointManager", "latest_step"]
 

@@ -15,10 +15,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -74,15 +74,6 @@ MAX_DIRECT_RUNS = 64
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
 """Bytes of temporaries (resharded slices, non-tensor items) held at once per rank."""
-
-
-class _Sources(Protocol):
-    """What a load uses of ``seams.restore_sources``' result (``peers.sources.RestoreSources``)."""
-
-    def ensure_metadata(self) -> None: ...
-    def ensure_files(self, manifest: Manifest, names: Iterable[str]) -> None: ...
-    def replace_damaged(self, manifest: Manifest, exc: ChecksumMismatchError) -> bool: ...
-    def stats(self, read: Any = None, read_seconds: float = 0.0) -> dict[str, Any]: ...
 
 
 class _Batch:
@@ -173,7 +164,7 @@ class NVMeReader(StorageReader):
         self.mirror = None if mirror is None else check_option("mirror", mirror)
         self.mirror_options = mirror_options
         self.peers = option_or_default("peers", peers, self.mirror is not None)
-        self._sources: _Sources | None = None
+        self._sources: seams.Sources | None = None
         """``peers.sources.RestoreSources`` of the current load, with a mirror or peers."""
         self.path: str | None = reader_location(path)
         self.config: IOConfig = resolve_config(
@@ -191,7 +182,7 @@ class NVMeReader(StorageReader):
         """Chunks read from this node's copy instead of the index's file (``local_copies``)."""
         self._here: set[str] | None = None
         """The names in this node's directory, where the load looks at them (copies, peers)."""
-        self._exchange: Any = None
+        self._exchange: seams.Exchange | None = None
         """``seams.peer_restore`` of the current load: several ranks, ``peers``."""
         self._kept: KeptRanges | None = None
         """The ranges of other nodes' files this node keeps: earlier restores', this one's."""
@@ -485,7 +476,9 @@ class NVMeReader(StorageReader):
             replace(self.config, block_size=request_size)
         has_device = any(d.device.type != "cpu" for d in batch.dests)
         if self.manifest().compression is not None:  # a compressed mirror
-            engine = seams.coded_engine(self.store, self.manifest(), self._dir, config)
+            coded = seams.coded_engine(self.store, self.manifest(), self._dir, config)
+            assert coded is not None  # a manifest with a compression section has its coded engine
+            engine = coded
         elif is_remote_url(self.path):
             engine = FsspecEngine(cast(FsspecStore, self.store).fs, config)  # a URL's store (open_store)
         else:
@@ -552,7 +545,7 @@ class NVMeReader(StorageReader):
         read through their decoder, so their headers are checked like any other."""
         if self.manifest().compression is None:
             return self.store
-        return seams.decoded_store(self.store, self.manifest(), self.path)
+        return seams.decoded_store(self.store, self.manifest(), self._dir)
 
 
 def _items_in(batch: _Batch, exc: ChecksumMismatchError) -> str:

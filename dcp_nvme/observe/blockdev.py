@@ -170,11 +170,11 @@ def _members(disk: Path, sysfs: Path, device: BlockDevice, depth: int, seen: set
         except OSError:
             device.disks.append(queue)  # the backing file is gone or hidden: the loop is all we know
             return
-        node = _node_of(st_dev, sysfs)
-        if node is None:
+        held_on = _node_of(st_dev, sysfs)
+        if held_on is None:
             device.disks.append(queue)
             return
-        node, how = _disk_of(node)
+        node, how = _disk_of(held_on)
         if "->" in how:
             device.chain.append(how)
         _members(node, sysfs, device, depth + 1, seen)

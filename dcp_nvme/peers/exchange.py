@@ -30,6 +30,7 @@ dies fails the collective, as it would fail the training group, and the job rest
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -160,8 +161,8 @@ def agree_metadata(path: str, mirror: Callable[[], MirrorSource | None] = no_mir
         else:
             try:
                 manifest_bytes, tables, manifest = fetch_metadata(source, source.describe())
-                held = {k for v in views for name in v.files if (k := save_key_of(name))}
-                check_this_checkpoint(manifest, path, held, source.describe(MANIFEST))
+                held_keys = {k for v in views for name in v.files if (k := save_key_of(name))}
+                check_this_checkpoint(manifest, path, held_keys, source.describe(MANIFEST))
                 _keep_metadata(path, (manifest_bytes, tables), manifest.save_key, source.describe(), problem)
                 journal_restored(path, source, manifest.save_key)
                 key = manifest.save_key
@@ -175,13 +176,13 @@ def agree_metadata(path: str, mirror: Callable[[], MirrorSource | None] = no_mir
         return [replace(v, save_key=keys[0], files=frozenset(f for f in v.files if save_key_of(f) == keys[0]))
                 for v in views]
     if any(v.save_key is None for v in views):
-        source = min(rank for rank, v in enumerate(views) if v.save_key)
-        payload: list[Any] = [_metadata_payload(local) if dist.get_rank() == source else None]
-        dist.broadcast_object_list(payload, src=source, group=_exchange_group())
+        sender = min(rank for rank, v in enumerate(views) if v.save_key)
+        payload: list[Any] = [_metadata_payload(local) if dist.get_rank() == sender else None]
+        dist.broadcast_object_list(payload, src=sender, group=_exchange_group())
         why = None
         if key is None:
             try:
-                _keep_metadata(path, payload[0], keys[0], views[source].node, problem)
+                _keep_metadata(path, payload[0], keys[0], views[sender].node, problem)
             except (DCPNVMeError, OSError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
         _raise_first(path, _gather(why))  # every rank hears it: none waits in read_data for this one
@@ -256,7 +257,7 @@ class Fetch:
         if self._unsynced >= SYNC_EVERY and (self._flushing is None or self._flushing.done()):
             # on disk as it comes, so that the fsync before the record is short; on a thread, so
             # that a slow flush never stalls what comes meanwhile
-            self._flushing = in_background(lambda kept=self._kept[record.name]: _flush(kept), "dcp-nvme-flush")
+            self._flushing = in_background(functools.partial(_flush, self._kept[record.name]), "dcp-nvme-flush")
             self._unsynced = 0
         if self.hold is not None:
             self.hold.add(record.name, start, data)

@@ -360,6 +360,7 @@ def _send(group: Any, holder: int, directory: str, records: list[FileRecord], li
         with ThreadPoolExecutor(1, thread_name_prefix="dcp-nvme-replica-read") as pool:
             ahead = pool.submit(read, jobs[0]) if jobs else None
             for at, (_, piece) in enumerate(jobs):
+                assert ahead is not None  # submitted for this job
                 data = ahead.result()
                 ahead = pool.submit(read, jobs[at + 1]) if at + 1 < len(jobs) else None
                 dist.send(torch.tensor([int(data is not None)]), holder, group=group)

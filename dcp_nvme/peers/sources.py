@@ -76,7 +76,7 @@ class RestoreSources:
         """The mirror as a source (``mirror_source``), looked up once."""
         if self._mirror is None:
             self._mirror = mirror_source(self.path, self.mirror_url, self.mirror_options) or False
-        return self._mirror or None
+        return self._mirror if isinstance(self._mirror, MirrorSource) else None
 
     def _local_replicas(self, owner: str | None) -> list[LocalSource]:
         root = os.path.join(self.path, REPLICAS_DIR)

@@ -146,7 +146,7 @@ def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, i
         try:
             if slot in damaged or fatal:
                 return
-            data = memoryview(piece.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's buffer stub before 3.12
+            data = memoryview(piece.numpy()).cast("B")
             try:
                 verify_piece(records[name], at, data, f"{name} from node {nodes[holder]}")
             except ChecksumMismatchError as exc:

@@ -10,6 +10,7 @@ back WriteResults carrying the rows; ``finish`` writes the tables, then the mani
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -199,7 +200,7 @@ class NVMeWriter(StorageWriter):
         self.replicas = option_or_default("replicas", replicas, 0)
         self.replica_bandwidth = option_or_default("replica_bandwidth", replica_bandwidth, None)
         self.replica_stride = option_or_env("replica_stride", None, 1)  # env only: checked here, not after a commit
-        self.replication_future = None
+        self.replication_future: concurrent.futures.Future[Any] | None = None
         """With ``replicas``, on each node writer: a Future of the last save's ReplicationResult."""
         self.path: str | None = writer_location(path)
         self.config: IOConfig = resolve_config(
@@ -224,7 +225,7 @@ class NVMeWriter(StorageWriter):
         if compress is not None and compress not in COMPRESS_MODES:
             raise InvalidInputError(f"compress must be one of {COMPRESS_MODES}, got {compress!r}")
         self.compress = compress
-        self.drain_future = None
+        self.drain_future: concurrent.futures.Future[Any] | None = None
         """With a mirror, on the coordinator (and on each node writer of a node-local save): a
         Future of the last save's drain of this node (DrainResult)."""
         self.is_coordinator = False
@@ -431,7 +432,7 @@ class NVMeWriter(StorageWriter):
         config = budgeted(self.config, on_node)
         engine, reason = shared_engine(config, has_device, self.path)
         path = os.path.join(self._dir, name)
-        watch = seams.save_diagnostics(self.path, config.queue_depth, on_node, config.block_size) \
+        watch = seams.save_diagnostics(self._dir, config.queue_depth, on_node, config.block_size) \
             if seams.save_diagnostics.plugged else None  # when asked: dcp-nvme bench and tune
         wave = release_for(data)  # a bounded stager's live tensors are in this save
         progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
@@ -502,13 +503,13 @@ class NVMeWriter(StorageWriter):
         """Committed on this node: its replication and its drain to the mirror run on in the background."""
         if getattr(self, "replicas", 0):
             self.replication_future = seams.replicate(
-                self.path, node_identity(), self.replicas, queue_depth=self.config.queue_depth,
+                self._dir, node_identity(), self.replicas, queue_depth=self.config.queue_depth,
                 block_size=self.config.block_size, bandwidth=self.replica_bandwidth,
                 stride=getattr(self, "replica_stride", 1))
         url = self.mirror_url()
         if url:
             self._mirrored[url] = self._dir
-            self.drain_future = seams.drain(self.path, url, self.mirror_options,
+            self.drain_future = seams.drain(self._dir, url, self.mirror_options,
                                             compress=getattr(self, "compress", None))
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:

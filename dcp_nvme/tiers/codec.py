@@ -143,7 +143,7 @@ def _split(data: memoryview, planes: int) -> list[memoryview]:
     if planes == 1:
         return [data]
     grid = np.frombuffer(data, dtype=np.uint8).reshape(-1, planes)
-    return [memoryview(np.ascontiguousarray(grid[:, i])) for i in range(planes)]
+    return [np.ascontiguousarray(grid[:, i]).data for i in range(planes)]
 
 
 def _code_plane(plane: memoryview, level: int) -> tuple[int, bytes | memoryview]:
@@ -167,7 +167,7 @@ def encode_chunk(data: bytes | memoryview, planes: int = 1, level: int = DEFAULT
     if base is not None:
         view = memoryview(_xor(view, base))
     parts: list[bytes | memoryview] = []
-    heads: list[bytes] = []
+    heads: list[bytes | memoryview] = []
     for plane in _split(view, planes):
         mode, stored = _code_plane(plane, level)
         heads.append(_PLANE.pack(mode, len(stored)))
@@ -336,7 +336,9 @@ def parse_table(data: bytes | memoryview, count: int, size: int, table_crc: int,
     entries, position, stored = [], 0, HEADER_SIZE + count * row.size
     for i in range(count):
         fields = row.unpack_from(data, i * row.size)
-        entry = Entry(*fields) if version != 1 else Entry(*fields, fields[0] if fields[6] & DELTA else 0)
+        if version == 1:  # no base_offset column: a delta's base bytes are at its own offset
+            fields += (fields[0] if fields[6] & DELTA else 0,)
+        entry = Entry(*fields)
         if (entry.offset != position or not 0 < entry.length <= MAX_CHUNK or entry.planes not in (1, 2, 4)
                 or entry.length % entry.planes or entry.stored_offset != stored
                 or entry.flags & ~DELTA or (not entry.flags & DELTA and entry.base_offset)):

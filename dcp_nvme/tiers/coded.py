@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -76,17 +77,17 @@ def coded_files(doc: dict[str, Any], location: str) -> dict[str, tuple[str, int,
     files = section.get("files")
     if not isinstance(files, dict):
         raise codec.CodecError(f"{where}: 'files' is not a mapping")
-    out = {}
+    out: dict[str, tuple[str, int, int, str | None]] = {}
     for name, info in files.items():
         stored = info.get("stored") if isinstance(info, dict) else None
-        sizes = [info.get(k) if isinstance(info, dict) else None for k in ("size", "stored_size")]
+        size, stored_size = (info.get(k) if isinstance(info, dict) else None for k in ("size", "stored_size"))
         if (not isinstance(stored, str) or stored != name + ".dcz" or "/" in stored
-                or not all(isinstance(s, int) and s >= 0 for s in sizes)):
+                or not isinstance(size, int) or size < 0 or not isinstance(stored_size, int) or stored_size < 0):
             raise codec.CodecError(f"{where}: entry for {name!r} is malformed: {info!r}")
         base = info.get("base")
         if base is not None and (not isinstance(base, str) or "/" in base or base.startswith(".")):
             raise codec.CodecError(f"{where}: base of {name!r} is malformed: {base!r}")
-        out[name] = (stored, sizes[0], sizes[1], base)
+        out[name] = (stored, size, stored_size, base)
     return out
 
 
@@ -187,7 +188,7 @@ class CodedFile:
                 lo = max(start, entry.offset)
                 yield lo, memoryview(data)[lo - entry.offset: min(entry.length, end - entry.offset)]
 
-    def decode_run(self, run: Sequence[codec.Entry], stats: IOStats | None = None) -> list[bytes]:
+    def decode_run(self, run: Sequence[codec.Entry], stats: IOStats | None = None) -> list[bytes | bytearray]:
         """The decoded bytes of consecutive chunks, fetched with one ranged read, each checked
         against its crc32c (CodecError naming the file and the chunk's decoded bytes). A delta
         run's base is fetched for the whole run at once (each base chunk decoded once). With
@@ -195,7 +196,8 @@ class CodedFile:
         delta base's decoding included."""
         return [data for _, data in self._decoding(run, stats)]
 
-    def _decoding(self, run: Sequence[codec.Entry], stats: IOStats | None) -> Iterator[tuple[codec.Entry, bytes]]:
+    def _decoding(self, run: Sequence[codec.Entry],
+                  stats: IOStats | None) -> Iterator[tuple[codec.Entry, bytes | bytearray]]:
         first = run[0].stored_offset
         stored = memoryview(self.fetch(self.stored, first, run[-1].stored_offset + run[-1].stored_length))
         bases = self._bases(run, stats)
@@ -206,8 +208,8 @@ class CodedFile:
                 base = None
                 if entry.flags & codec.DELTA:
                     while entry.offset not in taken:
-                        at, data = next(bases)
-                        taken[at] = data
+                        at, ahead = next(bases)
+                        taken[at] = ahead
                     base = taken.pop(entry.offset)
                 started = time.thread_time()
                 data = codec.decode_chunk(entry, stored[lo: lo + entry.stored_length], base)
@@ -233,6 +235,7 @@ class CodedFile:
             else:
                 groups.append([entry])
                 ends.append(entry.base_end)
+        assert self.base is not None  # only delta chunks come here; __init__ refuses them without a base
         for end, group in zip(ends, groups, strict=True):
             cursor = _Cursor(self.base(group[0].base_offset, end, stats), self.base_name)
             for entry in group:
@@ -285,7 +288,7 @@ class _ReadPlan:
         self.depth = max(1, min(engine.config.queue_depth, IN_FLIGHT // limit))
         self.runs = [(by_id[key], run) for key, found in chunks.items()
                      for run in fetch_runs(sorted(found.values(), key=lambda e: e.offset), limit)]
-        self.cache: dict[tuple[int, int], bytes] = {}
+        self.cache: dict[tuple[int, int], bytes | bytearray] = {}
         self.lock = threading.Lock()
         self.peak = 0
         """Most decoded chunks held at once (tests: the cache is bounded by the runs in flight)."""
@@ -391,16 +394,20 @@ def decoded_store(store: Any, manifest: Manifest, location: str) -> Any:
     return store if files is None else DecodedStore(store, files, manifest.doc)
 
 
+_ENGINES: weakref.WeakKeyDictionary[Manifest, CodedEngine] = weakref.WeakKeyDictionary()
+"""Each manifest's engine, kept as long as the manifest (its other parsed tables live as long)."""
+
+
 def coded_engine(store: Any, manifest: Manifest, location: str, config: IOConfig) -> CodedEngine | None:
     """The engine for a compressed mirror (one per manifest, tables cached), else None."""
     files = coded_files(manifest.doc, location)
     if files is None:
         return None
-    engine = getattr(manifest, "_coded_engine", None)
+    engine = _ENGINES.get(manifest)
     if engine is None:
         paths = {os.path.normpath(store.path(name)): info for name, info in files.items()}
         engine = CodedEngine(store_fetch(store), paths, location, config, _lazy_base(store, manifest.doc, location))
-        manifest._coded_engine = engine  # cached beside the manifest's other parsed tables
+        _ENGINES[manifest] = engine
     return engine
 
 

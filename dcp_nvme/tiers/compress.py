@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, overload
 
 import crc32c
 
@@ -126,6 +126,11 @@ class _Coding:
             self.record, self.error = record, error
             self.changed.notify_all()
 
+    @overload
+    def wait(self, until: None = None) -> FileRecord: ...
+    @overload
+    def wait(self, until: int) -> FileRecord | None: ...
+
     def wait(self, until: int | None = None) -> FileRecord | None:
         """Block until the file is coded (its record), or, with ``until``, until bytes up to
         there are final (None then); raises when the coder failed."""
@@ -179,7 +184,8 @@ class CompressedSource:
         self.delta = note(inner.location, base, base_why, list(self.matches.values())) if base_why else None
         """The drain result's ``delta`` section (a drain that asked for a delta), else None."""
         self.names = list(self._codings)
-        self.node_local, self.nodes_here = False, []  # node-local drains are sent plain
+        self.node_local = False  # node-local drains are sent plain
+        self.nodes_here: list[str] = []
         self._manifest_bytes = b""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcp-nvme-coder", daemon=True)
@@ -197,7 +203,7 @@ class CompressedSource:
                 coded = self._encode(coding, base_record)
                 self.stats.files[original.name] = {"stored": coded.name, "size": original.size,
                                                    "stored_size": coded.size}
-                if base_record is not None:
+                if match is not None and base_record is not None:
                     self.stats.files[original.name].update(base=base_record.name, delta_bytes=match.delta_bytes)
                 self.stats.bytes_in += original.size
                 self.stats.bytes_out += coded.size
@@ -217,7 +223,10 @@ class CompressedSource:
             if self._stop.is_set():
                 raise DrainFault("the drain stopped while coding")
             data = self.inner.piece(coding.original, piece)  # checked against the blocks table
-            bases = base_bytes(self.base.source, base_record, chunks) if base_record is not None else None
+            bases = None
+            if base_record is not None:
+                assert self.base is not None  # a file matched in a base
+                bases = base_bytes(self.base.source, base_record, chunks)
             yield data, chunks, piece.offset, bases
 
     def _encode(self, coding: _Coding, base_record: FileRecord | None) -> FileRecord:
@@ -329,7 +338,7 @@ class CompressedSource:
     def summary(self) -> dict[str, Any]:
         """What coding cost, once done: ratio, bytes, stored bytes, seconds, CPU seconds."""
         self.manifest_bytes  # noqa: B018  waits for the coder
-        out = {"ratio": self.stats.ratio, "bytes": self.stats.bytes_in, "stored_bytes": self.stats.bytes_out,
+        out: dict[str, Any] = {"ratio": self.stats.ratio, "bytes": self.stats.bytes_in, "stored_bytes": self.stats.bytes_out,
                "encode_seconds": self.stats.seconds, "cpu_seconds": self.encoder.cpu}
         if self.delta is not None:
             out["delta"] = self.delta
@@ -423,13 +432,13 @@ def through_codec(source: DrainSource, mode: str, *, link: float | None, threads
     short = scratch_shortfall(source)
     if short is not None:  # the coded copy is made on the fast tier: never fill it
         log.warning("dcp_nvme: compress=%s for %s: %s", mode, source.location, short)
-        info = {"mode": mode, "decision": short}
+        info: dict[str, Any] = {"mode": mode, "decision": short}
         if mode == "delta":
             info["delta"] = note(source.location, None, short, [])
         return source, info
     encoder = Encoder(threads, level)
     try:
-        info: dict[str, Any] = {"mode": mode, "threads": threads, "level": level}
+        info = {"mode": mode, "threads": threads, "level": level}
         if mode == "auto":
             sample = measure(source, encoder)
             go, why = pays(sample, link)

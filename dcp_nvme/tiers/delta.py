@@ -68,7 +68,8 @@ def pick_base(location: str, target: str, every: int, mirror_manifest: Any) -> t
         doc = mirror_manifest(state.target)
         if not isinstance(doc, dict):
             return None, f"the mirror of {entry.path} ({state.target}) is unreadable: coding full"
-        section = doc.get("compression") if isinstance(doc.get("compression"), dict) else {}
+        compression = doc.get("compression")
+        section = compression if isinstance(compression, dict) else {}
         delta = section.get("delta") if isinstance(section.get("delta"), dict) else None
         depth = int(delta.get("depth", 0)) if delta else 0
         if depth + 1 >= every:

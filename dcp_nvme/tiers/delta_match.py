@@ -120,7 +120,8 @@ def match_file(record: FileRecord, chunks: Sequence[ChunkRecord], base: BaseInde
             match.offsets[item.byte_offset] = twin.byte_offset
             match.delta_bytes += item.length
             continue
-        reason = (f"its base copy is in {twin.file}, the file's base is {match.base.name}" if twin is not None
+        reason = (f"its base copy is in {twin.file}, the file's base is {match.base.name}"
+                  if twin is not None and match.base is not None  # a twin means a base was chosen
                   else _changed(item, by_fqn.get(item.fqn, [])))
         match.full.append(FullItem(item_name(item), reason, item.length))
     if match.base is None:

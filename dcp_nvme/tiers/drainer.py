@@ -21,10 +21,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
-from typing import Any
+from typing import Any, TypeGuard
 
 from dcp_nvme.engines.requests import run_bounded
 from dcp_nvme.errors import (
@@ -197,7 +198,8 @@ class _DrainRun:
                 with step(f"preparing the target {sink.target}"):
                     sink.prepare()
                 self.answered = True
-                _attempt(self._sending(), sink, self.journal, self.options, self.result, self.progress)
+                _, journal, result = self._current()
+                _attempt(self._sending(), sink, journal, self.options, result, self.progress)
                 return self._mirrored()
             except Exception as exc:  # noqa: BLE001  (botocore errors are not OSErrors)
                 time.sleep(self._failed(exc, sink, attempt))
@@ -215,36 +217,44 @@ class _DrainRun:
             self.journal = Journal.open(self.location, self.target, fresh.save_key, self.storage_options)
             self.result = DrainResult(self.location, self.target, fresh.save_key,
                                       int(fresh.manifest.doc.get("total_bytes", 0)))
-        self.result.attempts = attempt
-        self.journal.update(state=DRAINING, pid=os.getpid(), attempts=self.journal.doc.get("attempts", 0) + 1,
-                            bytes_total=self.result.bytes_total, cause="")
+        _, journal, result = self._current()
+        result.attempts = attempt
+        journal.update(state=DRAINING, pid=os.getpid(), attempts=journal.doc.get("attempts", 0) + 1,
+                       bytes_total=result.bytes_total, cause="")
         fresh.check_present()  # a missing or cut local file: failed at once, and journaled
 
     def _sending(self) -> DrainSource | CompressedSource:
         """What goes to the target: the save itself, or its coded view (coded once per save,
         kept across retries)."""
-        options, source = self.options, self.source
+        options = self.options
+        source, _, result = self._current()
         if options.compress == "off":
             return source
         if self.coded is None or self.coded.save_key != source.save_key:
             base, why = None, ""
             if options.compress == "delta":
                 base, why = pick_base(self.location, self.target, options.delta_every, self.mirror_manifest)
-            view, self.result.compression = through_codec(
+            view, result.compression = through_codec(
                 source, options.compress, link=options.bandwidth or options.link_rate,
                 threads=options.codec_threads or default_threads(), level=options.level, base=base, base_why=why)
             self.coded = view if isinstance(view, CompressedSource) else None
         return self.coded or source
 
+    def _current(self) -> tuple[DrainSource, Journal, DrainResult]:
+        """The save, its journal and the result as ``_read_source`` left them (each attempt reads first)."""
+        if self.source is None or self.journal is None or self.result is None:
+            raise AssertionError(f"{self.location}: the drain has not read its source")
+        return self.source, self.journal, self.result
+
     def _mirrored(self) -> DrainResult:
-        result = self.result
+        _, journal, result = self._current()
         if self.coded is not None:
             result.compression.update(self.coded.summary())
             self.coded.close()
         remove_scratch(self.location)
         result.seconds = time.perf_counter() - self.started
-        self.journal.update(state=MIRRORED, cause="", finished_unix=time.time(),
-                            compression=_summary(result.compression))
+        journal.update(state=MIRRORED, cause="", finished_unix=time.time(),
+                       compression=_summary(result.compression))
         log.info("dcp_nvme: drained %s to %s: %.3f GB sent (%.3f GB confirmed already there) in %.2f s",
                  self.location, self.target, result.bytes_sent / 1e9, result.bytes_skipped / 1e9, result.seconds)
         return result
@@ -334,13 +344,13 @@ def _plan(record: FileRecord, entry: dict[str, Any], part_size: int, sink: Sink)
     return planned, plan_pieces(record.size, record.data_start, record.checksum_block, planned)
 
 
-def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOptions,
+def _attempt(source: DrainSource | CompressedSource, sink: Sink, journal: Journal, options: DrainOptions,
              result: DrainResult, progress: Progress | None) -> None:
     manifest = source.manifest
     part_size = options.part_size
     if isinstance(sink, S3Sink):
         part_size = max(part_size, S3_MIN_PART)
-    refuse_other_checkpoint(source, sink)
+    refuse_other_checkpoint(manifest.doc, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
     streamed: list[str] = []
@@ -353,9 +363,7 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
                 journal.save()
             streamed.append(name)
             continue
-        record = source.record(name)
-        if record is None:
-            raise ManifestError(f"{source.location}: {name} is missing from the blocks table")
+        record = _record(source, name)
         planned, pieces = _plan(record, entry, part_size, sink)
         with step(f"checking {sink.location(name)} on the target"):
             complete = sink.confirm_file(name, record, pieces, source.piece)
@@ -385,14 +393,15 @@ def _attempt(source: DrainSource, sink: Sink, journal: Journal, options: DrainOp
     _send_all(source, sink, journal, work, options, bucket, result, progress,
               [(name, part_size) for name in streamed])
     for name in streamed:  # coded by now: the plan of the finished file, as every other file's
-        record = source.record(name)
+        record = _record(source, name)
         work.append((record, plan_pieces(record.size, record.data_start, record.checksum_block, part_size), []))
     for record, pieces, _ in work:
         _finish_file(sink, journal, record, pieces)
     if options.verify == "readback":
         for name in source.names:
-            readback(sink, source.record(name), part_size, options, result)
-    if source.node_local:  # every node drains its own files; the mirror commits once all have
+            readback(sink, _record(source, name), part_size, options, result)
+    # every node drains its own files; the mirror commits once all have (sent plain: a DrainSource)
+    if isinstance(source, DrainSource) and source.node_local:
         wait_for_every_node(sink, source, options, journal)
     for name, data in source.tables:
         put_confirmed(sink, name, data)
@@ -470,10 +479,19 @@ def _discard(sink: Sink | None, journal: Journal, open_target: Callable[[], Sink
                 if save_key_of(name.removesuffix(CODED_SUFFIX)) == save_key:
                     sink.remove(name)
     except Exception as exc:  # noqa: BLE001  cleanup must not hide the failure being reported
-        log.warning("dcp_nvme: could not clean up the unfinished drain on %s: %s", sink.target, classify(exc))
+        log.warning("dcp_nvme: could not clean up the unfinished drain on %s: %s",
+                    sink.target if sink is not None else journal.doc.get("target"), classify(exc))
 
 
-def _streams(source: DrainSource, sink: Sink, name: str, entry: dict[str, Any]) -> bool:
+def _record(source: DrainSource | CompressedSource, name: str) -> FileRecord:
+    record = source.record(name)
+    if record is None:
+        raise ManifestError(f"{source.location}: {name} is missing from the blocks table")
+    return record
+
+
+def _streams(source: DrainSource | CompressedSource, sink: Sink, name: str,
+             entry: dict[str, Any]) -> TypeGuard[CompressedSource]:
     """Whether a file is sent while it is still being coded: it is, and nothing of it was ever
     sent (a fresh journal entry: nothing on the target to confirm first), and the target takes
     pieces in any order (the first piece, holding the header, is coded last)."""
@@ -481,9 +499,10 @@ def _streams(source: DrainSource, sink: Sink, name: str, entry: dict[str, Any]) 
             and not entry.get("done") and not entry["pieces"] and not entry.get("upload_id"))
 
 
-def _send_all(source: DrainSource, sink: Sink, journal: Journal, work, options: DrainOptions,
+def _send_all(source: DrainSource | CompressedSource, sink: Sink, journal: Journal,
+              work: list[tuple[FileRecord, list[Piece], list[Piece]]], options: DrainOptions,
               bucket: TokenBucket, result: DrainResult, progress: Progress | None,
-              streamed: list[tuple[str, int]] = ()) -> None:
+              streamed: Sequence[tuple[str, int]] = ()) -> None:
     lock = threading.Lock()
 
     def send(record: FileRecord, piece: Piece) -> None:
@@ -506,14 +525,18 @@ def _send_all(source: DrainSource, sink: Sink, journal: Journal, work, options: 
         for piece in pieces:
             send(record, piece)
 
+    tasks: list[Callable[[], None]]
     if sink.ordered:
-        tasks = [(send_file, (record, todo)) for record, _, todo in work]
+        tasks = [partial(send_file, record, todo) for record, _, todo in work]
     else:
-        tasks = [(send, (record, piece)) for record, _, todo in work for piece in todo]
+        tasks = [partial(send, record, piece) for record, _, todo in work for piece in todo]
     # pieces of files still being coded are drawn as the coder writes them (run_bounded draws
     # lazily): sending overlaps coding
-    coded = ((send, found) for name, part_size in streamed for found in source.stream(name, part_size))
-    run_bounded(options.max_transfers, chain(tasks, coded), lambda task: task[0](*task[1]), "dcp-nvme-drain-io")
+    coded: Iterator[Callable[[], None]] = iter(())
+    if streamed:
+        assert isinstance(source, CompressedSource)  # only files being coded stream
+        coded = (partial(send, *found) for name, part_size in streamed for found in source.stream(name, part_size))
+    run_bounded(options.max_transfers, chain(tasks, coded), lambda task: task(), "dcp-nvme-drain-io")
 
 
 def readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptions,

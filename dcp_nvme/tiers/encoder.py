@@ -46,7 +46,8 @@ class CodecStats:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     """CPU time of the codec threads (thread time: the training job's threads are not counted)."""
-    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    files: dict[str, dict[str, int | str]] = field(default_factory=dict)
+    """Per original file: its stored name and sizes (a delta's base name and delta bytes too)."""
 
     @property
     def ratio(self) -> float:

@@ -280,7 +280,7 @@ class S3Sink(Sink):
         except FileNotFoundError:
             # Completed by an earlier run that died before its journal said so? The object's
             # multipart ETag (md5 of the part md5s) proves it is exactly these parts.
-            if not self._has_etag(name, multipart_etag([p["ETag"] for p in parts])):
+            if not self._has_etag(name, multipart_etag([tags[p.index] for p in pieces])):
                 raise
         entry.pop("upload_id", None)
         self.fs.invalidate_cache(self.store.path(name))

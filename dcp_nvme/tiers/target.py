@@ -31,17 +31,17 @@ def _checkpoint_of(manifest: dict[str, Any]) -> str | None:
     return meta.get("checkpoint_id") if isinstance(meta, dict) else None
 
 
-def refuse_other_checkpoint(source: DrainSource, sink: Sink) -> None:
+def refuse_other_checkpoint(doc: dict[str, Any], sink: Sink) -> None:
     """A target whose committed manifest is another checkpoint's (another step drained onto the
     same URL) is never replaced: retention would then trust a mirror that no longer holds the
-    checkpoint it deletes locally."""
+    checkpoint it deletes locally. ``doc``: the manifest of the save being drained."""
     if not sink.has(MANIFEST):
         return
     try:
         remote = json.loads(sink.read_small(MANIFEST))
     except ValueError:
         return  # not a manifest we can read: the drain replaces it as it would any leftover
-    theirs, ours = _checkpoint_of(remote), _checkpoint_of(source.manifest.doc)
+    theirs, ours = _checkpoint_of(remote), _checkpoint_of(doc)
     if theirs and ours and theirs != ours:
         raise TargetTaken(f"{sink.target} holds the mirror of {theirs}, not of {ours}: one mirror URL holds one "
                           "checkpoint. Drain to a URL of its own (NVMeWriter(mirror_root=...) appends each "

@@ -130,7 +130,8 @@ def select_tensors(
         by_fqn = {f: c for f, c in by_fqn.items() if any(fnmatch.fnmatchcase(f, k) for k in keys)}
     if not by_fqn:
         raise InvalidInputError(f"{location} holds no tensors to export")
-    plans, names, unstorable = [], {}, []
+    plans, unstorable = [], []
+    names: dict[str, str] = {}  # safetensors name -> the fqn it came from
     for fqn, parts in by_fqn.items():
         stored = parse_dtype(parts[0].dtype)
         out = dtype if dtype is not None and stored.is_floating_point else stored

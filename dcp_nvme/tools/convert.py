@@ -239,10 +239,16 @@ class _Entry:
         return MetadataIndex(self.fqn, self.chunk.offsets if self.chunk else None)
 
     @property
+    def tensor(self) -> TensorStorageMetadata:
+        """The tensor's metadata (asked only of an entry with a chunk: a tensor's)."""
+        assert self.meta is not None  # _entries gives every chunk its tensor's metadata
+        return self.meta
+
+    @property
     def nbytes(self) -> int:
         if self.chunk is None:
             return 0
-        return _numel(self.chunk.sizes) * torch.empty((), dtype=self.meta.properties.dtype).element_size()
+        return _numel(self.chunk.sizes) * torch.empty((), dtype=self.tensor.properties.dtype).element_size()
 
     def read_item(self) -> ReadItem:
         if self.chunk is None:
@@ -254,9 +260,9 @@ class _Entry:
     def write_item(self) -> WriteItem:
         if self.chunk is None:
             return WriteItem(self.index, WriteItemType.BYTE_IO)
-        whole = tuple(self.chunk.sizes) == tuple(self.meta.size)
+        whole = tuple(self.chunk.sizes) == tuple(self.tensor.size)
         return WriteItem(self.index, WriteItemType.TENSOR if whole else WriteItemType.SHARD,
-                         tensor_data=TensorWriteData(self.chunk, self.meta.properties, self.meta.size))
+                         tensor_data=TensorWriteData(self.chunk, self.tensor.properties, self.tensor.size))
 
 
 def _numel(sizes: Sequence[int]) -> int:
@@ -294,7 +300,7 @@ def _read_group(reader: StorageReader, group: list[_Entry]) -> _GroupPlanner:
     planner = _GroupPlanner()
     for entry in group:
         if entry.chunk is not None:
-            planner.tensors[entry.index] = torch.empty(tuple(entry.chunk.sizes), dtype=entry.meta.properties.dtype)
+            planner.tensors[entry.index] = torch.empty(tuple(entry.chunk.sizes), dtype=entry.tensor.properties.dtype)
     reader.read_data(LoadPlan([entry.read_item() for entry in group]), planner).wait()
     return planner
 

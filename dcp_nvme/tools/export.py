@@ -35,7 +35,7 @@ from dcp_nvme.format.validation import check_container
 from dcp_nvme.humanize import progress_bar
 from dcp_nvme.load.planning import FileBlocks, plan_reads
 from dcp_nvme.storage.local_dir import LocalStore, is_remote_url
-from dcp_nvme.tiers.coded import coded_engine, decoded_view
+from dcp_nvme.tiers.coded import CodedEngine, coded_engine, decoded_view
 from dcp_nvme.tools.consolidate import (
     TensorPlan,
     chunk_needs,
@@ -113,8 +113,8 @@ def export_hf(
 
         out_parent = Path(out).resolve().parent
         out_parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_parent, prefix=".export-source-") as temp:
-            converted = os.path.join(temp, "checkpoint")
+        with tempfile.TemporaryDirectory(dir=out_parent, prefix=".export-source-") as scratch:
+            converted = os.path.join(scratch, "checkpoint")
             convert(location, converted, "nvme")
             return export_hf(converted, out, keys=keys, strip_prefix=strip_prefix, dtype=dtype,
                              max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
@@ -228,7 +228,7 @@ def _publish(temp: Path, out: Path) -> None:
 
 
 def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict[str, FileRecord],
-                 engine: PosixEngine, bar: tqdm) -> None:
+                 engine: CodedEngine | PosixEngine, bar: tqdm) -> None:
     header, _ = build_header([t.entry for t in shard], {"format": "pt"}, HEADER_ALIGN)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -244,7 +244,7 @@ def _write_shard(path: Path, shard: list[TensorPlan], location: str, files: dict
 
 
 def assemble(tensor: TensorPlan, location: str, files: dict[str, FileRecord],
-             engine: PosixEngine) -> torch.Tensor:
+             engine: CodedEngine | PosixEngine) -> torch.Tensor:
     """The full tensor in the stored dtype, read chunk by chunk straight into place."""
     full = torch.empty(tensor.shape, dtype=tensor.stored)
     dests = [tensor_bytes(full)]

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dcp_nvme.errors import CheckpointNotFoundError, InvalidInputError
+from dcp_nvme.format.manifest import Manifest
 from dcp_nvme.format.safetensors_files import (
     HF_DIR,
     SAFETENSORS_FILE,
@@ -106,7 +107,7 @@ def inspect_checkpoint(location: str | os.PathLike, filter: str | None = None,
     result.created_unix = doc.get("created_unix")
     result.files = [dict(f) for f in doc.get("files", []) if isinstance(f, dict)]
     result.topology, result.elsewhere = doc.get("topology"), found.elsewhere
-    _summarise(result, found, filter)
+    _summarise(result, found.manifest, filter)
     return result
 
 
@@ -145,8 +146,8 @@ def _inspect_safetensors(location: str, pattern: str | None) -> Inspection:
     return result
 
 
-def _summarise(result: Inspection, found: CheckpointState, pattern: str | None) -> None:
-    chunks = found.manifest.chunks
+def _summarise(result: Inspection, manifest: Manifest, pattern: str | None) -> None:
+    chunks = manifest.chunks
     if pattern is not None:
         chunks = [c for c in chunks if fnmatch.fnmatchcase(c.fqn, pattern)]
         if not chunks:

@@ -104,10 +104,11 @@ def _top_level(module: str) -> dict[str, ast.ClassDef | None]:
     for node in tree.body:  # names a module's __getattr__ hands out lazily, listed in __all__
         if isinstance(node, ast.Assign) and "__all__" in _bound(node.targets):
             names.update(dict.fromkeys(ast.literal_eval(node.value)))
-    for node in tree.body:  # an instance of a class of the module (``seams.drain = Seam(...)``): its members
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
-                and isinstance(node.value.func, ast.Name) and names.get(node.value.func.id) is not None:
-            names.update(dict.fromkeys(_bound(node.targets), names[node.value.func.id]))
+    for node in tree.body:  # an instance of a class of the module (``seams.drain: Seam[...] = Seam(...)``): its members
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and names.get(value.func.id) is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(dict.fromkeys(_bound(targets), names[value.func.id]))
     return names
 
 
@@ -247,9 +248,10 @@ def test_present_tense_pages_narrate_no_history() -> None:
 def test_architecture_lists_every_seam() -> None:
     """docs/architecture.md's table of seams has one row per seam ``seams.py`` defines, no more."""
     tree = ast.parse((PACKAGE / "seams.py").read_text())
-    defined = {target.id for node in tree.body if isinstance(node, ast.Assign)
+    defined = {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
                and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "Seam"
-               for target in node.targets if isinstance(target, ast.Name)}
+               for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(target, ast.Name)}
     page = (REPO / "docs" / "architecture.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)` \|", page.split("## Seams", 1)[1].split("\n## ", 1)[0], re.MULTILINE))
     assert defined and rows == defined, f"seams.py defines {sorted(defined)}; docs/architecture.md lists {sorted(rows)}"

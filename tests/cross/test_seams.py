@@ -69,3 +69,53 @@ def test_the_package_plugs_every_seam_the_core_calls_and_each_target_exists():
     finally:
         enable_save_diagnostics(False)
     assert not seams.save_diagnostics.plugged
+
+
+def _accepts(target, protocol) -> list[str]:
+    """What of the seam's signature (its Protocol's ``__call__``) the target cannot take."""
+    import inspect
+
+    wanted = list(inspect.signature(protocol.__call__).parameters.values())[1:]  # less self
+    have = inspect.signature(target).parameters
+    wrong = []
+    for at, p in enumerate(wanted):
+        got = have.get(p.name)
+        if got is None:
+            if not any(q.kind is q.VAR_KEYWORD for q in have.values()):
+                wrong.append(f"no parameter {p.name}")
+        elif p.kind is p.POSITIONAL_OR_KEYWORD and list(have).index(p.name) != at:
+            wrong.append(f"{p.name} is not parameter {at}")
+        elif p.kind is p.KEYWORD_ONLY and got.kind not in (got.KEYWORD_ONLY, got.POSITIONAL_OR_KEYWORD):
+            wrong.append(f"{p.name} is not a keyword")
+        elif p.default is not p.empty and got.default is got.empty:
+            wrong.append(f"{p.name} has no default")
+    named = {p.name for p in wanted}
+    wrong += [f"{q.name} is required but the core never passes it" for q in have.values()
+              if q.name not in named and q.default is q.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    return wrong
+
+
+@pytest.mark.slow  # imports every target: peers.exchange's torch.distributed takes seconds
+def test_every_seam_has_a_typed_signature_and_every_plugged_target_takes_it():
+    import typing
+
+    from dcp_nvme import seams
+    from dcp_nvme.observe import enable_save_diagnostics
+
+    declared = typing.get_type_hints(seams)
+    found = {name: value for name, value in vars(seams).items() if isinstance(value, Seam)}
+    assert set(found) == {"drain", "replicate", "replication_group", "restore_sources", "peer_restore",
+                          "coded_engine", "decoded_store", "mirror_restored", "save_diagnostics"}
+    enable_save_diagnostics()
+    try:
+        for name, seam in found.items():
+            (protocol,) = typing.get_args(declared.get(name))  # Seam[ItsProtocol]
+            assert typing.get_origin(declared[name]) is Seam and "__call__" in vars(protocol), name
+            assert _accepts(seam.function(), protocol) == [], name
+    finally:
+        enable_save_diagnostics(False)
+    # the check itself: a target that lacks a parameter, or wants one the core never passes
+    assert _accepts(lambda local, target: None, seams.Drain) == ["no parameter storage_options",
+                                                                 "no parameter compress"]
+    assert _accepts(lambda ranks, extra: None, seams.ReplicationGroup) == [
+        "extra is required but the core never passes it"]
