@@ -10,12 +10,13 @@ latency; ``PhaseTimer`` times a save's phases)."""
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from dcp_nvme.config import ALIGN
 from dcp_nvme.format.container import align_down, align_up
@@ -204,14 +205,25 @@ class ReadRequest:
 
 
 T = TypeVar("T")
+_NONE = object()
 
 
 def run_bounded(depth: int, tasks: Iterable[T], work: Callable[[T], object], name: str = "dcp-nvme-io") -> None:
     """Run ``work(task)`` for each task with at most ``depth`` in flight, on ``depth`` threads.
 
     Tasks are drawn lazily (a generator of millions of requests costs no memory); after the first
-    failure no new task starts, the running ones finish, and that failure is re-raised.
+    failure no new task starts, the running ones finish, and that failure is re-raised. A single
+    task runs on the calling thread: a small save or load pays no thread start.
     """
+    tasks = iter(tasks)
+    first = next(tasks, _NONE)
+    if first is _NONE:
+        return
+    second = next(tasks, _NONE)
+    if second is _NONE:
+        work(cast(T, first))
+        return
+    tasks = itertools.chain((cast(T, first), cast(T, second)), tasks)
     slots = threading.BoundedSemaphore(depth)
     failure: list[BaseException] = []
 

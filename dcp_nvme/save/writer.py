@@ -115,6 +115,7 @@ from dcp_nvme.storage.local_dir import (
     require_location,
     save_begins,
     write_commit_file,
+    write_commit_files,
     writer_location,
 )
 
@@ -524,8 +525,6 @@ class NVMeWriter(StorageWriter):
         copied = copy_rows(results)
         if copied is not None:  # items on several nodes' disks (save.copies)
             tables.append((table_name("copies", key), index_table_bytes(copied)))
-        for name, data in tables:
-            write_commit_file(self._dir, name, data, key)
         doc = build_manifest_doc(
             save_key=key, files=files,
             index=table_entry(index_name, index_bytes), blocks=table_entry(blocks_name, blocks_bytes),
@@ -543,12 +542,13 @@ class NVMeWriter(StorageWriter):
             raise CheckpointLockedError(
                 f"{self.path}: this save ({key}) lost its save lock before its commit (it was "
                 "broken as stale); nothing was committed")
-        topology = self._topology
-        if topology is not None and topology.mode == NODE_LOCAL:  # every node's own disk
+        if (topology := self._topology) is not None and topology.mode == NODE_LOCAL:  # every node's own disk
+            for name, data in tables:
+                write_commit_file(self._dir, name, data, key)
             writers = {rank: topology.rank_nodes[rank] for rank in topology.node_writers}
             commit_on_every_node(job_store(), self._dir, key, sealed, tables, writers)
-        else:
-            write_commit_file(self._dir, MANIFEST, sealed, key)  # the commit
+        else:  # the tables and the manifest fsynced together, then renamed: the manifest's rename is the commit
+            write_commit_files(self._dir, [*tables, (MANIFEST, sealed)], key)
         return doc
 
     def _remove_other_saves(self, store: LocalStore, key: str) -> None:

@@ -199,6 +199,68 @@ def commit_prepared(directory: str | os.PathLike, name: str, save_key: str) -> N
                                       f"failed: {exc.strerror or exc}; it may not survive a power loss") from exc
 
 
+def write_commit_files(directory: str | os.PathLike, files: list[tuple[str, bytes]], save_key: str) -> None:
+    """Write ``files`` all or nothing, the last one the commit (the manifest): each under its
+    temp name, all fsynced together, then the renames in order and one fsync of the directory.
+
+    The durability rule (docs/design.md, "Durability rule"): every file's bytes are fsynced before
+    the rename that makes the last one visible, and the directory once after it. The fsyncs run
+    at once, so the filesystem joins them into one journal commit rather than one each. A
+    failure removes every temp file and raises StorageError naming the file and the step."""
+    directory = os.fspath(directory)
+    temps = [os.path.join(directory, temp_name(name, save_key)) for name, _ in files]
+    try:
+        fds: list[int] = []
+        try:
+            for temp, (_, data) in zip(temps, files):
+                step, path = "create", temp
+                fds.append(create_no_follow(temp, os.O_WRONLY, fresh=True))
+                step, view = "write", memoryview(data)
+                while view:
+                    view = view[os.write(fds[-1], view):]
+            failures = _fsync_together(fds)
+            if failures:
+                index, exc = failures[0]
+                step, path = "fsync", temps[index]
+                raise exc
+        finally:
+            for fd in fds:
+                os.close(fd)
+    except OSError as exc:
+        for temp in temps:
+            unlink_quietly(temp)
+        raise StorageError(exc.errno, f"cannot {step} {path} while saving: {exc.strerror or exc}") from exc
+    for temp, (name, _) in zip(temps[:-1], files[:-1]):
+        try:
+            os.replace(temp, os.path.join(directory, name))
+        except OSError as exc:
+            for leftover in temps:
+                unlink_quietly(leftover)
+            raise StorageError(exc.errno, f"cannot rename into place {os.path.join(directory, name)} while "
+                                          f"saving: {exc.strerror or exc}") from exc
+    commit_prepared(directory, files[-1][0], save_key)
+
+
+def _fsync_together(fds: list[int]) -> list[tuple[int, OSError]]:
+    """fsync every one of ``fds`` at once (the first on this thread); the failures, by index."""
+    failures: list[tuple[int, OSError]] = []
+
+    def sync(index: int) -> None:
+        try:
+            os.fsync(fds[index])
+        except OSError as exc:
+            failures.append((index, exc))
+
+    helpers = [threading.Thread(target=sync, args=(i,), daemon=True) for i in range(1, len(fds))]
+    for helper in helpers:
+        helper.start()
+    if fds:
+        sync(0)
+    for helper in helpers:
+        helper.join()
+    return sorted(failures, key=lambda failure: failure[0])
+
+
 def discard_prepared(directory: str | os.PathLike, name: str, save_key: str) -> None:
     unlink_quietly(os.path.join(os.fspath(directory), temp_name(name, save_key)))
 

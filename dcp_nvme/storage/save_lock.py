@@ -23,6 +23,10 @@ The rule (docs/design.md, "One save at a time"):
   ``dcp-nvme unlock DIR`` breaks a stale lock and removes such an entry (never a link's target),
   and with ``--force`` any lock (the operator vouches that its save is dead).
 
+The lock file is not fsynced: live processes see it through the page cache (an NFS client
+flushes it at close), and after a crash its holder is dead anyway: a lock that survived whole
+is stale by the rule above, one that did not (empty or gone) is unreadable and stale by its age.
+
 ``O_EXCL`` creation is atomic on local filesystems, NFSv3+ and Lustre (unlike ``flock``, which
 some NFS clients keep local to one host); breaking a lock renames it away first and checks it
 took the lock it judged stale (putting back one taken meanwhile). Before its commit and before
@@ -343,8 +347,7 @@ def _take_away(path: str, token: str | None, why: str) -> bool:
 def _create(path: str, holder: LockHolder) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.write(fd, holder.to_json())
-        os.fsync(fd)
+        os.write(fd, holder.to_json())  # no fsync: the lock matters to live processes only (see above)
     except BaseException:
         os.close(fd)
         os.unlink(path)

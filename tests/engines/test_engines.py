@@ -593,3 +593,25 @@ def test_open_for_reading_refuses_fifo_and_link(tmp_path: Path, direct: bool) ->
         files.open_for_reading(str(link), config)
     fd, _ = files.open_for_reading(str(tmp_path / "real"), config)
     os.close(fd)
+
+
+def test_run_bounded_runs_a_lone_task_on_the_calling_thread():
+    """A small save or load (one request) starts no thread; two or more go to the pool."""
+    from dcp_nvme.engines.requests import run_bounded
+
+    here = threading.current_thread().name
+    ran: list[tuple[int, str]] = []
+    run_bounded(4, iter([7]), lambda task: ran.append((task, threading.current_thread().name)))
+    assert ran == [(7, here)]
+    ran.clear()
+    run_bounded(4, iter([1, 2, 3]), lambda task: ran.append((task, threading.current_thread().name)))
+    assert sorted(task for task, _ in ran) == [1, 2, 3] and all(n.startswith("dcp-nvme-io") for _, n in ran)
+    run_bounded(4, iter([]), lambda task: ran.append((task, "none")))
+    assert len(ran) == 3
+
+    def fail(task: int) -> None:
+        raise OSError(5, f"request {task} failed")
+
+    for tasks in ([1], [1, 2]):
+        with pytest.raises(OSError, match="request 1 failed"):
+            run_bounded(4, tasks, fail)

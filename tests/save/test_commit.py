@@ -295,3 +295,30 @@ def test_the_stock_dcp_pointer_never_fails_a_save(tmp_path, monkeypatch):
     (planted / ".metadata.HOW_TO_LOAD.txt").symlink_to(victim)
     _save(planted, 2)
     assert _load(planted) == 2 and victim.read_text() == "mine"
+
+
+def test_a_save_fsyncs_what_durability_needs_and_nothing_more(tmp_path, monkeypatch):
+    """The data file, the tables and the manifest's temp file each fsynced once before the
+    manifest's rename, the directory once after it; not the save lock, no directory in between."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        events.append(("rename", os.path.basename(os.fspath(dst))))
+        real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _save(tmp_path / "c", 1)
+    monkeypatch.undo()
+    assert _load(tmp_path / "c") == 1
+    synced = [name for what, name in events if what == "fsync"]
+    commit = events.index(("rename", MANIFEST))
+    before = sorted(name.lstrip(".").split(".")[0] for what, name in events[:commit] if what == "fsync")
+    assert before == ["blocks", "index", "manifest", "rank_00000"], events
+    assert events[commit + 1:] == [("fsync", "c")], events  # the directory, once, after the commit
+    assert synced.count("c") == 1 and not any(name.startswith(".save.lock") for name in synced), events

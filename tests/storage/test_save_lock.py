@@ -89,7 +89,7 @@ PAUSED_SAVER = textwrap.dedent("""
     if point == "data":
         files.pwrite_all = paused_at(files.pwrite_all, lambda *a: True)
     elif point == "manifest":
-        writer.write_commit_file = paused_at(writer.write_commit_file, lambda d, name, *a: name == MANIFEST)
+        writer.write_commit_files = paused_at(writer.write_commit_files, lambda d, files, *a: files[-1][0] == MANIFEST)
     elif point == "cleanup":
         writer.NVMeWriter._remove_other_saves = paused_at(writer.NVMeWriter._remove_other_saves, lambda *a: True)
     dcp.save(state(seed), storage_writer=NVMeWriter(path, overwrite=True), no_dist=True)
