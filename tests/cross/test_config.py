@@ -360,3 +360,21 @@ def test_a_tune_file_rewritten_within_a_timestamp_tick_is_read_again(tmp_path, m
     assert resolve_config().read_mode == "buffered"
     tune.write_text(json.dumps({"best": {"read_mode": "direct"}}).replace("}}", " }}"))
     assert resolve_config().read_mode == "direct"
+
+
+def test_each_io_option_is_declared_once_on_its_field(tmp_path):
+    """An IOConfig field carries its check, whether DCP_NVME_<FIELD> sets it and whether the tune
+    file does: the environment, the tune file and the checks read them from there."""
+    from dataclasses import fields
+
+    from dcp_nvme import config
+
+    tune = tmp_path / "tune.json"
+    tune.write_text(json.dumps({"best": {f.name: f.default for f in fields(config.IOConfig)}}))
+    stored = config._read_tune_values(tune)
+    for f in fields(config.IOConfig):
+        assert (config.ENV_PREFIX + f.name.upper() in config.known_env_names()) is f.metadata["env"], f.name
+        assert (f.name in stored) is f.metadata["tuned"], f.name
+        assert config.check_option(f.name, f.default) == f.default
+        with pytest.raises(InvalidInputError, match=f"^{f.name}=.* from tune file"):
+            f.metadata["check"](f.name, "?", "tune file")
