@@ -372,27 +372,6 @@ def exit_wait(environ: Any = None) -> int:
         return EXIT_WAIT_DEFAULT
     return check_int("exit_wait", raw, EXIT_WAIT_RANGE, f"environment variable {EXIT_WAIT_ENV}")
 
-REMOVED_ENV = {
-    "DCP_NVME_VERIFY": "pass verify=... to NVMeReader",
-    "DCP_NVME_READ_MODE": "pass read_mode=... to NVMeReader, or run `dcp-nvme tune` (it stores the faster)",
-    "DCP_NVME_HOST_ENGINE": "run `dcp-nvme tune` (it stores the faster host engine), or pass engine=... "
-                            "to NVMeWriter/NVMeReader",
-    "DCP_NVME_NODE_WRITE_ORDER": "pass node_write_order=... to NVMeWriter, or run `dcp-nvme tune --ranks N` "
-                                 "(it stores the faster)",
-    "DCP_NVME_REPLICAS": "pass replicas=... to NVMeWriter",
-    "DCP_NVME_REPLICA_BANDWIDTH": "pass replica_bandwidth=... to NVMeWriter",
-    "DCP_NVME_PEERS": "pass peers=... to NVMeReader",
-    "DCP_NVME_KVIKIO_PROBE_TIMEOUT": "nothing: the kvikio probe waits a fixed 60 s",
-    "DCP_NVME_NODE_INDEX": "nothing: a node's ranks share the decoded index where they can, and each "
-                           "decodes it itself where they cannot",
-    "DCP_NVME_DEMO_DIR": "pass --dir DIR to `scripts/dev.sh demo`",
-    "DCP_NVME_S3_BENCH": "set S3_BENCH=1 to run the S3 bench test",
-    "DCP_NVME_PEER_ADDR": "nothing: no dcp_nvme server listens; bytes between nodes go over the job's own "
-                          "gloo group",
-}
-"""Variables earlier versions read, each with what to use instead: set, they are warned about."""
-
-
 def known_env_names() -> tuple[str, ...]:
     """Every ``DCP_NVME_*`` variable dcp_nvme reads."""
     return tuple(ENV_PREFIX + name.upper() for name in (*ENV_FIELDS, *OUTSIDE_OPTIONS)) + OTHER_ENV
@@ -417,13 +396,9 @@ def warn_unknown_env(environ: Any = None) -> list[str]:
         if not name.startswith(ENV_PREFIX) or name in known or name in _WARNED_ENV:
             continue
         _WARNED_ENV.add(name)
-        if name in REMOVED_ENV:
-            said.append(f"dcp_nvme: environment variable {name} is no longer read and is ignored; "
-                        f"instead, {REMOVED_ENV[name]}")
-        else:
-            guess = closest(name, known)
-            hint = f"did you mean {guess}?" if guess else f"the variables read are {', '.join(known)}"
-            said.append(f"dcp_nvme: environment variable {name} is not a dcp_nvme setting and is ignored; {hint}")
+        guess = closest(name, known)
+        hint = f"did you mean {guess}?" if guess else f"the variables read are {', '.join(known)}"
+        said.append(f"dcp_nvme: environment variable {name} is not a dcp_nvme setting and is ignored; {hint}")
         log.warning("%s", said[-1])
     return said
 
