@@ -27,14 +27,7 @@ _LAZY = {"NVMeAsyncSaver": ".save.async_saver", "NVMeLoadPlanner": ".load.load_p
          "NVMeReader": ".load.reader", "NVMeStager": ".save.stager", "NVMeWriter": ".save.writer"}
 
 
-# The other exceptions live in dcp_nvme.errors; their old names here still resolve, with a
-# DeprecationWarning saying to import them from there.
-_MOVED = {name: "dcp_nvme.errors" for name in (
-    "BenchError", "BucketMissingError", "CodecError", "DrainError", "EngineUnavailableError", "ItemKindError",
-    "ManifestError", "MissingDependencyError", "MissingItemError", "SaveError", "ShapeMismatchError",
-    "StagingBusyError", "StorageError", "TableError", "UnknownOptionError", "UnsupportedItemError")}
-
-__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, _MOVED)
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)
 
 # The optional systems, plugged into the core's seams by name: imported at their first use only.
 seams.drain.plug("dcp_nvme.tiers:submit_mirror")

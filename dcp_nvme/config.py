@@ -18,7 +18,7 @@ import os
 import re
 import stat
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -269,33 +269,31 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
 
 
-_CHECKS: dict[str, Any] = {
-    "queue_depth": lambda n, v, s: check_int(n, v, QUEUE_DEPTH_RANGE, s),
-    "block_size": lambda n, v, s: check_size(n, v, BLOCK_SIZE_RANGE, s, multiple=ALIGN),
-    "direct_io": check_bool,
-    "engine": lambda n, v, s: check_choice(n, v, ENGINES, s),
-    "read_mode": lambda n, v, s: check_choice(n, v, READ_MODES, s),
-    "host_engine": lambda n, v, s: check_choice(n, v, HOST_ENGINES, s),
-    "verify": check_bool,
+_OUTSIDE_CHECKS: dict[str, Any] = {
     "overwrite": check_bool,
     "allow_pickle": check_bool,
     "memory_budget": lambda n, v, s: check_size(n, v, MEMORY_BUDGET_RANGE, s),
     "max_bytes": lambda n, v, s: check_size(n, v, STAGING_BYTES_RANGE, s),
     "mirror": check_url,
     "mirror_root": check_url,
-    "node_queue_depth": lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s),
-    "node_write_order": lambda n, v, s: check_choice(n, v, NODE_WRITE_ORDERS, s),
     "replicas": lambda n, v, s: check_int(n, v, REPLICAS_RANGE, s),
     "replica_stride": lambda n, v, s: check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s),
     "replica_bandwidth": lambda n, v, s: None if v is None else check_size(n, v, BANDWIDTH_RANGE, s),
     "peers": check_bool,
 }
-"""The one place each option's form and range is checked: name -> check(name, value, source)."""
+"""The checks of the writer's and reader's options outside IOConfig (IOConfig's fields carry theirs)."""
 
 
 def check_option(name: str, value: Any, source: str = "the argument") -> Any:
     """``value`` of option ``name`` in its canonical form, or InvalidInputError naming option, value and source."""
     return _CHECKS[name](name, value, source)
+
+
+def _option(default: Any, check: Any, *, env: bool = False, tuned: bool = False) -> Any:
+    """An IOConfig field and everything about it: its default, its check (``check(name, value,
+    source)``), whether an operator sets it as ``DCP_NVME_<FIELD>`` (``env``) and whether
+    ``dcp-nvme tune`` stores it (``tuned``). The tables below are read from these."""
+    return field(default=default, metadata={"check": check, "env": env, "tuned": tuned})
 
 
 @dataclass(frozen=True)
@@ -308,15 +306,18 @@ class IOConfig:
     at once or, with ``node_write_order="staggered"``, one rank at a time.
     """
 
-    queue_depth: int = 8
-    block_size: int = 8 << 20
-    direct_io: bool = True
-    engine: str = "auto"
-    verify: bool = True
-    read_mode: str = "auto"
-    host_engine: str = "posix"
-    node_queue_depth: int | None = None
-    node_write_order: str = "together"
+    queue_depth: int = _option(8, lambda n, v, s: check_int(n, v, QUEUE_DEPTH_RANGE, s), env=True, tuned=True)
+    block_size: int = _option(8 << 20, lambda n, v, s: check_size(n, v, BLOCK_SIZE_RANGE, s, multiple=ALIGN),
+                              env=True, tuned=True)
+    direct_io: bool = _option(True, check_bool, env=True, tuned=True)
+    engine: str = _option("auto", lambda n, v, s: check_choice(n, v, ENGINES, s), env=True)
+    verify: bool = _option(True, check_bool)
+    node_queue_depth: int | None = _option(
+        None, lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s), env=True, tuned=True)
+    read_mode: str = _option("auto", lambda n, v, s: check_choice(n, v, READ_MODES, s), tuned=True)
+    host_engine: str = _option("posix", lambda n, v, s: check_choice(n, v, HOST_ENGINES, s), tuned=True)
+    node_write_order: str = _option("together", lambda n, v, s: check_choice(n, v, NODE_WRITE_ORDERS, s),
+                                    tuned=True)
 
     def __post_init__(self) -> None:
         for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
@@ -338,13 +339,14 @@ class IOConfig:
         return asdict(self)
 
 
-_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "verify", "node_queue_depth",
-           "read_mode", "host_engine", "node_write_order")
-_TUNED = ("queue_depth", "block_size", "direct_io", "node_queue_depth", "read_mode", "host_engine",
-          "node_write_order")
+_OPTIONS = fields(IOConfig)
+_FIELDS = tuple(f.name for f in _OPTIONS)
+_TUNED = tuple(f.name for f in _OPTIONS if f.metadata["tuned"])
+"""The fields ``dcp-nvme tune`` stores, read from its file."""
+_CHECKS: dict[str, Any] = {**{f.name: f.metadata["check"] for f in _OPTIONS}, **_OUTSIDE_CHECKS}
+"""The one place each option's form and range is checked: name -> check(name, value, source)."""
 
-
-ENV_FIELDS = ("queue_depth", "block_size", "direct_io", "engine", "node_queue_depth")
+ENV_FIELDS = tuple(f.name for f in _OPTIONS if f.metadata["env"])
 """The IOConfig fields an operator sets per cluster, each also read as ``DCP_NVME_<FIELD>``; the
 others (verify, read_mode, host_engine, node_write_order) come from an argument or the tune file."""
 
@@ -370,27 +372,6 @@ def exit_wait(environ: Any = None) -> int:
         return EXIT_WAIT_DEFAULT
     return check_int("exit_wait", raw, EXIT_WAIT_RANGE, f"environment variable {EXIT_WAIT_ENV}")
 
-REMOVED_ENV = {
-    "DCP_NVME_VERIFY": "pass verify=... to NVMeReader",
-    "DCP_NVME_READ_MODE": "pass read_mode=... to NVMeReader, or run `dcp-nvme tune` (it stores the faster)",
-    "DCP_NVME_HOST_ENGINE": "run `dcp-nvme tune` (it stores the faster host engine), or pass engine=... "
-                            "to NVMeWriter/NVMeReader",
-    "DCP_NVME_NODE_WRITE_ORDER": "pass node_write_order=... to NVMeWriter, or run `dcp-nvme tune --ranks N` "
-                                 "(it stores the faster)",
-    "DCP_NVME_REPLICAS": "pass replicas=... to NVMeWriter",
-    "DCP_NVME_REPLICA_BANDWIDTH": "pass replica_bandwidth=... to NVMeWriter",
-    "DCP_NVME_PEERS": "pass peers=... to NVMeReader",
-    "DCP_NVME_KVIKIO_PROBE_TIMEOUT": "nothing: the kvikio probe waits a fixed 60 s",
-    "DCP_NVME_NODE_INDEX": "nothing: a node's ranks share the decoded index where they can, and each "
-                           "decodes it itself where they cannot",
-    "DCP_NVME_DEMO_DIR": "pass --dir DIR to `scripts/dev.sh demo`",
-    "DCP_NVME_S3_BENCH": "set S3_BENCH=1 to run the S3 bench test",
-    "DCP_NVME_PEER_ADDR": "nothing: no dcp_nvme server listens; bytes between nodes go over the job's own "
-                          "gloo group",
-}
-"""Variables earlier versions read, each with what to use instead: set, they are warned about."""
-
-
 def known_env_names() -> tuple[str, ...]:
     """Every ``DCP_NVME_*`` variable dcp_nvme reads."""
     return tuple(ENV_PREFIX + name.upper() for name in (*ENV_FIELDS, *OUTSIDE_OPTIONS)) + OTHER_ENV
@@ -415,13 +396,9 @@ def warn_unknown_env(environ: Any = None) -> list[str]:
         if not name.startswith(ENV_PREFIX) or name in known or name in _WARNED_ENV:
             continue
         _WARNED_ENV.add(name)
-        if name in REMOVED_ENV:
-            said.append(f"dcp_nvme: environment variable {name} is no longer read and is ignored; "
-                        f"instead, {REMOVED_ENV[name]}")
-        else:
-            guess = closest(name, known)
-            hint = f"did you mean {guess}?" if guess else f"the variables read are {', '.join(known)}"
-            said.append(f"dcp_nvme: environment variable {name} is not a dcp_nvme setting and is ignored; {hint}")
+        guess = closest(name, known)
+        hint = f"did you mean {guess}?" if guess else f"the variables read are {', '.join(known)}"
+        said.append(f"dcp_nvme: environment variable {name} is not a dcp_nvme setting and is ignored; {hint}")
         log.warning("%s", said[-1])
     return said
 

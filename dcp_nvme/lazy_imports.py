@@ -5,28 +5,21 @@ trainers of ``dcp_nvme.integrations``), whose absence names the package to insta
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 
-def lazy_names(package: str, namespace: dict[str, Any], table: dict[str, str],
-               moved: dict[str, str] | None = None) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_names(package: str, namespace: dict[str, Any],
+               table: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: a name of ``table`` (name -> relative module)
-    is imported on first access and then kept in the package's ``namespace``. A name of ``moved``
-    (name -> the module it is to be imported from now) still resolves, with a DeprecationWarning
-    at each access, and is left out of ``dir()``."""
+    is imported on first access and then kept in the package's ``namespace``."""
 
     def getattr_(name: str) -> Any:
         if name in table:
             value = getattr(importlib.import_module(table[name], package), name)
             namespace[name] = value
             return value
-        if moved and name in moved:
-            warnings.warn(f"{package}.{name} is deprecated here: import it from {moved[name]} "
-                          f"(from {moved[name]} import {name})", DeprecationWarning, stacklevel=2)
-            return getattr(importlib.import_module(moved[name]), name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def dir_() -> list[str]:

@@ -280,45 +280,47 @@ PER_CLUSTER_ENV = {"DCP_NVME_QUEUE_DEPTH", "DCP_NVME_BLOCK_SIZE", "DCP_NVME_DIRE
 def test_every_variable_the_package_reads_is_known_to_the_misspelling_warning():
     """The product reads only the 8 variables an operator sets per cluster; a DCP_NVME_* name in
     the code that warn_unknown_env does not know would be read and warned about as misspelt at
-    once. Only config.py names the removed ones (to say what replaced them)."""
-    from dcp_nvme.config import REMOVED_ENV, known_env_names, warn_unknown_env
+    once."""
+    from dcp_nvme.config import known_env_names, warn_unknown_env
 
     assert set(known_env_names()) == PER_CLUSTER_ENV and len(known_env_names()) == 8
-    assert not set(REMOVED_ENV) & PER_CLUSTER_ENV
     root = Path(__file__).parents[2]
     sources = [*(root / "dcp_nvme").rglob("*.py"), root / "scripts" / "dev.sh"]
     for path in sources:
         found = set(re.findall(r"DCP_NVME_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
-        allowed = PER_CLUSTER_ENV | (set(REMOVED_ENV) if path == root / "dcp_nvme" / "config.py" else set())
-        assert found <= allowed, (path, sorted(found - allowed))
+        assert found <= PER_CLUSTER_ENV, (path, sorted(found - PER_CLUSTER_ENV))
     assert warn_unknown_env({name: "1" for name in PER_CLUSTER_ENV}) == []
 
 
-def test_each_removed_variable_is_warned_about_and_not_used(tmp_path, monkeypatch, caplog):
-    """A variable earlier versions read is not silently ignored: one warning per name, saying it
-    is no longer read and what to use instead; and it changes nothing."""
+RETIRED_ENV = {"DCP_NVME_VERIFY": "0", "DCP_NVME_READ_MODE": "buffered", "DCP_NVME_HOST_ENGINE": "uring",
+               "DCP_NVME_NODE_WRITE_ORDER": "staggered", "DCP_NVME_REPLICAS": "2",
+               "DCP_NVME_REPLICA_BANDWIDTH": "1MB", "DCP_NVME_PEERS": "1", "DCP_NVME_KVIKIO_PROBE_TIMEOUT": "0.1",
+               "DCP_NVME_NODE_INDEX": "off", "DCP_NVME_DEMO_DIR": "/nonexistent", "DCP_NVME_S3_BENCH": "1",
+               "DCP_NVME_PEER_ADDR": "10.0.0.1"}
+"""Variables development versions read, retired before the first release."""
+
+
+def test_a_retired_variable_is_warned_about_as_any_unknown_one_and_not_used(tmp_path, monkeypatch, caplog):
+    """Nothing released read them, so no table of what replaced them: each is a DCP_NVME_* name no
+    option reads, warned about once like a misspelt one, and it changes nothing."""
     from dcp_nvme import NVMeReader, NVMeWriter, config
     from dcp_nvme.engines import kvikio
     from dcp_nvme.load import node_index
 
     monkeypatch.setattr(config, "_WARNED_ENV", set())
     monkeypatch.setenv("DCP_NVME_TUNE_FILE", str(tmp_path / "absent.json"))
-    changed = {"DCP_NVME_VERIFY": "0", "DCP_NVME_READ_MODE": "buffered", "DCP_NVME_HOST_ENGINE": "uring",
-               "DCP_NVME_NODE_WRITE_ORDER": "staggered", "DCP_NVME_REPLICAS": "2",
-               "DCP_NVME_REPLICA_BANDWIDTH": "1MB", "DCP_NVME_PEERS": "1", "DCP_NVME_KVIKIO_PROBE_TIMEOUT": "0.1",
-               "DCP_NVME_NODE_INDEX": "off", "DCP_NVME_DEMO_DIR": str(tmp_path), "DCP_NVME_S3_BENCH": "1",
-               "DCP_NVME_PEER_ADDR": "10.0.0.1"}
-    assert set(changed) == set(config.REMOVED_ENV)
-    for name, value in changed.items():
+    for name, value in RETIRED_ENV.items():
         monkeypatch.setenv(name, value)
     with caplog.at_level(logging.WARNING, logger="dcp_nvme.config"):
         writer, reader = NVMeWriter(tmp_path / "w"), NVMeReader(tmp_path / "r")
         NVMeReader(tmp_path / "r")  # once per process and name
     warned = [r.getMessage() for r in caplog.records if r.name == "dcp_nvme.config"]
-    assert sorted(warned) == sorted(
-        f"dcp_nvme: environment variable {name} is no longer read and is ignored; instead, {instead}"
-        for name, instead in config.REMOVED_ENV.items())
-    assert "pass verify=... to NVMeReader" in config.REMOVED_ENV["DCP_NVME_VERIFY"]
+    known = config.known_env_names()
+    hints = {name: f"did you mean {config.closest(name, known)}?" if config.closest(name, known)
+             else f"the variables read are {', '.join(known)}" for name in RETIRED_ENV}
+    assert sorted(warned) == sorted(f"dcp_nvme: environment variable {name} is not a dcp_nvme setting and is "
+                                    f"ignored; {hint}" for name, hint in hints.items())
+    assert not hasattr(config, "REMOVED_ENV")
     assert (reader.config.verify, reader.config.read_mode, reader.config.host_engine) == (True, "auto", "posix")
     assert (writer.config.node_write_order, writer.replicas, writer.replica_bandwidth) == ("together", 0, None)
     assert reader.peers is False and kvikio.PROBE_TIMEOUT == 60 and node_index.ENABLED is True
@@ -360,3 +362,21 @@ def test_a_tune_file_rewritten_within_a_timestamp_tick_is_read_again(tmp_path, m
     assert resolve_config().read_mode == "buffered"
     tune.write_text(json.dumps({"best": {"read_mode": "direct"}}).replace("}}", " }}"))
     assert resolve_config().read_mode == "direct"
+
+
+def test_each_io_option_is_declared_once_on_its_field(tmp_path):
+    """An IOConfig field carries its check, whether DCP_NVME_<FIELD> sets it and whether the tune
+    file does: the environment, the tune file and the checks read them from there."""
+    from dataclasses import fields
+
+    from dcp_nvme import config
+
+    tune = tmp_path / "tune.json"
+    tune.write_text(json.dumps({"best": {f.name: f.default for f in fields(config.IOConfig)}}))
+    stored = config._read_tune_values(tune)
+    for f in fields(config.IOConfig):
+        assert (config.ENV_PREFIX + f.name.upper() in config.known_env_names()) is f.metadata["env"], f.name
+        assert (f.name in stored) is f.metadata["tuned"], f.name
+        assert config.check_option(f.name, f.default) == f.default
+        with pytest.raises(InvalidInputError, match=f"^{f.name}=.* from tune file"):
+            f.metadata["check"](f.name, "?", "tune file")

@@ -1,5 +1,5 @@
 """What ``dcp_nvme`` exports: the classes users call and the exceptions they catch; the other
-exceptions live in ``dcp_nvme.errors`` and their old names still resolve, with a warning."""
+exceptions live in ``dcp_nvme.errors`` only."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ EXPORTED = ["CheckpointDir", "CheckpointExistsError", "CheckpointLockedError", "
             "NVMeAsyncSaver", "NVMeLoadPlanner", "NVMeReader", "NVMeStager", "NVMeWriter", "UnsafeItemError",
             "checkpoints", "latest"]
 
-MOVED = ["BenchError", "BucketMissingError", "CodecError", "DrainError", "EngineUnavailableError",
+ERRORS_ONLY = ["BenchError", "BucketMissingError", "CodecError", "DrainError", "EngineUnavailableError",
          "ItemKindError", "ManifestError", "MissingDependencyError", "MissingItemError", "SaveError",
          "ShapeMismatchError", "StagingBusyError", "StorageError", "TableError", "UnknownOptionError",
          "UnsupportedItemError"]
@@ -30,30 +30,31 @@ def test_all_is_the_classes_users_call_and_the_exceptions_they_catch():
     assert all(getattr(dcp_nvme, n) is getattr(errors, n) for n in exceptions) and len(exceptions) == 8
 
 
-@pytest.mark.parametrize("name", MOVED)
-def test_an_old_name_resolves_with_a_deprecation_warning(name):
-    with pytest.warns(DeprecationWarning, match=rf"dcp_nvme\.{name} .* import it from dcp_nvme\.errors"):
-        value = getattr(dcp_nvme, name)
-    assert value is getattr(errors, name) and issubclass(value, errors.DCPNVMeError)
-    with pytest.warns(DeprecationWarning, match="dcp_nvme.errors"):
+@pytest.mark.parametrize("name", ERRORS_ONLY)
+def test_an_exception_not_exported_is_imported_from_errors_only(name):
+    """No alias kept at the top: nothing was released that imported them from there."""
+    assert issubclass(getattr(errors, name), errors.DCPNVMeError)
+    with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
+        getattr(dcp_nvme, name)
+    with pytest.raises(ImportError):
         exec(f"from dcp_nvme import {name}", {})
     assert name not in dir(dcp_nvme)
 
 
-def test_star_import_gives_no_old_name():
+def test_star_import_gives_no_exception_of_errors_only():
     namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         exec("from dcp_nvme import *", namespace)
-    assert not set(MOVED) & set(namespace)
+    assert not set(ERRORS_ONLY) & set(namespace)
     assert set(EXPORTED) <= set(namespace)
 
 
-def test_every_exception_is_in_errors_and_either_exported_or_moved():
+def test_every_exception_is_in_errors_and_either_exported_or_listed():
     defined = {n for n, v in vars(errors).items()
                if isinstance(v, type) and issubclass(v, BaseException) and v.__module__ == errors.__name__}
     exported = {n for n in EXPORTED if n in defined}
-    assert set(MOVED) <= defined and not exported & set(MOVED)
-    assert defined - exported - set(MOVED) <= {"LockFileError", "PeerError"}  # never exported
+    assert set(ERRORS_ONLY) <= defined and not exported & set(ERRORS_ONLY)
+    assert defined - exported - set(ERRORS_ONLY) <= {"LockFileError", "PeerError"}  # never exported
     with pytest.raises(AttributeError):
         dcp_nvme.NoSuchError  # noqa: B018
