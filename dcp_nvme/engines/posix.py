@@ -99,7 +99,7 @@ class PosixEngine(PicklesAsConfig):
                 if tracker is not None:
                     tracker.done(window.offset, window.length)
 
-            run_bounded(self.config.queue_depth, container.windows(), write)
+            run_bounded(self.config.queue_depth, container.windows(), write, peek=True)
         assert container.result is not None  # set by open_container on a clean exit
         return container.result
 
@@ -180,7 +180,7 @@ class PosixEngine(PicklesAsConfig):
                 raise with_path(exc, request.file) from exc
 
         try:
-            run_bounded(self.config.queue_depth, requests, run)
+            run_bounded(self.config.queue_depth, requests, run, peek=True)
         finally:
             for source in handles.values():
                 stats.direct_io = stats.direct_io or source.direct

@@ -208,14 +208,20 @@ T = TypeVar("T")
 _NONE = object()
 
 
-def run_bounded(depth: int, tasks: Iterable[T], work: Callable[[T], object], name: str = "dcp-nvme-io") -> None:
+def run_bounded(depth: int, tasks: Iterable[T], work: Callable[[T], object], name: str = "dcp-nvme-io",
+                peek: bool = False) -> None:
     """Run ``work(task)`` for each task with at most ``depth`` in flight, on ``depth`` threads.
 
     Tasks are drawn lazily (a generator of millions of requests costs no memory); after the first
-    failure no new task starts, the running ones finish, and that failure is re-raised. A single
-    task runs on the calling thread: a small save or load pays no thread start.
+    failure no new task starts, the running ones finish, and that failure is re-raised. With
+    ``peek`` (tasks whose drawing never waits on the work, as an engine's planned requests), a
+    single task runs on the calling thread: a small save or load pays no thread start. Without it
+    no task is drawn before the one before it started (a drain draws pieces as they are coded).
     """
     tasks = iter(tasks)
+    if not peek:
+        _run_pooled(depth, tasks, work, name)
+        return
     first = next(tasks, _NONE)
     if first is _NONE:
         return
@@ -223,7 +229,10 @@ def run_bounded(depth: int, tasks: Iterable[T], work: Callable[[T], object], nam
     if second is _NONE:
         work(cast(T, first))
         return
-    tasks = itertools.chain((cast(T, first), cast(T, second)), tasks)
+    _run_pooled(depth, itertools.chain((cast(T, first), cast(T, second)), tasks), work, name)
+
+
+def _run_pooled(depth: int, tasks: Iterator[T], work: Callable[[T], object], name: str) -> None:
     slots = threading.BoundedSemaphore(depth)
     failure: list[BaseException] = []
 

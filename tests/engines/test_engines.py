@@ -601,12 +601,12 @@ def test_run_bounded_runs_a_lone_task_on_the_calling_thread():
 
     here = threading.current_thread().name
     ran: list[tuple[int, str]] = []
-    run_bounded(4, iter([7]), lambda task: ran.append((task, threading.current_thread().name)))
+    run_bounded(4, iter([7]), lambda task: ran.append((task, threading.current_thread().name)), peek=True)
     assert ran == [(7, here)]
     ran.clear()
-    run_bounded(4, iter([1, 2, 3]), lambda task: ran.append((task, threading.current_thread().name)))
+    run_bounded(4, iter([1, 2, 3]), lambda task: ran.append((task, threading.current_thread().name)), peek=True)
     assert sorted(task for task, _ in ran) == [1, 2, 3] and all(n.startswith("dcp-nvme-io") for _, n in ran)
-    run_bounded(4, iter([]), lambda task: ran.append((task, "none")))
+    run_bounded(4, iter([]), lambda task: ran.append((task, "none")), peek=True)
     assert len(ran) == 3
 
     def fail(task: int) -> None:
@@ -614,4 +614,21 @@ def test_run_bounded_runs_a_lone_task_on_the_calling_thread():
 
     for tasks in ([1], [1, 2]):
         with pytest.raises(OSError, match="request 1 failed"):
-            run_bounded(4, tasks, fail)
+            run_bounded(4, tasks, fail, peek=True)
+
+
+def test_run_bounded_draws_no_task_before_the_one_before_it_started():
+    """Without ``peek`` a producer may wait on the work: the drain draws the pieces of a file
+    still being coded, and the coder waits for the first piece to be sent."""
+    from dcp_nvme.engines.requests import run_bounded
+
+    started = threading.Event()
+
+    def pieces():
+        yield 1
+        assert started.wait(10), "the second task was drawn before the first one started"
+        yield 2
+
+    ran: list[int] = []
+    run_bounded(2, pieces(), lambda task: (started.set(), ran.append(task)))
+    assert sorted(ran) == [1, 2]

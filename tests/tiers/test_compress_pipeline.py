@@ -59,15 +59,15 @@ def encoders(monkeypatch):
 def gated_coder(monkeypatch):
     """A coder that starts once the drain has opened a streamed transfer and, from its 5th
     window on, waits for the first piece to be sent: the file is certainly sent while it is
-    coded, whatever the speeds (events, not timing; the waits time out rather than hang)."""
+    coded, whatever the speeds (events, not timing; a wait that times out fails the drain)."""
     opened, sent = threading.Event(), threading.Event()
     windows, begin, put = compress.CompressedSource._windows, LocalSink.begin, LocalSink.put_piece
 
     def gated(self, coding, base_record):
         for index, window in enumerate(windows(self, coding, base_record)):
-            opened.wait(30)
+            assert opened.wait(30), "no streamed transfer opened while the file is coded"
             if index >= 4:
-                sent.wait(30)
+                assert sent.wait(30), "no piece sent while the file is coded"
             yield window
 
     def opening(self, name, record, entry, resuming):
