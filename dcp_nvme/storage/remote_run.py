@@ -10,7 +10,6 @@ when every name carries one, else by their manifests' creation times.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from dcp_nvme.format.manifest import read_manifest_doc
 from dcp_nvme.host.files import bare_name
 from dcp_nvme.storage.fsspec_dir import FsspecStore, filesystem
 from dcp_nvme.storage.intact import one_line, quick_check
-from dcp_nvme.storage.step_names import parse_step
+from dcp_nvme.storage.step_names import first_loadable, parse_step
 
 
 @dataclass(frozen=True)
@@ -122,11 +121,6 @@ def latest_remote(url: str, storage_options: dict[str, Any] | None = None,
         committed.sort(key=lambda s: (s.step, s.name), reverse=True)
     else:
         committed.sort(key=lambda s: (_created(s), s.name), reverse=True)
-    for step in committed:
-        why = step_problem(step.store)
-        if why is None:
-            return step.url
-        at = "" if step.step is None else f" (step {step.step})"
-        warnings.warn(f"dcp_nvme.latest: {step.url}{at} is committed but cannot load, so it is passed "
-                      f"over: {why}. `dcp-nvme list {url}` shows its state", stacklevel=3)
-    return None
+    found = first_loadable(committed, lambda s: step_problem(s.store), lambda s: s.url, lambda s: s.step, url,
+                           stacklevel=4)
+    return None if found is None else found.url

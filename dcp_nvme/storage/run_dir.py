@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dcp_nvme.errors import InvalidInputError
-from dcp_nvme.storage.step_names import parse_step
+from dcp_nvme.storage.step_names import first_loadable, parse_step
 
 NVME_MARKER = "manifest.json"
 """dcp_nvme's commit marker: renamed into place last, so its presence means committed."""
@@ -171,14 +171,9 @@ def latest(
     found_all = checkpoints(run_dir, kinds=kinds, extra_markers=extra_markers)
     if not found_all and not os.path.isdir(run_dir):
         raise _missing_run_dir(run_dir)
-    for found in reversed(found_all):
-        why = load_problem(found.path) if found.kind == NVME else None
-        if why is None:
-            return found.path
-        step = "" if found.step is None else f" (step {found.step})"
-        warnings.warn(f"dcp_nvme.latest: {found.path}{step} is committed but cannot load, so it is passed "
-                      f"over: {why}. `dcp-nvme list {os.fspath(run_dir)}` shows its state", stacklevel=2)
-    return None
+    found = first_loadable(reversed(found_all), lambda c: load_problem(c.path) if c.kind == NVME else None,
+                           lambda c: str(c.path), lambda c: c.step, os.fspath(run_dir), stacklevel=3)
+    return None if found is None else found.path
 
 
 def _missing_run_dir(run_dir: str | os.PathLike[str]) -> Exception:
