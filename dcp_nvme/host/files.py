@@ -192,7 +192,6 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
-
 # Removal below a directory others may write to: every step is opened relative to the last
 # (``dir_fd``) with O_NOFOLLOW, so a link planted anywhere on the way is an entry to remove at
 # most, never a way into the folder it points to.
