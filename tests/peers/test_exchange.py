@@ -21,9 +21,9 @@ from dcp_nvme.format.container import MANIFEST, RANGES_DIR
 from dcp_nvme.format.manifest import read_files, read_manifest
 from dcp_nvme.format.pieces import Span
 from dcp_nvme.format.tables import FileRecord
-from dcp_nvme.load.local_copies import ReceivedBytes
-from dcp_nvme.load.peer_load import copy_pieces
 from dcp_nvme.peers import exchange, streams
+from dcp_nvme.peers.kept import ReceivedBytes
+from dcp_nvme.peers.restore import copy_pieces
 from dcp_nvme.storage.local_dir import LocalStore
 
 PIECE = 128 << 10  # the checkpoint's checksum block is 64 KiB: a transfer goes in many pieces
@@ -115,7 +115,7 @@ def _transfer_rank(rank: int, world: int, dirs: list[str], name: str) -> None:
     middle = record.data_start + (record.size - record.data_start) // 2 // record.checksum_block * record.checksum_block
     halves = [Span(name, 0, middle), Span(name, middle, record.size)]
     hold = ReceivedBytes(1 << 30)
-    got = exchange.fetch(path, views, manifest, [(half,) for half in halves] if rank == 2 else [], hold=hold)
+    got = exchange.move_ranges(path, views, manifest, [(half,) for half in halves] if rank == 2 else [], hold=hold)
     assert sorted(got.arrived[2]) == halves and got.arrived[0] == got.arrived[1] == []
     if rank != 2:
         return
@@ -189,7 +189,7 @@ def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_pa
     monkeypatch.setattr(exchange, "MIRROR_RANGE", block // 4)
     bad = 2  # the third span's bytes are damaged on the mirror
     mirror = _Mirror(name, data, spans[bad].start + 10)
-    out = exchange.Fetch(node, ReceivedBytes(1 << 30))
+    out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
     out.chosen = [9] * len(spans)
     why, got = exchange._from_mirror_all(node, manifest, {name: record}, list(enumerate(spans)), mirror,
                                          optional, out)
