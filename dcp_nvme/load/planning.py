@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from dcp_nvme.config import IOConfig
 from dcp_nvme.engines.host_io import tensor_bytes
 from dcp_nvme.engines.requests import SCRATCH, ReadRequest
 from dcp_nvme.errors import ChecksumMismatchError, ManifestError, ShapeMismatchError
 from dcp_nvme.format.checksums import items_in
 from dcp_nvme.format.container import align_down, align_up, parse_dtype
-from dcp_nvme.format.tables import ChunkRecord
+from dcp_nvme.format.tables import ChunkRecord, FileRecord
 from dcp_nvme.load.objects import bytes_for_planner
 
 MAX_DIRECT_RUNS = 64
@@ -278,6 +279,23 @@ class Batch:
             commit()
 
         self.after.append(copy_then_commit)
+
+    def requests(self, files: Mapping[str, FileRecord], config: IOConfig,
+                 where: Callable[[FileRecord], str]) -> tuple[list[ReadRequest], int]:
+        """The batch's requests, each read from ``where(record)`` of its file, and the largest
+        request size they were cut to."""
+        requests, largest = [], config.block_size
+        for name, needs in self.needs.items():
+            record = files[name]  # read_manifest checked that every row's file is listed
+            blocks, max_request = None, config.block_size
+            if config.verify:
+                blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
+                # whole checksum blocks per request, as close to block_size as they allow
+                granule = record.checksum_block
+                max_request = max(granule, max_request // granule * granule)
+                largest = max(largest, max_request)
+            requests += plan_reads(where(record), needs, max_request=max_request, blocks=blocks)
+        return requests, largest
 
     def items_in(self, exc: ChecksumMismatchError) -> str:
         """The items of this batch the damaged range of ``exc`` holds, for its message."""

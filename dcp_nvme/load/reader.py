@@ -1,10 +1,6 @@
 """NVMeReader: DCP's StorageReader reading straight into destination tensors, verified (with
-FileSystemReader's arguments: ``load.dropin``).
-
-Each ReadItem becomes byte ranges of its container: one range read directly into the
-destination when the slice is contiguous on both sides, else the slice's runs (or the rows
-covering it) into a bounded temporary that is narrowed and copied. Ranges are sorted, merged
-into requests of ``block_size`` bytes and run ``queue_depth`` at a time; every request covers
+FileSystemReader's arguments: ``load.dropin``). Each ReadItem becomes byte ranges of its
+container (``load.planning``), run ``queue_depth`` requests at a time; every request covers
 whole checksum blocks and is verified before the data is handed to DCP.
 """
 
@@ -38,12 +34,7 @@ from dcp_nvme.load.dropin import reader_stock_options
 from dcp_nvme.load.foreign import open_foreign
 from dcp_nvme.load.node_index import shared_columns
 from dcp_nvme.load.objects import check_destination_kind
-from dcp_nvme.load.planning import (
-    Batch,
-    FileBlocks,
-    check_one_save,
-    plan_reads,
-)
+from dcp_nvme.load.planning import Batch, check_one_save
 from dcp_nvme.storage.fsspec_dir import FsspecStore, open_store
 from dcp_nvme.storage.local_dir import (
     LocalStore,
@@ -174,8 +165,7 @@ class NVMeReader(StorageReader):
         if self._foreign is not None:
             return self._foreign.read_metadata(*args, **kwargs)
         if self.peers and not is_remote_url(path):
-            # many ranks: they agree on the save and exchange byte ranges (peers.exchange); one
-            # process: this disk, its replicas, the mirror (peers.sources)
+            # many ranks agree on the save and exchange ranges; one process takes the nearest copy
             self._restore = seams.restore(path, node_identity(), self.mirror, self.mirror_options, self.config)
             self._restore.ensure_metadata()
             self._manifest, self._store = None, None
@@ -223,13 +213,10 @@ class NVMeReader(StorageReader):
             raise
         if self._restore is not None:  # what this node lacks, from elsewhere (collective on several ranks)
             assert self._moved is not None  # set by _planned_items, as _here on several ranks
-
-            def read(some: list[ReadItem], into: IOStats, spans: PhaseTimer, held_only: bool) -> int:
-                return self._run_items(some, planner, into, spans, held_only)
-
             here = self._here if self._here is not None else set()  # None: one process, no copies
-            brought = self._restore.bring_in(seams.Wanted(items, [self._chunk(i) for i in items], here,
-                                                          self.storage_data, read), stats, timer)
+            wanted = seams.Wanted(items, [self._chunk(i) for i in items], here, self.storage_data,
+                                  lambda some, into, spans, held: self._run_items(some, planner, into, spans, held))
+            brought = self._restore.bring_in(wanted, stats, timer)
             items, needed = brought.items, brought.needed
             self._moved.update(brought.moved)
         needed += self._run_items(items, planner, stats, timer)
@@ -330,27 +317,20 @@ class NVMeReader(StorageReader):
     def _plan_requests(self, batch: Batch, held_only: bool = False) -> tuple[list, int]:
         """The batch's requests, and the largest request size they were cut to (``held_only``:
         the bytes are held in memory, checked on arrival; the file may not be on disk yet)."""
-        files = read_files(self.store, self.manifest(), self._dir)
-        requests, largest = [], self.config.block_size
-        for name, needs in batch.needs.items():
-            record = files[name]  # read_manifest checked that every row's file is listed
-            if not held_only:
-                self._check_container(record)
-            blocks, max_request = None, self.config.block_size
-            if self.config.verify:
-                blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
-                # whole checksum blocks per request, as close to block_size as they allow
-                granule = record.checksum_block
-                max_request = max(granule, max_request // granule * granule)
-                largest = max(largest, max_request)
-            where = self.store.path(name) if held_only else self._kept_path(name) or self.store.path(name)
-            requests += plan_reads(where, needs, max_request=max_request, blocks=blocks)
-        return requests, largest
+
+        def where(record: FileRecord) -> str:
+            if held_only:
+                return self.store.path(record.name)
+            self._check_container(record)
+            kept = self._restore.kept_path(record.name) if self._restore is not None else None
+            return kept or self.store.path(record.name)
+
+        return batch.requests(read_files(self.store, self.manifest(), self._dir), self.config, where)
 
     def _check_container(self, record: FileRecord) -> None:
         """Before reading a container: it is here (an absent one, another node's or lost, is
         told apart from a damaged one), and its own header agrees with the index (once per load)."""
-        if self._kept_path(record.name) is not None:
+        if self._restore is not None and self._restore.kept_path(record.name) is not None:
             return  # only ranges are kept, without the header: every byte read is checked against its blocks
         if record.name not in self._checked:
             view = self._plain_view()
@@ -360,12 +340,6 @@ class NVMeReader(StorageReader):
                 raise self.manifest().missing_file_error(record.name, record.rank, self._dir) from None
             check_container(view, record, self.manifest(), self._dir, self.config.verify)
             self._checked.add(record.name)
-
-    def _kept_path(self, name: str) -> str | None:
-        """Where this node keeps ranges of ``name``, when it lacks the whole file."""
-        if self._restore is None or (self._here is not None and name in self._here):
-            return None
-        return self._restore.kept_path(name)
 
     def _plain_view(self) -> Any:
         """The store as the plain checkpoint it holds: a compressed mirror's rank files are

@@ -120,6 +120,8 @@ class ManyRankRestore:
         """Bytes received per source kind, and the damaged ranges this rank was offered."""
         self.kept: KeptRanges | None = None
         """The ranges of other nodes' files this node keeps: earlier restores', this one's."""
+        self.here: set[str] = set()
+        """The data files on this node's disk (the reader's, given to ``bring_in``)."""
         self.manifest: Manifest | None = None
         self.files: Mapping[str, FileRecord] = {}
         self._own: concurrent.futures.Future[set[str]] | None = None
@@ -203,7 +205,7 @@ class ManyRankRestore:
         and the load ends with the last transfer); the items whose bytes came whole while this
         node's own files came are copied from memory; the chunks the rest need that this node
         lacks come from elsewhere. ``wanted.here`` grows by the files that came whole."""
-        here = wanted.here
+        here = self.here = wanted.here
         pending = [(item, chunk) for item, chunk in zip(wanted.items, wanted.chunks) if chunk.file not in here]
         beside = [item for item, chunk in zip(wanted.items, wanted.chunks) if chunk.file in here]
         beside_stats, beside_timer = IOStats("read"), PhaseTimer()
@@ -293,8 +295,8 @@ class ManyRankRestore:
         return False  # a damaged range of this node's disk fails the load
 
     def kept_path(self, name: str) -> str | None:
-        """Where this node keeps ranges of ``name``, if it keeps any."""
-        return None if self.kept is None else self.kept.path(name)
+        """Where this node keeps ranges of ``name``, when it lacks the whole file."""
+        return None if self.kept is None or name in self.here else self.kept.path(name)
 
     def stats(self, read: IOStats, read_seconds: float) -> dict[str, Any]:
         return {**sources_stats({"read": {"bytes": int(read.bytes)}, **self.came}),
