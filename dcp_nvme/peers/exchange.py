@@ -150,9 +150,9 @@ def agree_metadata(path: str, mirror: Callable[[], MirrorSource | None] = no_mir
     views: list[NodeView] = _gather(NodeView(node_identity(), key, frozenset(_held_here(path)), problem))
     keys = sorted({v.save_key for v in views if v.save_key})
     if len(keys) > 1:
-        held = "; ".join(f"save {k} on node(s) {', '.join(sorted({v.node for v in views if v.save_key == k}))}"
-                         for k in keys)
-        raise ManifestError(f"{path}: the nodes hold different saves ({held}); a restart loads one step on "
+        where = "; ".join(f"save {k} on node(s) {', '.join(sorted({v.node for v in views if v.save_key == k}))}"
+                          for k in keys)
+        raise ManifestError(f"{path}: the nodes hold different saves ({where}); a restart loads one step on "
                             "every rank: load a step every node committed, or remove the newer one")
     if not keys:
         why, source = None, mirror()
@@ -317,7 +317,8 @@ def move_ranges(path: str, views: list[NodeView], manifest: Manifest, asks: Sequ
     refused: set[tuple[int, Span, int]] = set()
     here = _held_here(path)
     while pending:
-        assigned, nowhere, load = [], [], [0] * world
+        assigned: list[streams.Transfer] = []
+        nowhere, load = [], [0] * world
         for needer, index in pending:
             picked = _holder(asked[needer][0][index], needer, views, refused, load)
             if picked is None:
@@ -327,22 +328,23 @@ def move_ranges(path: str, views: list[NodeView], manifest: Manifest, asks: Sequ
             place, holder = picked
             span = asked[needer][0][index][place]
             load[holder] += span.length
-            assigned.append((needer, index, span, holder))
+            assigned.append(streams.Transfer(needer, index, span, holder))
             placed[(needer, index)] = place
         if nowhere:
             _nowhere(path, manifest, records, asked, nowhere, mirror, optional, out)
         bad = _transfer(path, assigned, records, views, here, out) if assigned else []
-        failed = {(needer, index) for needer, index, _, _, _ in bad}
-        for needer, index, span, _ in assigned:
-            if (needer, index) not in failed:
-                out.arrived[needer].append(span)
-        refused.update((needer, span, holder) for needer, _, span, holder, _ in bad)
-        for needer, _, span, holder, why in bad:
-            if needer == me:
-                out.damaged.append(f"{span.file} [{span.start}, {span.end}) from node {views[holder].node}: {why}")
+        failed = {(f.transfer.needer, f.transfer.index) for f in bad}
+        for transfer in assigned:
+            if (transfer.needer, transfer.index) not in failed:
+                out.arrived[transfer.needer].append(transfer.span)
+        refused.update((f.transfer.needer, f.transfer.span, f.transfer.holder) for f in bad)
+        for f in bad:
+            span, node = f.transfer.span, views[f.transfer.holder].node
+            if f.transfer.needer == me:
+                out.damaged.append(f"{span.file} [{span.start}, {span.end}) from node {node}: {f.why}")
                 log.warning("dcp_nvme: %s: node %s could not send %s [%d, %d) intact (%s); asking the "
-                            "next holder", path, views[holder].node, span.file, span.start, span.end, why)
-        pending = [(needer, index) for needer, index, _, _, _ in bad]
+                            "next holder", path, node, span.file, span.start, span.end, f.why)
+        pending = [(f.transfer.needer, f.transfer.index) for f in bad]
     for (needer, index), first in list(placed.items()) + [(ask, placed.get(lead, 0))
                                                           for ask, lead in follows.items()]:
         if needer == me:
@@ -427,28 +429,35 @@ def _raise_first(path: str, problems: Sequence[str | None]) -> None:
             raise DCPNVMeError(f"{path}: the restore stopped on rank {rank}: {why}")
 
 
-def _transfer(path: str, assigned: list[tuple[int, int, Span, int]], records: dict[str, FileRecord],
-              views: list[NodeView], here: dict[str, str], out: Arrivals) -> list[tuple[int, int, Span, int, str]]:
-    """Every transfer, wave by wave; then every rank hears which failed (the holder could not
-    read it intact, or it failed its check on arrival) and why, and every rank returns them."""
-    refused: dict[int, str] = {}
-    damaged: dict[int, str] = {}
-    fatal: list[str] = []
+@dataclass(frozen=True)
+class Failed:
+    """A transfer that failed, and why: its holder could not read it intact, or it failed its
+    check on arrival."""
+
+    transfer: streams.Transfer
+    why: str
+
+
+def _transfer(path: str, assigned: list[streams.Transfer], records: dict[str, FileRecord],
+              views: list[NodeView], here: dict[str, str], out: Arrivals) -> list[Failed]:
+    """Every transfer, wave by wave; then every rank hears which failed on each rank, and every
+    rank returns them."""
+    outcome = streams.WaveOutcome()
     nodes = [view.node for view in views]
 
     def keep(record: FileRecord, at: int, data: memoryview) -> None:
         out.keep(record, at, data, "peer")
 
     for tag, wave in enumerate(streams.waves(assigned)):
-        streams.run_wave(_exchange_group(), tag, [(slot, assigned[slot]) for slot in wave], records, nodes, here, keep,
-                         refused, damaged, fatal)
-    reports = _gather((refused, damaged, fatal[0] if fatal else None))
-    _raise_first(path, [f for _, _, f in reports])
+        outcome.add(streams.run_wave(_exchange_group(), tag, [(slot, assigned[slot]) for slot in wave], records,
+                                     nodes, here, keep, halted=outcome.fatal is not None))
+    reports: list[streams.WaveOutcome] = _gather(outcome)
+    _raise_first(path, [report.fatal for report in reports])
     bad: dict[int, str] = {}
-    for holder_said, needer_said, _ in reports:
-        bad.update(holder_said)
-        bad.update(needer_said)
-    return [(*assigned[slot], why) for slot, why in sorted(bad.items())]
+    for report in reports:
+        bad.update(report.refused)  # as the holder
+        bad.update(report.damaged)  # as the receiver
+    return [Failed(assigned[slot], why) for slot, why in sorted(bad.items())]
 
 
 def _from_mirror_all(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
