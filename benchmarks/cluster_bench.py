@@ -240,7 +240,7 @@ class Bench:
             note = "; ".join(filter(None, [note, f"DCP's planning {planning:.2f} s of it"]))
             extra.update(dcp_planning_seconds=round(planning, 3))
         fetch = (r2.get("profile") or {}).get("fetch")
-        if fetch:  # the exchange alone (peers.exchange.fetch): the rest of the load reads the kept copy
+        if fetch:  # the exchange alone (peers.exchange.move_ranges): the rest of the load reads the kept copy
             rate = r2["remote_bytes"] / fetch
             note = "; ".join(filter(None, [note, f"its exchange alone {fetch:.2f} s: {rate / limit:.2f}x limit, "
                                                  f"{rate * plain['seconds'] / plain['bytes']:.2f}x plain"]))

@@ -236,15 +236,15 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
 
             setattr(owner, name, timed)
 
-        for name, label in (("agree_metadata", "agree_metadata"), ("fetch", "fetch"),
+        for name, label in (("agree_metadata", "agree_metadata"), ("move_ranges", "fetch"),
                             ("_nowhere", "from_mirror"), ("_keep_record", "keep_record"),
                             ("verify_piece", "verify (read or received)")):
             wrap(ex, name, label)
         for name, label in (("run_wave", "waves"), ("read_checked", "holder_read_verify"),
                             ("verify_piece", "verify (read or received)")):
             wrap(st, name, label)
-        wrap(ex.Fetch, "keep", "keep (pwrite)")
-        wrap(ex.Fetch, "adopt", "adopt (fsync, rename)")
+        wrap(ex.Arrivals, "keep", "keep (pwrite)")
+        wrap(ex.Arrivals, "adopt", "adopt (fsync, rename)")
         wrap(ex.dist, "batch_isend_irecv", "post p2p")
         return spent
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from dcp_nvme.config import IOConfig
@@ -24,8 +25,8 @@ from dcp_nvme.errors import ChecksumMismatchError, MissingDependencyError
 if TYPE_CHECKING:  # named in the signatures; `import dcp_nvme` loads neither torch nor these
     import torch
 
-    from dcp_nvme.engines.requests import IOStats, ReadRequest
-    from dcp_nvme.format.manifest import Manifest
+    from dcp_nvme.engines.requests import IOStats, PhaseTimer, ReadRequest
+    from dcp_nvme.format.manifest import ChunkRecord, Manifest
     from dcp_nvme.storage.local_dir import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -98,31 +99,73 @@ class ReplicationGroup(Protocol):
     def __call__(self, ranks: tuple[int, ...]) -> None: ...
 
 
-class Sources(Protocol):
-    """What a one-process load uses of its sources (``peers.sources.RestoreSources``)."""
+@dataclass
+class Wanted:
+    """What a rank's load asks of its restore in ``read_data`` (``Restore.bring_in``)."""
 
-    def ensure_metadata(self) -> None: ...
-    def ensure_files(self, manifest: Manifest, names: Iterable[str]) -> None: ...
-    def replace_damaged(self, manifest: Manifest, exc: ChecksumMismatchError) -> bool: ...
-    def stats(self, read: Any = None, read_seconds: float = 0.0) -> dict[str, Any]: ...
+    items: list[Any]
+    """DCP's ReadItems of this rank, in file order."""
+    chunks: list[ChunkRecord]
+    """Where each item would be read: its index row, or a copy's."""
+    here: set[str]
+    """The data files on this node's disk; a restore adds those that came whole."""
+    storage_data: Mapping[Any, ChunkRecord]
+    read: Callable[[list[Any], IOStats, PhaseTimer, bool], int]
+    """Reads items into their tensors; returns the bytes they needed (``True``: every byte is
+    held in memory by the restore, none is read)."""
 
 
-class RestoreSources(Protocol):
+@dataclass
+class Brought:
+    """What a restore did with a ``Wanted``."""
+
+    items: list[Any]
+    """The items left for the load to read."""
+    needed: int = 0
+    """The bytes of the items it read itself."""
+    moved: dict[tuple, ChunkRecord] = field(default_factory=dict)
+    """``(fqn, offsets)`` -> where a chunk is read now (where it came to)."""
+
+
+class Restore(Protocol):
+    """A load's restore from the other copies of its checkpoint (``peers.restore``): in one
+    process each file from the nearest copy that verifies, on several ranks the byte ranges
+    this node lacks over the exchange. The reader (``load.reader.NVMeReader``) holds one."""
+
+    def ensure_metadata(self) -> None:
+        """This node's directory holds the manifest of the save to load (agreed on every rank)."""
+
+    def begin(self, store: Store, manifest: Manifest) -> None:
+        """The metadata is read: what needs no load plan may start."""
+
+    def held_anywhere(self) -> set[str] | None:
+        """The data files some node of the job holds; None in one process."""
+
+    def refuse(self, exc: BaseException) -> None:
+        """This rank cannot go on: on several ranks, every rank raises."""
+
+    def bring_in(self, wanted: Wanted, stats: IOStats, timer: PhaseTimer) -> Brought:
+        """What the items need that this node lacks, brought in (collective on several ranks)."""
+
+    def take_held(self, requests: list[ReadRequest], dests: list[torch.Tensor]) -> list[ReadRequest]:
+        """The requests whose bytes the restore holds are copied into ``dests``; the rest returned."""
+
+    def replace_damaged(self, exc: ChecksumMismatchError) -> bool:
+        """A damaged range of this node's copy, replaced from another: False if it cannot be."""
+
+    def kept_path(self, name: str) -> str | None:
+        """Where this node keeps the ranges of ``name`` a restore fetched, if any."""
+
+    def finish(self) -> None:
+        """The load is done, or failed: what runs ends, what is held is dropped."""
+
+    def stats(self, read: IOStats, read_seconds: float) -> dict[str, Any]:
+        """Fields for ``last_stats``: ``remote_bytes``, ``sources`` (per source kind)."""
+
+
+class OpenRestore(Protocol):
     def __call__(self, path: str, node: str, mirror: str | None, mirror_options: dict[str, Any] | None,
-                 config: IOConfig) -> Sources: ...
-
-
-class Exchange(Protocol):
-    """What a many-rank load uses of its restore (``peers.exchange.PeerRestore``); ``load.peer_load``
-    calls its ``fetch``, ``settle`` and ``node_ranks``."""
-
-    def agree_metadata(self) -> None: ...
-    def held_anywhere(self) -> set[str]: ...
-
-
-class PeerRestore(Protocol):
-    def __call__(self, path: str, mirror: str | None = None,
-                 mirror_options: dict[str, Any] | None = None) -> Exchange | None: ...
+                 config: IOConfig) -> Restore: ...
 
 
 class CodedReads(Protocol):
@@ -162,12 +205,8 @@ replicate: Seam[Replicate] = Seam("replicate", "after a node-local commit, pull 
                  "(path, node, replicas, queue_depth, block_size, bandwidth, stride) -> Future")
 replication_group: Seam[ReplicationGroup] = Seam("replication_group", "with replicas, on every rank of a node-local save: make "
                          "(once) the gloo group of the ranks that replicate; (ranks) -> None")
-restore_sources: Seam[RestoreSources] = Seam("restore_sources", "a load that may take files from peers or a mirror; "
-                       "(path, node, mirror, mirror_options, config) -> sources with ensure_metadata, "
-                       "ensure_files, replace_damaged, stats")
-peer_restore: Seam[PeerRestore] = Seam("peer_restore", "a load on several ranks that may take byte ranges from other nodes; "
-                    "(path, mirror, mirror_options) -> None in one process, else an object with "
-                    "agree_metadata() and fetch(manifest, needs, problem) -> received ranges")
+restore: Seam[OpenRestore] = Seam("restore", "a load that may take what its node lacks from peers or a mirror; "
+               "(path, node, mirror, mirror_options, config) -> a Restore")
 coded_engine: Seam[CodedEngine] = Seam("coded_engine", "reads of a compressed mirror; (store, manifest, location, "
                     "config) -> an engine, or None for a plain checkpoint")
 decoded_store: Seam[DecodedStore] = Seam("decoded_store", "a compressed mirror's files as the plain checkpoint they hold; "

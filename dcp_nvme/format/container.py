@@ -506,7 +506,7 @@ REPLICAS_DIR = ".replicas"
 RANGES_DIR = ".ranges"
 SPANS_SUFFIX = ".spans"
 """``<checkpoint>/.ranges/<file>``: the ranges of another node's file a restore fetched for this
-node's ranks, kept (``load.local_copies.KeptRanges``); ``<file>.spans`` says which."""
+node's ranks, kept (``peers.kept.KeptRanges``); ``<file>.spans`` says which."""
 REPLICA_MARKER = "replica.json"
 """Written last into a replica's directory: a replica without it is never used."""
 REPLICATION_RECORD = ".replication.json"

@@ -1,4 +1,5 @@
-"""Read planning (pure): which byte ranges a tensor slice needs, and how they become requests.
+"""Read planning (pure): which byte ranges a tensor slice needs, and how they become requests;
+the reads planned together (``Batch``); the coordinator's check that every rank loads one save.
 
 A slice of a stored chunk is a set of contiguous runs (``slice_runs``); the runs of every item a
 rank loads are sorted, merged into ``block_size`` requests and widened to whole checksum blocks
@@ -7,11 +8,24 @@ rank loads are sorted, merged into ``block_size`` requests and widened to whole 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from dcp_nvme.config import IOConfig
+from dcp_nvme.engines.host_io import tensor_bytes
 from dcp_nvme.engines.requests import SCRATCH, ReadRequest
-from dcp_nvme.format.container import align_down, align_up
+from dcp_nvme.errors import ChecksumMismatchError, ManifestError, ShapeMismatchError
+from dcp_nvme.format.checksums import items_in
+from dcp_nvme.format.container import align_down, align_up, parse_dtype
+from dcp_nvme.format.tables import ChunkRecord, FileRecord
+from dcp_nvme.load.objects import bytes_for_planner
+
+MAX_DIRECT_RUNS = 64
+"""Above this many runs a slice is read as the whole rows that cover it, then narrowed."""
 
 
 def _run_split(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> int:
@@ -189,3 +203,118 @@ def plan_reads(
     return requests + plan_reads(
         file, deferred, max_request=max_request, blocks=blocks, max_gap=max_gap
     )
+
+
+class Batch:
+    """Reads planned together: destinations, their needs, and what to do after the bytes land."""
+
+    def __init__(self) -> None:
+        self.dests: list[torch.Tensor] = []
+        self.needs: dict[str, list[Need]] = {}
+        self.after: list[Callable[[], None]] = []
+        self.temp_bytes = 0
+        self.owners: dict[str, list[tuple[int, int, str]]] = {}  # file -> (start, end, item)
+
+    def add_dest(self, tensor: torch.Tensor) -> int:
+        self.dests.append(tensor)
+        return len(self.dests) - 1
+
+    def need(self, chunk: ChunkRecord, start: int, length: int, dest: int, dest_offset: int = 0) -> None:
+        if length <= 0:
+            return
+        self.needs.setdefault(chunk.file, []).append(Need(chunk.byte_offset + start, length, dest, dest_offset))
+        self.owners.setdefault(chunk.file, []).append(
+            (chunk.byte_offset, chunk.byte_offset + chunk.length, chunk.key))
+
+    def add_item(self, item: ReadItem, chunk: ChunkRecord, planner: LoadPlanner, location: str,
+                 allow_pickle: bool) -> None:
+        """The byte ranges of ``item``, stored as ``chunk``, and what to do once they landed:
+        DCP's ``load_bytes``, or a copy of a slice into its tensor and ``commit_tensor``."""
+        if item.type == LoadItemType.BYTE_IO:
+            dest = torch.empty(chunk.length, dtype=torch.uint8)
+            self.need(chunk, 0, chunk.length, self.add_dest(dest))
+            self.temp_bytes += chunk.length
+            self.after.append(lambda: planner.load_bytes(item, bytes_for_planner(
+                dest.numpy().tobytes(), item.dest_index.fqn, location, allow_pickle=allow_pickle)))
+            return
+        stored = parse_dtype(chunk.dtype)
+        itemsize = stored.itemsize  # no tensor made: no warning for an experimental dtype
+        shape, offsets, lengths = chunk.sizes, tuple(item.storage_offsets), tuple(item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != lengths:
+            raise ShapeMismatchError(f"{item.dest_index.fqn}: destination shape {tuple(target.shape)} "
+                                     f"does not match the requested slice {lengths}")
+        runs = count_runs(shape, offsets, lengths)
+
+        def commit() -> None:
+            planner.commit_tensor(item, target)
+
+        if runs == 0:
+            self.after.append(commit)
+            return
+        # device targets too: the kvikio engine reads straight into them, POSIX bounces
+        direct = runs == 1 and target.is_contiguous() and target.dtype == stored
+        if direct:
+            (src, nbytes, _), = slice_runs(shape, offsets, lengths, itemsize)
+            self.need(chunk, src, nbytes, self.add_dest(tensor_bytes(target)))
+            self.after.append(commit)
+            return
+        if runs <= MAX_DIRECT_RUNS:
+            temp = torch.empty(lengths, dtype=stored, device=target.device)
+            temp_dest = self.add_dest(tensor_bytes(temp))
+            for src, nbytes, dst in slice_runs(shape, offsets, lengths, itemsize):
+                self.need(chunk, src, nbytes, temp_dest, dst)
+            view = temp
+        else:
+            src, nbytes = covering_rows(shape, offsets, lengths, itemsize)
+            temp = torch.empty((lengths[0], *shape[1:]), dtype=stored, device=target.device)
+            self.need(chunk, src, nbytes, self.add_dest(tensor_bytes(temp)))
+            view = temp
+            for dim in range(1, len(shape)):
+                view = view.narrow(dim, offsets[dim], lengths[dim])
+        self.temp_bytes += temp.numel() * itemsize
+
+        def copy_then_commit() -> None:
+            target.copy_(view)
+            commit()
+
+        self.after.append(copy_then_commit)
+
+    def requests(self, files: Mapping[str, FileRecord], config: IOConfig,
+                 where: Callable[[FileRecord], str]) -> tuple[list[ReadRequest], int]:
+        """The batch's requests, each read from ``where(record)`` of its file, and the largest
+        request size they were cut to."""
+        requests, largest = [], config.block_size
+        for name, needs in self.needs.items():
+            record = files[name]  # read_manifest checked that every row's file is listed
+            blocks, max_request = None, config.block_size
+            if config.verify:
+                blocks = FileBlocks(record.data_start, record.data_size, record.checksum_block, record.crcs)
+                # whole checksum blocks per request, as close to block_size as they allow
+                granule = record.checksum_block
+                max_request = max(granule, max_request // granule * granule)
+                largest = max(largest, max_request)
+            requests += plan_reads(where(record), needs, max_request=max_request, blocks=blocks)
+        return requests, largest
+
+    def items_in(self, exc: ChecksumMismatchError) -> str:
+        """The items of this batch the damaged range of ``exc`` holds, for its message."""
+        name = os.path.basename(exc.path)
+        hits = items_in(self.owners.get(name, []), exc.start, exc.end)
+        return ", ".join(hits) if hits else "none of the requested items (a neighbouring block)"
+
+
+def check_one_save(plans: list[LoadPlan]) -> None:
+    """The coordinator: every rank loads the same save (a restart that took each node's newest
+    step would load one model from two steps); else an error naming what each rank read."""
+    ranks: dict[tuple[str, str], list[str]] = {}
+    for rank, tag in enumerate(plan.storage_data for plan in plans):
+        if isinstance(tag, tuple) and len(tag) == 3:
+            ranks.setdefault((tag[0], tag[1]), []).append(f"{rank} (node {tag[2]})")
+    if len({key for key, _ in ranks}) <= 1:
+        return
+    held = "; ".join(f"{path} (save {key}) on ranks {', '.join(who[:8])}{' ...' if len(who) > 8 else ''}"
+                     for (key, path), who in ranks.items())
+    raise ManifestError(f"the ranks are loading different saves, which would make one model of several steps: "
+                        f"{held}. Load one step on every rank: dcp_nvme.latest(run, agree=True) on every rank "
+                        "picks the newest step every node can load")

@@ -3,4 +3,6 @@
 (``replicate``), a load on several ranks that takes what its node lacks from the other nodes over
 another (``exchange``), a load in one process that takes each file from the nearest copy that
 verifies -- a replica here, the mirror (``sources``) -- and the verified copy itself
-(``fetching``). No server of ours listens: the job's own connections carry every byte."""
+(``fetching``); the restore a reader holds, either way (``restore``, plugged into
+``seams.restore``), and what it keeps of what came (``kept``). No server of ours listens: the
+job's own connections carry every byte."""

@@ -8,7 +8,7 @@ group of their own, on what each node's disk holds and who sends what to whom:
   that hold different saves at one path are refused (a restart never loads one model from two
   steps). A node without a valid manifest gets it and its tables from the lowest rank that has
   one, checks them like any other, and keeps them.
-- ``fetch`` (in ``read_data``): every rank names the chunks its items need that its node lacks,
+- ``move_ranges`` (in ``read_data``): every rank names the chunks its items need that its node lacks,
   each with its places -- the index's, then its copies' -- as spans of whole checksum blocks.
   Each is asked of a rank of another node that holds the first place any node holds, the least
   loaded first. Every pair of ranks streams its transfers on a thread of each (``peers.streams``),
@@ -19,7 +19,7 @@ group of their own, on what each node's disk holds and who sends what to whom:
   mirror, if the load has one, else the load fails naming the file, the range and the node
   that wrote it. A chunk that several ranks of one node need comes once, to the first of them. Received ranges land at their own offsets
   in a sparse file in the checkpoint's ``.ranges/``, which the node keeps, with a record of
-  them written once they are on disk (``load.local_copies.KeptRanges``): the next restart on
+  them written once they are on disk (``peers.kept.KeptRanges``): the next restart on
   this node reads them there. The load that asked copies what came to its rank from memory
   (``ReceivedBytes``, within a budget) instead of reading back what it just wrote.
 
@@ -52,7 +52,6 @@ from dcp_nvme.format.tables import FileRecord
 from dcp_nvme.host.files import fsync_dir, open_regular, pwrite_all
 from dcp_nvme.host.job import node_identity
 from dcp_nvme.host.threads import in_background
-from dcp_nvme.load.local_copies import ReceivedBytes, keep_spans, kept_file
 from dcp_nvme.peers import streams
 from dcp_nvme.peers.fetching import (
     MemoryStore,
@@ -63,6 +62,7 @@ from dcp_nvme.peers.fetching import (
     replica_files,
     write_metadata,
 )
+from dcp_nvme.peers.kept import ReceivedBytes, keep_spans, kept_file
 from dcp_nvme.peers.sources import mirror_source, node_turn
 from dcp_nvme.storage.local_dir import LocalStore, drop_kept
 
@@ -150,9 +150,9 @@ def agree_metadata(path: str, mirror: Callable[[], MirrorSource | None] = no_mir
     views: list[NodeView] = _gather(NodeView(node_identity(), key, frozenset(_held_here(path)), problem))
     keys = sorted({v.save_key for v in views if v.save_key})
     if len(keys) > 1:
-        held = "; ".join(f"save {k} on node(s) {', '.join(sorted({v.node for v in views if v.save_key == k}))}"
-                         for k in keys)
-        raise ManifestError(f"{path}: the nodes hold different saves ({held}); a restart loads one step on "
+        where = "; ".join(f"save {k} on node(s) {', '.join(sorted({v.node for v in views if v.save_key == k}))}"
+                          for k in keys)
+        raise ManifestError(f"{path}: the nodes hold different saves ({where}); a restart loads one step on "
                             "every rank: load a step every node committed, or remove the newer one")
     if not keys:
         why, source = None, mirror()
@@ -225,8 +225,8 @@ def _keep_metadata(path: str, payload: Any, key: str, node: str, problem: str | 
                     "in its place", path, problem, source)
 
 
-class Fetch:
-    """One load's received ranges, kept in this node's ``.ranges/`` (``load.local_copies``)."""
+class Arrivals:
+    """One load's received ranges, kept in this node's ``.ranges/`` (``peers.kept``)."""
 
     def __init__(self, directory: str, hold: ReceivedBytes | None = None) -> None:
         self.checkpoint = directory
@@ -287,21 +287,21 @@ def _flush(path: str) -> None:
         os.close(fd)
 
 
-def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[tuple[Span, ...]],
+def move_ranges(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[tuple[Span, ...]],
           mirror: Callable[[], MirrorSource | None] = no_mirror, problem: str | None = None,
-          optional: bool = False, hold: ReceivedBytes | None = None) -> Fetch:
+          optional: bool = False, hold: ReceivedBytes | None = None) -> Arrivals:
     """Collective: every rank calls it in ``read_data``, with what its node lacks ([] when
     none) and any error it hit before (then every rank raises, none waits for it).
 
     An ask is one chunk's places, the index's first, then its copies: each a span of whole
     checksum blocks. The first place some other node holds is asked of its least-loaded
     holder; a transfer that fails its check goes to the next holder, then to the next place;
-    what no node holds comes from the mirror (``mirror()``: asked only then). ``Fetch.chosen``
-    says, for each of this rank's asks, which place came; ``Fetch.arrived``, for every rank, the
+    what no node holds comes from the mirror (``mirror()``: asked only then). ``Arrivals.chosen``
+    says, for each of this rank's asks, which place came; ``Arrivals.arrived``, for every rank, the
     spans that came to it. With ``optional``, an ask nothing can serve is left out instead of
     failing the load; ``hold`` keeps in memory what came to this rank (within its budget)."""
     me, world = dist.get_rank(), dist.get_world_size()
-    out = Fetch(path, hold)
+    out = Arrivals(path, hold)
     asked: list[tuple[list[tuple[Span, ...]], str | None]] = _gather((list(asks) if problem is None else [],
                                                                       problem))
     _raise_first(path, [why for _, why in asked])
@@ -317,7 +317,8 @@ def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[t
     refused: set[tuple[int, Span, int]] = set()
     here = _held_here(path)
     while pending:
-        assigned, nowhere, load = [], [], [0] * world
+        assigned: list[streams.Transfer] = []
+        nowhere, load = [], [0] * world
         for needer, index in pending:
             picked = _holder(asked[needer][0][index], needer, views, refused, load)
             if picked is None:
@@ -327,22 +328,23 @@ def fetch(path: str, views: list[NodeView], manifest: Manifest, asks: Sequence[t
             place, holder = picked
             span = asked[needer][0][index][place]
             load[holder] += span.length
-            assigned.append((needer, index, span, holder))
+            assigned.append(streams.Transfer(needer, index, span, holder))
             placed[(needer, index)] = place
         if nowhere:
             _nowhere(path, manifest, records, asked, nowhere, mirror, optional, out)
         bad = _transfer(path, assigned, records, views, here, out) if assigned else []
-        failed = {(needer, index) for needer, index, _, _, _ in bad}
-        for needer, index, span, _ in assigned:
-            if (needer, index) not in failed:
-                out.arrived[needer].append(span)
-        refused.update((needer, span, holder) for needer, _, span, holder, _ in bad)
-        for needer, _, span, holder, why in bad:
-            if needer == me:
-                out.damaged.append(f"{span.file} [{span.start}, {span.end}) from node {views[holder].node}: {why}")
+        failed = {(f.transfer.needer, f.transfer.index) for f in bad}
+        for transfer in assigned:
+            if (transfer.needer, transfer.index) not in failed:
+                out.arrived[transfer.needer].append(transfer.span)
+        refused.update((f.transfer.needer, f.transfer.span, f.transfer.holder) for f in bad)
+        for f in bad:
+            span, node = f.transfer.span, views[f.transfer.holder].node
+            if f.transfer.needer == me:
+                out.damaged.append(f"{span.file} [{span.start}, {span.end}) from node {node}: {f.why}")
                 log.warning("dcp_nvme: %s: node %s could not send %s [%d, %d) intact (%s); asking the "
-                            "next holder", path, views[holder].node, span.file, span.start, span.end, why)
-        pending = [(needer, index) for needer, index, _, _, _ in bad]
+                            "next holder", path, node, span.file, span.start, span.end, f.why)
+        pending = [(f.transfer.needer, f.transfer.index) for f in bad]
     for (needer, index), first in list(placed.items()) + [(ask, placed.get(lead, 0))
                                                           for ask, lead in follows.items()]:
         if needer == me:
@@ -371,7 +373,7 @@ def _first_asks(asked: list, views: list[NodeView]) -> tuple[list[tuple[int, int
     return pending, follows
 
 
-def _keep_record(path: str, views: list[NodeView], records: dict[str, FileRecord], out: Fetch,
+def _keep_record(path: str, views: list[NodeView], records: dict[str, FileRecord], out: Arrivals,
                  key: str) -> None:
     """The first rank of each node records the ranges its node's ranks received, once they are
     on disk (a later load reads them there), and drops those another save left; every rank
@@ -394,7 +396,7 @@ def _keep_record(path: str, views: list[NodeView], records: dict[str, FileRecord
 
 
 def _nowhere(path: str, manifest: Manifest, records: dict[str, FileRecord], asked: list, nowhere: list[tuple[int, int]],
-             mirror: Callable[[], MirrorSource | None], optional: bool, out: Fetch) -> None:
+             mirror: Callable[[], MirrorSource | None], optional: bool, out: Arrivals) -> None:
     """The asks no node can serve (every rank knows which): their needers read the mirror,
     then every rank hears how it went (an optional ask that fails is left out)."""
     me = dist.get_rank()
@@ -427,32 +429,39 @@ def _raise_first(path: str, problems: Sequence[str | None]) -> None:
             raise DCPNVMeError(f"{path}: the restore stopped on rank {rank}: {why}")
 
 
-def _transfer(path: str, assigned: list[tuple[int, int, Span, int]], records: dict[str, FileRecord],
-              views: list[NodeView], here: dict[str, str], out: Fetch) -> list[tuple[int, int, Span, int, str]]:
-    """Every transfer, wave by wave; then every rank hears which failed (the holder could not
-    read it intact, or it failed its check on arrival) and why, and every rank returns them."""
-    refused: dict[int, str] = {}
-    damaged: dict[int, str] = {}
-    fatal: list[str] = []
+@dataclass(frozen=True)
+class Failed:
+    """A transfer that failed, and why: its holder could not read it intact, or it failed its
+    check on arrival."""
+
+    transfer: streams.Transfer
+    why: str
+
+
+def _transfer(path: str, assigned: list[streams.Transfer], records: dict[str, FileRecord],
+              views: list[NodeView], here: dict[str, str], out: Arrivals) -> list[Failed]:
+    """Every transfer, wave by wave; then every rank hears which failed on each rank, and every
+    rank returns them."""
+    outcome = streams.WaveOutcome()
     nodes = [view.node for view in views]
 
     def keep(record: FileRecord, at: int, data: memoryview) -> None:
         out.keep(record, at, data, "peer")
 
     for tag, wave in enumerate(streams.waves(assigned)):
-        streams.run_wave(_exchange_group(), tag, [(slot, assigned[slot]) for slot in wave], records, nodes, here, keep,
-                         refused, damaged, fatal)
-    reports = _gather((refused, damaged, fatal[0] if fatal else None))
-    _raise_first(path, [f for _, _, f in reports])
+        outcome.add(streams.run_wave(_exchange_group(), tag, [(slot, assigned[slot]) for slot in wave], records,
+                                     nodes, here, keep, halted=outcome.fatal is not None))
+    reports: list[streams.WaveOutcome] = _gather(outcome)
+    _raise_first(path, [report.fatal for report in reports])
     bad: dict[int, str] = {}
-    for holder_said, needer_said, _ in reports:
-        bad.update(holder_said)
-        bad.update(needer_said)
-    return [(*assigned[slot], why) for slot, why in sorted(bad.items())]
+    for report in reports:
+        bad.update(report.refused)  # as the holder
+        bad.update(report.damaged)  # as the receiver
+    return [Failed(assigned[slot], why) for slot, why in sorted(bad.items())]
 
 
 def _from_mirror_all(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
-                     mirror: MirrorSource | None, optional: bool, out: Fetch) -> tuple[str | None, list[Span]]:
+                     mirror: MirrorSource | None, optional: bool, out: Arrivals) -> tuple[str | None, list[Span]]:
     """``_from_mirror_spans``, its time counted as the mirror's in ``out.taken`` (last_stats)."""
     began = time.perf_counter()
     try:
@@ -463,7 +472,7 @@ def _from_mirror_all(path: str, manifest: Manifest, records: dict[str, FileRecor
 
 
 def _from_mirror_spans(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
-                       mirror: MirrorSource | None, optional: bool, out: Fetch) -> tuple[str | None, list[Span]]:
+                       mirror: MirrorSource | None, optional: bool, out: Arrivals) -> tuple[str | None, list[Span]]:
     """This rank's asks that no node holds, from the mirror: ranged reads of ``MIRROR_RANGE``
     bytes, ``MIRROR_IN_FLIGHT`` at once (one span at a time, one read each, left the link
     mostly idle), each span checked and kept as soon as all of it came; at most
@@ -526,7 +535,7 @@ def _from_mirror_spans(path: str, manifest: Manifest, records: dict[str, FileRec
 
 
 def _from_mirror(path: str, manifest: Manifest, record: FileRecord, span: Span,
-                 mirror: MirrorSource | None, out: Fetch) -> None:
+                 mirror: MirrorSource | None, out: Arrivals) -> None:
     """A range no node holds: from the mirror, checked, or the error that names it."""
     if mirror is None:
         writer = manifest.node_of(record.rank)
@@ -541,7 +550,7 @@ def _from_mirror(path: str, manifest: Manifest, record: FileRecord, span: Span,
 
 class PeerRestore:
     """A load's restore over the exchange group: ``agree_metadata`` in ``read_metadata``,
-    ``fetch`` in ``read_data``, on every rank (``seams.peer_restore``)."""
+    ``move_ranges`` in ``read_data``, on every rank (``peers.restore.ManyRankRestore``)."""
 
     def __init__(self, path: str, mirror: str | None, mirror_options: dict[str, Any] | None) -> None:
         self.path = path
@@ -562,9 +571,9 @@ class PeerRestore:
         """The data files some node of this job holds (its own, or a replica)."""
         return set().union(*(v.files for v in self.views))
 
-    def fetch(self, manifest: Manifest, asks: Sequence[tuple[Span, ...]], problem: str | None = None,
-              optional: bool = False, hold: ReceivedBytes | None = None) -> Fetch:
-        return fetch(self.path, self.views, manifest, asks, self.mirror, problem, optional, hold)
+    def move_ranges(self, manifest: Manifest, asks: Sequence[tuple[Span, ...]], problem: str | None = None,
+                    optional: bool = False, hold: ReceivedBytes | None = None) -> Arrivals:
+        return move_ranges(self.path, self.views, manifest, asks, self.mirror, problem, optional, hold)
 
     def settle(self, problem: str | None) -> None:
         """Collective: every rank raises the first rank's problem, if any (after a step some
@@ -575,8 +584,3 @@ class PeerRestore:
         """The ranks of this node (by the views: one node name each)."""
         return _node_ranks(self.views, dist.get_rank())
 
-
-def peer_restore(path: str, mirror: str | None = None,
-                 mirror_options: dict[str, Any] | None = None) -> PeerRestore | None:
-    """The restore of a load on several ranks; None in a single process (nothing to exchange)."""
-    return PeerRestore(path, mirror, mirror_options) if active() else None

@@ -315,9 +315,3 @@ def _join(root: str | None, name: str) -> str | None:
         return None
     return f"{root.rstrip('/')}/{name}" if "://" in root else os.path.join(root, name)
 
-
-def restore_sources(path: str, node: str, mirror: str | None, mirror_options: dict[str, Any] | None,
-                    config: IOConfig) -> RestoreSources:
-    """The sources of a one-process load that may take files from this node's replicas or a
-    mirror (``seams.restore_sources``)."""
-    return RestoreSources(path, node, mirror, mirror_options, config)

@@ -7,7 +7,7 @@ announced by a status on a tag of its own: the holder reads and checks the next 
 (``read_checked``) while ``IN_FLIGHT`` are on the wire, and a piece it cannot read intact is
 announced as status 0 with nothing more of its transfer; the receiver asks for the next piece
 while one arrives, and checks and keeps each on a thread.
-What failed is left in the caller's dicts, for ``peers.exchange`` to tell every rank.
+What failed on this rank is the wave's ``WaveOutcome``, for ``peers.exchange`` to tell every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,13 +42,42 @@ KEEP_AHEAD = 4
 together (its receiving threads wait beyond)."""
 
 
-def waves(assigned: list[tuple[int, int, Span, int]]) -> list[list[int]]:
+@dataclass(frozen=True)
+class Transfer:
+    """One range from a holder rank to the rank that needs it: the needer's ask ``index``."""
+
+    needer: int
+    index: int
+    span: Span
+    holder: int
+
+
+@dataclass
+class WaveOutcome:
+    """What failed in a wave on this rank, by transfer (its slot in the exchange's list)."""
+
+    refused: dict[int, str] = field(default_factory=dict)
+    """As the holder: the transfers it could not read intact, and why."""
+    damaged: dict[int, str] = field(default_factory=dict)
+    """As the receiver: the transfers that failed their check on arrival, and why."""
+    fatal: str | None = None
+    """Why this rank cannot keep what came (every rank then raises it)."""
+
+    def add(self, other: WaveOutcome) -> None:
+        """``other``'s failures too (a later wave's); the first fatal one stays."""
+        self.refused.update(other.refused)
+        self.damaged.update(other.damaged)
+        self.fatal = self.fatal or other.fatal
+
+
+def waves(assigned: list[Transfer]) -> list[list[int]]:
     """The transfers (their indexes) in waves in which no rank sends to, or receives from, more
     than ``MAX_PEERS`` others: a thread each, a few pieces each in memory."""
     out: list[list[int]] = []
     sends: dict[int, set[int]] = defaultdict(set)
     receives: dict[int, set[int]] = defaultdict(set)
-    for slot, (needer, _, _, holder) in enumerate(assigned):
+    for slot, transfer in enumerate(assigned):
+        needer, holder = transfer.needer, transfer.holder
         new_send = needer not in sends[holder] and len(sends[holder]) >= MAX_PEERS
         new_receive = holder not in receives[needer] and len(receives[needer]) >= MAX_PEERS
         if out and (new_send or new_receive):
@@ -85,9 +115,9 @@ def pair_pieces(records: dict[str, FileRecord], jobs: list[tuple[int, Span]]) ->
             for at, length in cut(records[span.file], span, FIRST_PIECE if n == 0 else None)]
 
 
-def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, int]]], records: dict[str, FileRecord],
+def run_wave(group: Any, tag: int, wave: list[tuple[int, Transfer]], records: dict[str, FileRecord],
              nodes: list[str], here: dict[str, str], keep_piece: Callable[[FileRecord, int, memoryview], None],
-             refused: dict[int, str], damaged: dict[int, str], fatal: list[str]) -> None:
+             halted: bool = False) -> WaveOutcome:
     """One wave on this rank: a thread for each rank it sends to and each it receives from, so
     that every link of the wave is busy at once (the transfers of one pair go in order). A
     transfer goes in pieces (``cut``), each announced by a status on a tag of its own (1: it
@@ -95,17 +125,20 @@ def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, i
     the holder reads and checks the next piece while ``IN_FLIGHT`` are sent; the receiver asks
     for the next piece while one arrives, and checks and keeps each on a thread (a wave read
     whole before its first send, and kept after its last, left the link idle meanwhile).
-    Fills ``refused`` (as the holder), ``damaged`` (as the receiver), ``fatal``."""
+    Returns what failed on this rank; ``halted`` (an earlier wave's failure was fatal): what
+    comes is received, not kept."""
     me = dist.get_rank()
+    outcome = WaveOutcome()
+    refused, damaged = outcome.refused, outcome.damaged
     sends: dict[int, list[tuple[int, Span]]] = defaultdict(list)
     receives: dict[int, list[tuple[int, Span]]] = defaultdict(list)
-    for slot, (needer, _, span, holder) in wave:
-        if holder == me:
-            sends[needer].append((slot, span))
-        elif needer == me:
-            receives[holder].append((slot, span))
+    for slot, transfer in wave:
+        if transfer.holder == me:
+            sends[transfer.needer].append((slot, transfer.span))
+        elif transfer.needer == me:
+            receives[transfer.holder].append((slot, transfer.span))
     if not sends and not receives:
-        return
+        return outcome
     room = threading.BoundedSemaphore(KEEP_AHEAD)  # pieces received and not yet kept
     errors: list[BaseException] = []
 
@@ -144,7 +177,7 @@ def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, i
 
     def keep(slot: int, holder: int, name: str, at: int, piece: Any) -> None:
         try:
-            if slot in damaged or fatal:
+            if slot in damaged or outcome.fatal or halted:
                 return
             data = memoryview(piece.numpy()).cast("B")
             try:
@@ -155,7 +188,7 @@ def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, i
             try:
                 keep_piece(records[name], at, data)
             except OSError as exc:
-                fatal.append(f"cannot keep what came of {name}: {exc}")
+                outcome.fatal = outcome.fatal or f"cannot keep what came of {name}: {exc}"
         finally:
             room.release()
 
@@ -216,6 +249,7 @@ def run_wave(group: Any, tag: int, wave: list[tuple[int, tuple[int, int, Span, i
             thread.join()
     if errors:
         raise errors[0]
+    return outcome
 
 
 def read_checked(local: str, record: FileRecord, span: Span, node: str) -> bytearray:

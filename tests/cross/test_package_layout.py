@@ -109,6 +109,15 @@ def test_save_and_load_are_siblings_and_engines_know_nothing_of_dcp():
             assert "torch.distributed.checkpoint" not in path.read_text(), f"{name} knows DCP"
 
 
+def test_the_restore_imports_nothing_of_the_reader():
+    """A restore (``peers/``) is reached through ``seams.restore``, whose types the core defines:
+    what came and what was kept live in ``peers/``, so peers/ imports nothing of ``load/``."""
+    modules = _modules()
+    reached = sorted(f"{name} imports {imported}" for name, path in modules.items() if _top(name) == "peers"
+                     for imported in _imports(name, path, modules) if _top(imported) == "load")
+    assert not reached, "peers/ imports load/:\n" + "\n".join(reached)
+
+
 def test_type_checking_imports_are_counted_and_few():
     """Imports for type checking only are imports all the same (the cycle and layer tests see them);
     they are kept for what would otherwise load torch or a heavy module at import time."""

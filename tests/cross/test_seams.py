@@ -56,7 +56,7 @@ def test_the_package_plugs_every_seam_the_core_calls_and_each_target_exists():
 
     from dcp_nvme import seams
 
-    for name in ("drain", "replicate", "restore_sources", "coded_engine", "decoded_store"):
+    for name in ("drain", "replicate", "restore", "coded_engine", "decoded_store"):
         seam = getattr(seams, name)
         assert seam.plugged, name
         assert callable(seam.function()), name
@@ -104,8 +104,8 @@ def test_every_seam_has_a_typed_signature_and_every_plugged_target_takes_it():
 
     declared = typing.get_type_hints(seams)
     found = {name: value for name, value in vars(seams).items() if isinstance(value, Seam)}
-    assert set(found) == {"drain", "replicate", "replication_group", "restore_sources", "peer_restore",
-                          "coded_engine", "decoded_store", "mirror_restored", "save_diagnostics"}
+    assert set(found) == {"drain", "replicate", "replication_group", "restore", "coded_engine", "decoded_store",
+                          "mirror_restored", "save_diagnostics"}
     enable_save_diagnostics()
     try:
         for name, seam in found.items():

@@ -21,9 +21,9 @@ from dcp_nvme.format.container import MANIFEST, RANGES_DIR
 from dcp_nvme.format.manifest import read_files, read_manifest
 from dcp_nvme.format.pieces import Span
 from dcp_nvme.format.tables import FileRecord
-from dcp_nvme.load.local_copies import ReceivedBytes
-from dcp_nvme.load.peer_load import copy_pieces
 from dcp_nvme.peers import exchange, streams
+from dcp_nvme.peers.kept import ReceivedBytes
+from dcp_nvme.peers.restore import copy_pieces
 from dcp_nvme.storage.local_dir import LocalStore
 
 PIECE = 128 << 10  # the checkpoint's checksum block is 64 KiB: a transfer goes in many pieces
@@ -71,11 +71,12 @@ def test_a_pairs_first_transfer_starts_with_a_small_piece():
 def test_waves_keep_each_rank_to_a_bounded_number_of_peers(monkeypatch):
     monkeypatch.setattr(streams, "MAX_PEERS", 3)
     span = Span("f", 0, 10)
-    assigned = [(needer, 0, span, 0) for needer in range(1, 8)] + [(1, 1, span, 0)]  # rank 0 sends to 7
+    assigned = [streams.Transfer(needer, 0, span, 0) for needer in range(1, 8)] + [streams.Transfer(1, 1, span, 0)]
+    # rank 0 sends to 7
     waves = streams.waves(assigned)
     assert sorted(slot for wave in waves for slot in wave) == list(range(len(assigned)))
     for wave in waves:
-        assert len({assigned[slot][0] for slot in wave}) <= 3
+        assert len({assigned[slot].needer for slot in wave}) <= 3
     assert len(waves) == 3
 
 
@@ -115,7 +116,7 @@ def _transfer_rank(rank: int, world: int, dirs: list[str], name: str) -> None:
     middle = record.data_start + (record.size - record.data_start) // 2 // record.checksum_block * record.checksum_block
     halves = [Span(name, 0, middle), Span(name, middle, record.size)]
     hold = ReceivedBytes(1 << 30)
-    got = exchange.fetch(path, views, manifest, [(half,) for half in halves] if rank == 2 else [], hold=hold)
+    got = exchange.move_ranges(path, views, manifest, [(half,) for half in halves] if rank == 2 else [], hold=hold)
     assert sorted(got.arrived[2]) == halves and got.arrived[0] == got.arrived[1] == []
     if rank != 2:
         return
@@ -150,6 +151,63 @@ def test_ranges_come_in_pieces_from_two_holders_and_a_holder_that_cannot_read_on
         f.seek(at)
         f.write(bytes([byte ^ 0xFF]))
     run_ranks(3, _transfer_rank, dirs, name)
+
+
+def _wave_rank(rank: int, world: int, dirs: list[str], name: str) -> None:
+    streams.PIECE = PIECE
+    path = dirs[rank]
+    manifest = read_manifest(LocalStore(path), path)
+    record = read_files(LocalStore(path), manifest, path)[name]
+    block = record.checksum_block
+    a, b = record.data_start + 6 * block, record.data_start + 12 * block
+    spans = [Span(name, 0, a), Span(name, a, b), Span(name, b, record.size)]
+    wave = [(slot, streams.Transfer(1, slot, span, 0)) for slot, span in enumerate(spans)]  # rank 1 asks rank 0
+    if rank == 1:  # the second range arrives damaged; the third cannot be kept
+        checked = streams.verify_piece
+
+        def damaged_on_arrival(record, at, data, where):
+            if a <= at < b:
+                data = bytearray(data)
+                data[0] ^= 0xFF
+            return checked(record, at, memoryview(data), where)
+
+        streams.verify_piece = damaged_on_arrival
+
+    def keep(record, at, data):
+        if at >= b:
+            raise OSError("no space left on the device")
+
+    here = {name: os.path.join(path, name)} if rank == 0 else {}
+    outcome = streams.run_wave(exchange._exchange_group(), 0, wave, {name: record}, ["n0", "n1"], here, keep)
+    if rank == 0:  # the holder: its copy of the first range is damaged, so it refused that one
+        assert list(outcome.refused) == [0] and "ChecksumMismatchError" in outcome.refused[0]
+        assert outcome.damaged == {} and outcome.fatal is None
+    else:  # the receiver: the second failed its check, the third could not be kept
+        assert outcome.refused == {} and list(outcome.damaged) == [1]
+        assert outcome.fatal is not None and "cannot keep what came of" in outcome.fatal
+
+
+def test_a_wave_returns_what_failed_on_each_rank(saved, tmp_path):
+    """A wave hands back what failed on its rank (``streams.WaveOutcome``): the transfers the
+    holder refused, those that failed their check on arrival, and a failure to keep what came."""
+    from dcp_nvme_harness.dist_utils import run_ranks
+
+    path, name = saved
+    dirs = []
+    for rank in range(2):
+        copy = tmp_path / f"node{rank}"
+        shutil.copytree(path, copy)
+        dirs.append(str(copy))
+    os.remove(os.path.join(dirs[1], name))
+    manifest = read_manifest(LocalStore(path), path)
+    record = read_files(LocalStore(path), manifest, path)[name]
+    with open(os.path.join(dirs[0], name), "r+b") as f:
+        at = record.data_start + 2 * record.checksum_block + 100
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0xFF]))
+    run_ranks(2, _wave_rank, dirs, name)
 
 
 class _Mirror:
@@ -189,7 +247,7 @@ def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_pa
     monkeypatch.setattr(exchange, "MIRROR_RANGE", block // 4)
     bad = 2  # the third span's bytes are damaged on the mirror
     mirror = _Mirror(name, data, spans[bad].start + 10)
-    out = exchange.Fetch(node, ReceivedBytes(1 << 30))
+    out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
     out.chosen = [9] * len(spans)
     why, got = exchange._from_mirror_all(node, manifest, {name: record}, list(enumerate(spans)), mirror,
                                          optional, out)

@@ -1,5 +1,5 @@
 """Items several ranks hold, once per checkpoint directory (``save.copies``), and the reader's
-choice of this node's copy (``load.local_copies``), pure. tests/cross/test_node_local_states.py
+choice of this node's copy (``format.copies``), pure. tests/cross/test_node_local_states.py
 saves and restarts the states trainers build on simulated nodes."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_nvme.errors import ManifestError
+from dcp_nvme.format.copies import local_copies
 from dcp_nvme.format.manifest import Manifest
 from dcp_nvme.format.tables import ChunkRecord
 from dcp_nvme.host.job import NODE_LOCAL, SHARED, Topology
-from dcp_nvme.load.local_copies import local_copies
 from dcp_nvme.save.copies import add_copies, directory_of_each_rank
 
 

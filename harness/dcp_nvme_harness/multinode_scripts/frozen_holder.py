@@ -30,7 +30,7 @@ manifest = read_manifest(LocalStore(path), path)
 records = read_files(LocalStore(path), manifest, path)
 name = manifest.file_names[0]
 record = records[name]
-wave = [(0, (0, 0, Span(name, record.data_start, record.size), 1))]  # rank 0 needs it, rank 1 holds it
+wave = [(0, streams.Transfer(0, 0, Span(name, record.data_start, record.size), 1))]  # rank 0 needs it, rank 1 holds it
 if rank == 1:
     reads = [0]
     checked = streams.read_checked
@@ -48,7 +48,7 @@ began = time.monotonic()
 error = None
 try:
     streams.run_wave(group, 0, wave, records, ["n0", "n1"], {name: os.path.join(path, name)},
-                     lambda record, at, data: None, {}, {}, [])
+                     lambda record, at, data: None)
 except Exception as exc:  # noqa: BLE001  what the restoring rank sees is the result
     error = f"{type(exc).__name__}: {exc}"
 os.write(1, ("RESULT " + json.dumps({"rank": rank, "error": error,

@@ -1,6 +1,6 @@
 """A restore's load copies what already came to its rank into the tensors while the rest still
-comes (``NVMeReader._take_while_coming``): only items whose every checked block is held, the
-others are left for the read after the exchange."""
+comes (``peers.restore.ManyRankRestore.take_while_coming``): only items whose every checked block
+is held, the others are left for the read after the exchange."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.engines.requests import IOStats, PhaseTimer
 from dcp_nvme.format.manifest import read_files, read_manifest
-from dcp_nvme.load.local_copies import ReceivedBytes
-from dcp_nvme.load.peer_load import PeerLoad
+from dcp_nvme.peers.kept import ReceivedBytes
+from dcp_nvme.peers.restore import ManyRankRestore
+from dcp_nvme.seams import Wanted
 from dcp_nvme.storage.local_dir import LocalStore
 
 
@@ -43,11 +44,15 @@ def test_items_whose_bytes_came_are_copied_while_the_rest_comes(tmp_path):
     came = record.data_start + -(-(second.byte_offset + second.length - record.data_start)
                                  // record.checksum_block) * record.checksum_block
     assert came < chunks["w2"].byte_offset + chunks["w2"].length  # w2 is not whole yet
-    peers = PeerLoad.__new__(PeerLoad)
+    peers = ManyRankRestore.__new__(ManyRankRestore)
     peers.received, peers.from_received, peers.came = ReceivedBytes(1 << 30), 0, {}
+    peers.files, peers.kept = read_files(LocalStore(path), manifest, path), None
     own: concurrent.futures.Future[set[str]] = concurrent.futures.Future()
     peers._own = own
-    reader._peer_load = peers
+    reader._restore = peers
+
+    def read(some, into, spans, held_only):
+        return reader._run_items(some, planner, into, spans, held_only)
 
     def arrive() -> None:  # in two pieces, a little apart; then the own files are done
         peers.received.add(name, 0, memoryview(data[:came // 2]))
@@ -58,9 +63,10 @@ def test_items_whose_bytes_came_are_copied_while_the_rest_comes(tmp_path):
 
     thread = threading.Thread(target=arrive)
     thread.start()
-    rest = reader._take_while_coming(items, planner, IOStats("read"), PhaseTimer())
+    wanted = Wanted(items, [reader._chunk(item) for item in items], set(), reader.storage_data, read)
+    rest = peers.take_while_coming(list(zip(wanted.items, wanted.chunks)), wanted, IOStats("read"), PhaseTimer())
     thread.join()
-    assert sorted(item.dest_index.fqn for item in rest) == ["w2", "w3"]
+    assert sorted(item.dest_index.fqn for item, _ in rest) == ["w2", "w3"]
     assert torch.equal(out["w0"], saved["w0"]) and torch.equal(out["w1"], saved["w1"])
     assert (out["w2"] == -1).all() and (out["w3"] == -1).all()  # left for the read after the exchange
     assert peers.from_received >= 2 * 64 * 1024 * 4

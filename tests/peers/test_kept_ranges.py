@@ -1,4 +1,4 @@
-"""The ranges of other nodes' files a restore keeps on this node (``load.local_copies``): what a
+"""The ranges of other nodes' files a restore keeps on this node (``peers.kept``): what a
 later load may read there, and records it refuses. tests/cross/test_node_local_restores.py keeps
 and rereads them on simulated nodes."""
 
@@ -12,7 +12,7 @@ import pytest
 from dcp_nvme.format.container import RANGES_DIR
 from dcp_nvme.format.pieces import Span
 from dcp_nvme.format.tables import FileRecord
-from dcp_nvme.load.local_copies import KeptRanges, keep_spans, kept_file
+from dcp_nvme.peers.kept import KeptRanges, keep_spans, kept_file
 from dcp_nvme.storage.local_dir import drop_kept
 
 NAME = "rank_00002.abcd1234.safetensors"
