@@ -1,9 +1,7 @@
 """A save's items in and its records out. In: one DCP WriteItem as container bytes -- its name
 in the container, its bytes as flat uint8 (no copy when contiguous; a non-contiguous view copies
 only the view's bytes), its index row, and the pad sources that fill the gaps
-``format.container`` left between items -- and the bounded stager's hand-off (``WaveRelease``):
-a staged save's Future resolves as soon as the writer has written the live tensors, before the
-rest of the file. Out (pure): each rank's WriteResults (its index rows, its container's
+``format.container`` left between items. Out (pure): each rank's WriteResults (its index rows, its container's
 blocks-table record and figures); on the coordinator, all of them gathered in the plan's order
 for the tables and the manifest (``collect``), and the save's figures per rank and per node
 with the straggler, for the manifest and the log (``layer_summary``, ``rank_stats_doc``)."""
@@ -17,9 +15,8 @@ import itertools
 import operator
 import os
 import statistics
-import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -195,56 +192,6 @@ def _contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
         return out.view(tensor.shape).copy_(tensor)
     except (RuntimeError, TypeError):  # a dtype a uint8 buffer cannot be viewed as
         return tensor.contiguous()
-
-
-_lock = threading.Lock()
-_pending: list[WaveRelease] = []
-
-
-class WaveRelease:
-    """Resolves one save's staging Future once its live tensors have been written (or the save
-    ended, whatever way)."""
-
-    def __init__(self, live_addresses: set[int], resolve: Callable[[BaseException | None], None]) -> None:
-        self.live = live_addresses
-        self._resolve = resolve
-        self._done = False
-        self._guard = threading.Lock()
-        self.boundary = 0  # bytes of the data region to be written before the live tensors are free
-
-    def release(self, error: BaseException | None = None) -> None:
-        with self._guard:
-            if self._done:
-                return
-            self._done = True
-        with _lock:
-            if self in _pending:
-                _pending.remove(self)
-        self._resolve(error)
-
-    def progress(self, written_prefix: int) -> None:
-        """The writer's contiguous written prefix of the data region grew to ``written_prefix``."""
-        if written_prefix >= self.boundary:
-            self.release()
-
-
-def register(release: WaveRelease) -> None:
-    with _lock:
-        _pending.append(release)
-
-
-def release_for(sources: Sequence) -> WaveRelease | None:
-    """The pending release whose live tensors are among ``sources`` (flat uint8 tensors in write
-    order), with its boundary set to where the last of them ends; None when there is none."""
-    addresses = [s.untyped_storage().data_ptr() if s.device.type == "cpu" else None for s in sources]
-    with _lock:
-        candidates = list(reversed(_pending))  # the newest save first
-    for release in candidates:
-        ends = [i for i, a in enumerate(addresses) if a is not None and a in release.live]
-        if ends:
-            release.boundary = sum(int(s.numel()) for s in sources[: ends[-1] + 1])
-            return release
-    return None
 
 
 # What the ranks wrote, as records (pure).

@@ -80,6 +80,7 @@ from dcp_nvme.save.dropin import (
     write_pointer,
     writer_stock_options,
 )
+from dcp_nvme.save.handoff import taken
 from dcp_nvme.save.items import (
     check_planner_data,
     collect_rows,
@@ -88,7 +89,6 @@ from dcp_nvme.save.items import (
     key_from_results,
     layer_summary,
     rank_stats_doc,
-    release_for,
     resolve_item,
     storage_meta_doc,
     unique_keys,
@@ -439,7 +439,7 @@ class NVMeWriter(StorageWriter):
         path = os.path.join(self._dir, name)
         watch = seams.save_diagnostics(self._dir, config.queue_depth, on_node, config.block_size) \
             if seams.save_diagnostics.plugged else None  # when asked: dcp-nvme bench and tune
-        wave = release_for(data)  # a bounded stager's live tensors are in this save
+        wave = taken(data)  # a bounded stager's live tensors are in this save
         progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
         try:
             with timer.span("write"), self._turn(config) as waited:
