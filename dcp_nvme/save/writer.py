@@ -81,7 +81,15 @@ from dcp_nvme.save.dropin import (
     writer_stock_options,
 )
 from dcp_nvme.save.handoff import taken
-from dcp_nvme.save.items import (
+from dcp_nvme.save.items import resolve_item, unique_keys, with_pads
+from dcp_nvme.save.node_commit import (
+    NodeCommitter,
+    abort_everywhere,
+    commit_on_every_node,
+    end_waiting,
+    start_committer,
+)
+from dcp_nvme.save.results import (
     check_planner_data,
     collect_rows,
     copy_rows,
@@ -89,18 +97,8 @@ from dcp_nvme.save.items import (
     key_from_results,
     layer_summary,
     rank_stats_doc,
-    resolve_item,
     storage_meta_doc,
-    unique_keys,
-    with_pads,
     write_results,
-)
-from dcp_nvme.save.node_commit import (
-    NodeCommitter,
-    abort_everywhere,
-    commit_on_every_node,
-    end_waiting,
-    start_committer,
 )
 from dcp_nvme.storage import save_lock
 from dcp_nvme.storage.local_dir import (
