@@ -28,8 +28,10 @@ from torch.futures import Future
 
 from dcp_nvme import seams
 from dcp_nvme.config import (
+    READER_IO,
     IOConfig,
     check_option,
+    io_arguments,
     option_or_default,
     refuse_positional,
     resolve_config,
@@ -167,10 +169,7 @@ class NVMeReader(StorageReader):
         self._sources: seams.Sources | None = None
         """``peers.sources.RestoreSources`` of the current load, with a mirror or peers."""
         self.path: str | None = reader_location(path)
-        self.config: IOConfig = resolve_config(
-            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
-            engine=engine, verify=verify, read_mode=read_mode,
-        )
+        self.config: IOConfig = resolve_config(**io_arguments(READER_IO, locals()))  # the keywords IOConfig gives it
         self.memory_budget = check_option("memory_budget", memory_budget)
         self.allow_pickle = check_option("allow_pickle", allow_pickle)
         self.storage_options = storage_options

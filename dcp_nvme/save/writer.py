@@ -29,8 +29,10 @@ from dcp_nvme import seams
 from dcp_nvme.compat import dcp_version
 from dcp_nvme.config import (
     COMPRESS_MODES,
+    WRITER_IO,
     IOConfig,
     check_option,
+    io_arguments,
     option_or_default,
     option_or_env,
     resolve_config,
@@ -199,10 +201,7 @@ class NVMeWriter(StorageWriter):
         self._started = Started()
         """What the after-commit work of this writer's saves started (``after_commit``)."""
         self.path: str | None = writer_location(path)
-        self.config: IOConfig = resolve_config(
-            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine,
-            node_queue_depth=node_queue_depth, node_write_order=node_write_order,
-        )
+        self.config: IOConfig = resolve_config(**io_arguments(WRITER_IO, locals()))  # the keywords IOConfig gives it
         self.overwrite = check_option("overwrite", overwrite)
         self.mirror = None if mirror is None else check_option("mirror", mirror)
         self.mirror_root = None if mirror_root is None else check_option("mirror_root", mirror_root)
