@@ -289,9 +289,6 @@ def check_option(name: str, value: Any, source: str = "the argument") -> Any:
     return _CHECKS[name](name, value, source)
 
 
-WRITER, READER = "writer", "reader"
-
-
 def _option(default: Any, check: Any, *, env: bool = False, tuned: bool = False, takes: tuple[str, ...] = (),
             trainer: tuple[Any, str] | None = None) -> Any:
     """An IOConfig field and everything about it: its default, its check (``check(name, value,
@@ -314,23 +311,23 @@ class IOConfig:
     """
 
     queue_depth: int = _option(8, lambda n, v, s: check_int(n, v, QUEUE_DEPTH_RANGE, s), env=True, tuned=True,
-                               takes=(WRITER, READER), trainer=(int, "requests in flight per rank"))
+                               takes=("writer", "reader"), trainer=(int, "requests in flight per rank"))
     block_size: int = _option(8 << 20, lambda n, v, s: check_size(n, v, BLOCK_SIZE_RANGE, s, multiple=ALIGN),
-                              env=True, tuned=True, takes=(WRITER, READER),
+                              env=True, tuned=True, takes=("writer", "reader"),
                               trainer=(str, 'bytes per request, e.g. "8MiB"'))
-    direct_io: bool = _option(True, check_bool, env=True, tuned=True, takes=(WRITER, READER),
+    direct_io: bool = _option(True, check_bool, env=True, tuned=True, takes=("writer", "reader"),
                               trainer=(bool, "O_DIRECT where the filesystem allows it"))
-    engine: str = _option("auto", lambda n, v, s: check_choice(n, v, ENGINES, s), env=True, takes=(WRITER, READER),
+    engine: str = _option("auto", lambda n, v, s: check_choice(n, v, ENGINES, s), env=True, takes=("writer", "reader"),
                           trainer=(Literal[ENGINES], "the I/O engine"))
-    verify: bool = _option(True, check_bool, takes=(READER,),
+    verify: bool = _option(True, check_bool, takes=("reader",),
                            trainer=(bool, "check the crc32c of every block loaded"))
     node_queue_depth: int | None = _option(
         None, lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s), env=True, tuned=True,
-        takes=(WRITER,))
-    read_mode: str = _option("auto", lambda n, v, s: check_choice(n, v, READ_MODES, s), tuned=True, takes=(READER,))
+        takes=("writer",))
+    read_mode: str = _option("auto", lambda n, v, s: check_choice(n, v, READ_MODES, s), tuned=True, takes=("reader",))
     host_engine: str = _option("posix", lambda n, v, s: check_choice(n, v, HOST_ENGINES, s), tuned=True)
     node_write_order: str = _option("together", lambda n, v, s: check_choice(n, v, NODE_WRITE_ORDERS, s),
-                                    tuned=True, takes=(WRITER,))
+                                    tuned=True, takes=("writer",))
 
     def __post_init__(self) -> None:
         for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
@@ -359,10 +356,9 @@ _TUNED = tuple(f.name for f in _OPTIONS if f.metadata["tuned"])
 _CHECKS: dict[str, Any] = {**{f.name: f.metadata["check"] for f in _OPTIONS}, **_OUTSIDE_CHECKS}
 """The one place each option's form and range is checked: name -> check(name, value, source)."""
 
-WRITER_IO = tuple(f.name for f in _OPTIONS if WRITER in f.metadata["takes"])
-"""The IOConfig fields NVMeWriter takes as keywords."""
-READER_IO = tuple(f.name for f in _OPTIONS if READER in f.metadata["takes"])
-"""The IOConfig fields NVMeReader takes as keywords."""
+WRITER_IO = tuple(f.name for f in _OPTIONS if "writer" in f.metadata["takes"])
+READER_IO = tuple(f.name for f in _OPTIONS if "reader" in f.metadata["takes"])
+"""The IOConfig fields NVMeWriter and NVMeReader take as keywords."""
 SHARED_IO = tuple(name for name in WRITER_IO if name in READER_IO)
 """The I/O keywords of both, with one meaning and one environment variable."""
 
@@ -377,11 +373,6 @@ def _trainer_help(option: Any) -> str:
 IO_OPTIONS: dict[str, tuple[Any, str]] = {f.name: (f.metadata["trainer"][0], _trainer_help(f))
                                           for f in _OPTIONS if f.metadata["trainer"]}
 """The options a trainer's config carries (``integrations``): name -> (its type there, its help)."""
-
-
-def io_arguments(names: tuple[str, ...], given: dict[str, Any]) -> dict[str, Any]:
-    """The I/O keywords ``names`` out of a constructor's arguments (``locals()``), for ``resolve_config``."""
-    return {name: given[name] for name in names}
 
 
 ENV_FIELDS = tuple(f.name for f in _OPTIONS if f.metadata["env"])

@@ -31,7 +31,6 @@ from dcp_nvme.config import (
     READER_IO,
     IOConfig,
     check_option,
-    io_arguments,
     option_or_default,
     refuse_positional,
     resolve_config,
@@ -169,7 +168,8 @@ class NVMeReader(StorageReader):
         self._sources: seams.Sources | None = None
         """``peers.sources.RestoreSources`` of the current load, with a mirror or peers."""
         self.path: str | None = reader_location(path)
-        self.config: IOConfig = resolve_config(**io_arguments(READER_IO, locals()))  # the keywords IOConfig gives it
+        # the I/O keywords IOConfig gives the reader, from its arguments (locals() of __init__)
+        self.config: IOConfig = resolve_config(**{n: v for n, v in locals().items() if n in READER_IO})
         self.memory_budget = check_option("memory_budget", memory_budget)
         self.allow_pickle = check_option("allow_pickle", allow_pickle)
         self.storage_options = storage_options

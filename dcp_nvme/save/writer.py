@@ -32,7 +32,6 @@ from dcp_nvme.config import (
     WRITER_IO,
     IOConfig,
     check_option,
-    io_arguments,
     option_or_default,
     option_or_env,
     resolve_config,
@@ -201,7 +200,8 @@ class NVMeWriter(StorageWriter):
         self._started = Started()
         """What the after-commit work of this writer's saves started (``after_commit``)."""
         self.path: str | None = writer_location(path)
-        self.config: IOConfig = resolve_config(**io_arguments(WRITER_IO, locals()))  # the keywords IOConfig gives it
+        # the I/O keywords IOConfig gives the writer, from its arguments (locals() of __init__)
+        self.config: IOConfig = resolve_config(**{n: v for n, v in locals().items() if n in WRITER_IO})
         self.overwrite = check_option("overwrite", overwrite)
         self.mirror = None if mirror is None else check_option("mirror", mirror)
         self.mirror_root = None if mirror_root is None else check_option("mirror_root", mirror_root)
