@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dcp_nvme.errors import InvalidInputError, MissingDependencyError, UnknownOptionError
 from dcp_nvme.humanize import format_size
@@ -289,11 +289,15 @@ def check_option(name: str, value: Any, source: str = "the argument") -> Any:
     return _CHECKS[name](name, value, source)
 
 
-def _option(default: Any, check: Any, *, env: bool = False, tuned: bool = False) -> Any:
+def _option(default: Any, check: Any, *, env: bool = False, tuned: bool = False, takes: tuple[str, ...] = (),
+            trainer: tuple[Any, str] | None = None) -> Any:
     """An IOConfig field and everything about it: its default, its check (``check(name, value,
-    source)``), whether an operator sets it as ``DCP_NVME_<FIELD>`` (``env``) and whether
-    ``dcp-nvme tune`` stores it (``tuned``). The tables below are read from these."""
-    return field(default=default, metadata={"check": check, "env": env, "tuned": tuned})
+    source)``), whether an operator sets it as ``DCP_NVME_<FIELD>`` (``env``), whether
+    ``dcp-nvme tune`` stores it (``tuned``), which of NVMeWriter and NVMeReader take it as a
+    keyword (``takes``), and, for an option a trainer's config carries, its type there and its
+    help (``trainer``). The tables below are read from these."""
+    return field(default=default, metadata={"check": check, "env": env, "tuned": tuned, "takes": takes,
+                                            "trainer": trainer})
 
 
 @dataclass(frozen=True)
@@ -306,18 +310,24 @@ class IOConfig:
     at once or, with ``node_write_order="staggered"``, one rank at a time.
     """
 
-    queue_depth: int = _option(8, lambda n, v, s: check_int(n, v, QUEUE_DEPTH_RANGE, s), env=True, tuned=True)
+    queue_depth: int = _option(8, lambda n, v, s: check_int(n, v, QUEUE_DEPTH_RANGE, s), env=True, tuned=True,
+                               takes=("writer", "reader"), trainer=(int, "requests in flight per rank"))
     block_size: int = _option(8 << 20, lambda n, v, s: check_size(n, v, BLOCK_SIZE_RANGE, s, multiple=ALIGN),
-                              env=True, tuned=True)
-    direct_io: bool = _option(True, check_bool, env=True, tuned=True)
-    engine: str = _option("auto", lambda n, v, s: check_choice(n, v, ENGINES, s), env=True)
-    verify: bool = _option(True, check_bool)
+                              env=True, tuned=True, takes=("writer", "reader"),
+                              trainer=(str, 'bytes per request, e.g. "8MiB"'))
+    direct_io: bool = _option(True, check_bool, env=True, tuned=True, takes=("writer", "reader"),
+                              trainer=(bool, "O_DIRECT where the filesystem allows it"))
+    engine: str = _option("auto", lambda n, v, s: check_choice(n, v, ENGINES, s), env=True, takes=("writer", "reader"),
+                          trainer=(Literal[ENGINES], "the I/O engine"))
+    verify: bool = _option(True, check_bool, takes=("reader",),
+                           trainer=(bool, "check the crc32c of every block loaded"))
     node_queue_depth: int | None = _option(
-        None, lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s), env=True, tuned=True)
-    read_mode: str = _option("auto", lambda n, v, s: check_choice(n, v, READ_MODES, s), tuned=True)
+        None, lambda n, v, s: None if v is None else check_int(n, v, NODE_QUEUE_DEPTH_RANGE, s), env=True, tuned=True,
+        takes=("writer",))
+    read_mode: str = _option("auto", lambda n, v, s: check_choice(n, v, READ_MODES, s), tuned=True, takes=("reader",))
     host_engine: str = _option("posix", lambda n, v, s: check_choice(n, v, HOST_ENGINES, s), tuned=True)
     node_write_order: str = _option("together", lambda n, v, s: check_choice(n, v, NODE_WRITE_ORDERS, s),
-                                    tuned=True)
+                                    tuned=True, takes=("writer",))
 
     def __post_init__(self) -> None:
         for name in _FIELDS:  # frozen: store the canonical form (e.g. "8MiB" -> 8388608)
@@ -345,6 +355,25 @@ _TUNED = tuple(f.name for f in _OPTIONS if f.metadata["tuned"])
 """The fields ``dcp-nvme tune`` stores, read from its file."""
 _CHECKS: dict[str, Any] = {**{f.name: f.metadata["check"] for f in _OPTIONS}, **_OUTSIDE_CHECKS}
 """The one place each option's form and range is checked: name -> check(name, value, source)."""
+
+WRITER_IO = tuple(f.name for f in _OPTIONS if "writer" in f.metadata["takes"])
+READER_IO = tuple(f.name for f in _OPTIONS if "reader" in f.metadata["takes"])
+"""The IOConfig fields NVMeWriter and NVMeReader take as keywords."""
+SHARED_IO = tuple(name for name in WRITER_IO if name in READER_IO)
+"""The I/O keywords of both, with one meaning and one environment variable."""
+
+
+def _trainer_help(option: Any) -> str:
+    """An option's help in a trainer's config, with where its value comes from when it is unset."""
+    sources = ([ENV_PREFIX + option.name.upper()] if option.metadata["env"] else []) + \
+        (["the dcp-nvme tune file"] if option.metadata["tuned"] else []) + ["the default"]
+    return f"{option.metadata['trainer'][1]} (unset: {', '.join(sources)})"
+
+
+IO_OPTIONS: dict[str, tuple[Any, str]] = {f.name: (f.metadata["trainer"][0], _trainer_help(f))
+                                          for f in _OPTIONS if f.metadata["trainer"]}
+"""The options a trainer's config carries (``integrations``): name -> (its type there, its help)."""
+
 
 ENV_FIELDS = tuple(f.name for f in _OPTIONS if f.metadata["env"])
 """The IOConfig fields an operator sets per cluster, each also read as ``DCP_NVME_<FIELD>``; the

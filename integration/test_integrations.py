@@ -245,6 +245,38 @@ def test_torchtitan_config_fields_save_and_newest_load(tmp_path, one_rank_group)
         assert torch.equal(value, fresh.state_dict()[name]), name
 
 
+def test_torchtitan_config_carries_iofigs_shared_options_in_their_config_form(tmp_path, one_rank_group) -> None:
+    """NVMeCheckpointManager.Config has a field ``nvme_<option>`` for each option IOConfig gives a
+    trainer, in its form there (every engine IOConfig knows, ``uring`` too; a size as text), and
+    each set field reaches the writer or the reader that takes it."""
+    if not _has("torchtitan"):
+        pytest.skip("torchtitan is not installed (see integration/requirements.txt)")
+    import dataclasses
+    import typing
+
+    from dcp_nvme import config as io
+    from dcp_nvme.integrations import torchtitan as tt
+
+    added = {f.name for f in dataclasses.fields(tt.NVMeCheckpointManager.Config)} - \
+        {f.name for f in dataclasses.fields(tt.CheckpointManager.Config)}
+    assert added == {f"nvme_{name}" for name in io.IO_OPTIONS}
+    hints = typing.get_type_hints(tt.NVMeCheckpointManager.Config)
+    assert set(typing.get_args(typing.get_args(hints["nvme_engine"])[0])) == set(io.ENGINES)
+    assert tt.NVMeCheckpointManager.Config._owner is tt.NVMeCheckpointManager
+    config = tt.NVMeCheckpointManager.Config(enable=True, folder="ckpt", nvme_engine="uring",
+                                             nvme_block_size="1MiB", nvme_verify=False)
+    assert tt._io_options(config) == {"block_size": "1MiB", "engine": "uring", "verify": False}
+    _, parts = _titan_parts(seed=0)
+    manager = config.build(**parts, base_folder=str(tmp_path))
+    try:
+        writer = manager._nvme_writer_factory(str(tmp_path / "w"))
+        assert (writer.config.block_size, writer.config.engine) == (1 << 20, "uring")
+        reader = manager._nvme_reader_factory(str(tmp_path / "r"))
+        assert (reader.config.block_size, reader.config.engine, reader.config.verify) == (1 << 20, "uring", False)
+    finally:
+        manager.close()
+
+
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_torchtitan_async_modes_wait_for_the_background_copy(tmp_path, one_rank_group, monkeypatch, mode) -> None:
     """NVMeStager copies host tensors on its own thread. torchtitan's ``async`` mode never waits

@@ -10,7 +10,7 @@ from dcp_nvme.bench.core import BenchCore, IOKwargs
 from dcp_nvme.bench.records import Row, Skip
 from dcp_nvme.observe.blockdev import check_queues, format_device
 from dcp_nvme.observe.drive_health import DriveWatch, format_drive
-from dcp_nvme.save.items import format_summary, layer_summary
+from dcp_nvme.save.results import format_summary, layer_summary
 
 LAYER_TARGETS = (
     # (name, ratio key, threshold), checked when a node budget is set over 2+ ranks; the report

@@ -10,7 +10,8 @@ Hook points in torchtitan 0.3.0 (``torchtitan/components/checkpointer/{base,dcp}
   them). ``_load`` picks the newest committed ``step-N`` through :func:`dcp_nvme.checkpoints`
   when ``step == -1`` and hands the step to torchtitan's own ``_load``.
 * ``Config``: a subclass of ``CheckpointManager.Config`` (torchtitan's config extension point:
-  a ``Configurable`` nested Config builds its owner class) with the dcp_nvme I/O options, set
+  a ``Configurable`` nested Config builds its owner class) with the dcp_nvme I/O options that
+  ``config.IOConfig`` gives a trainer (``config.IO_OPTIONS``), set
   wherever torchtitan sets config fields (a ``config_registry`` function, or
   ``--checkpoint.nvme_queue_depth 16`` on the command line).
 
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import gc
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import field, make_dataclass
+from typing import Annotated, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from dcp_nvme.config import IO_OPTIONS, READER_IO, WRITER_IO
 from dcp_nvme.integrations._common import make_reader, make_stager, make_writer, nvme_reader, nvme_writer
 from dcp_nvme.lazy_imports import require
 from dcp_nvme.load.load_planner import NVMeLoadPlanner
@@ -64,11 +66,37 @@ def latest_step(folder: str) -> int:
     return max(steps, default=-1)
 
 
+FIELD_PREFIX = "nvme_"
+"""The config field of dcp_nvme option ``x`` is ``nvme_x``."""
+
+
 def _io_options(config: Any) -> dict[str, Any]:
     """The dcp_nvme options set in the config (unset ones fall back to env / tuned / default)."""
-    names = {"nvme_queue_depth": "queue_depth", "nvme_block_size": "block_size",
-             "nvme_direct_io": "direct_io", "nvme_engine": "engine"}
-    return {ours: getattr(config, field) for field, ours in names.items() if getattr(config, field) is not None}
+    return {name: value for name in IO_OPTIONS if (value := getattr(config, FIELD_PREFIX + name)) is not None}
+
+
+def _help(text: str) -> Any:
+    """``text`` as the help torchtitan's command line (tyro) shows for a field; None without tyro."""
+    try:
+        from tyro.conf import arg
+    except ImportError:  # the fields stand without their help
+        return None
+    return arg(help=text)
+
+
+def _config_class() -> Any:
+    """``CheckpointManager.Config`` with a field ``nvme_<option>`` for each I/O option IOConfig
+    gives a trainer (``config.IO_OPTIONS``), in its form there, unset by default; its help is
+    what torchtitan's command line shows."""
+    fields = []
+    for name, (kind, text) in IO_OPTIONS.items():
+        shown = _help(f"dcp_nvme: {text}")
+        hint = Annotated[kind | None, shown] if shown is not None else kind | None
+        fields.append((FIELD_PREFIX + name, hint, field(default=None)))
+    config = make_dataclass("Config", fields, bases=(CheckpointManager.Config,), kw_only=True, slots=True)
+    config.__module__, config.__qualname__ = __name__, "NVMeCheckpointManager.Config"
+    config.__doc__ = "torchtitan's checkpoint Config with dcp_nvme's I/O options as ``nvme_*`` fields."
+    return config
 
 
 class NVMeCheckpointManager(CheckpointManager):
@@ -81,25 +109,15 @@ class NVMeCheckpointManager(CheckpointManager):
     thread (DCP THREAD executor) with the dcp_nvme stager.
     """
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(CheckpointManager.Config):
-        nvme_queue_depth: int | None = None
-        """dcp_nvme: requests in flight per rank (unset: env DCP_NVME_QUEUE_DEPTH, tuned, 8)."""
-        nvme_block_size: str | None = None
-        """dcp_nvme: bytes per request, e.g. "8MiB" (unset: env, tuned, 8 MiB)."""
-        nvme_direct_io: bool | None = None
-        """dcp_nvme: O_DIRECT where the filesystem allows it (unset: env, tuned, on)."""
-        nvme_engine: Literal["auto", "posix", "kvikio"] | None = None
-        """dcp_nvme: I/O engine (unset: env DCP_NVME_ENGINE, "auto")."""
-        nvme_verify: bool | None = None
-        """dcp_nvme: check the crc32c of every block loaded (unset: env, on)."""
+    Config = _config_class()
 
     def __init__(self, config, *, writer_factory=None, reader_factory=None,
                  stager_factory=None, **kwargs: Any) -> None:
         options = _io_options(config)
-        verify = {} if config.nvme_verify is None else {"verify": config.nvme_verify}
-        self._nvme_writer_factory = writer_factory or (lambda path: nvme_writer(path, **options))
-        self._nvme_reader_factory = reader_factory or (lambda path: nvme_reader(path, **options, **verify))
+        writes = {name: value for name, value in options.items() if name in WRITER_IO}
+        reads = {name: value for name, value in options.items() if name in READER_IO}
+        self._nvme_writer_factory = writer_factory or (lambda path: nvme_writer(path, **writes))
+        self._nvme_reader_factory = reader_factory or (lambda path: nvme_reader(path, **reads))
         self._nvme_custom_reader = reader_factory is not None
         self._nvme_stager_factory = stager_factory
         self._nvme_stager = None

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_nvme import seams
-from dcp_nvme.config import IOConfig, check_option, option_or_default, resolve_config
+from dcp_nvme.config import READER_IO, IOConfig, check_option, option_or_default, resolve_config
 from dcp_nvme.engines import shared_engine
 from dcp_nvme.engines.fsspec import FsspecEngine
 from dcp_nvme.engines.requests import IOStats, PhaseTimer
@@ -103,10 +103,8 @@ class NVMeReader(StorageReader):
         self._restore: seams.Restore | None = None
         """The current load's restore (``seams.restore``), with a mirror or peers."""
         self.path: str | None = reader_location(path)
-        self.config: IOConfig = resolve_config(
-            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io,
-            engine=engine, verify=verify, read_mode=read_mode,
-        )
+        # the I/O keywords IOConfig gives the reader, from its arguments (locals() of __init__)
+        self.config: IOConfig = resolve_config(**{n: v for n, v in locals().items() if n in READER_IO})
         self.memory_budget = check_option("memory_budget", memory_budget)
         self.allow_pickle = check_option("allow_pickle", allow_pickle)
         self.storage_options = storage_options

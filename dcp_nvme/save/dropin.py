@@ -1,7 +1,9 @@
 """What NVMeWriter keeps of DCP's stock writer: FileSystemWriter's arguments
 (``writer_stock_options``), the overwrite refusal in the stock wording (for a stock checkpoint
 too, whose files an overwrite removes: ``is_stock_file``), DCP's plan cache
-(``with_cached_plans``), and the pointer a stock ``dcp.load`` user finds (``write_pointer``).
+(``with_cached_plans``), the pointer a stock ``dcp.load`` user finds (``write_pointer``), and
+after a commit the removal of other saves' files, ours and a stock checkpoint's
+(``remove_other_saves``).
 
 Each stock argument is accepted where its value is what NVMeWriter does anyway, and otherwise
 refused with a message naming the option of ours that does that job (the rules shared with the
@@ -22,9 +24,10 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_nvme.config import refuse_positional, unknown_option
 from dcp_nvme.errors import CheckpointExistsError, InvalidInputError
-from dcp_nvme.format.container import DCP_METADATA, MANIFEST
+from dcp_nvme.format.container import DCP_METADATA, MANIFEST, save_key_of, temp_of
 from dcp_nvme.host.job import launched_world_size
-from dcp_nvme.storage.local_dir import LocalStore
+from dcp_nvme.storage.local_dir import LocalStore, remove_other_saves_copies
+from dcp_nvme.storage.save_lock import SaveLock
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,23 @@ without rank coordination) and their temps."""
 def is_stock_file(name: str) -> bool:
     """A file of a stock DCP checkpoint: after a commit it is another save's, removed like ours."""
     return _STOCK_FILE.match(name) is not None
+
+
+def remove_other_saves(directory: str, key: str, lock: SaveLock | None, label: str) -> None:
+    """After save ``key`` committed in ``directory``: the files of other saves (ours and a stock
+    checkpoint's) are garbage, provided ``lock`` is still held (no other save can be live then)
+    and our manifest is the committed one."""
+    if lock is not None and not lock.held():
+        log.warning("dcp_nvme: %s: the save lock was broken during the commit of %s; files of "
+                    "other saves are left in place", label, key)
+        return
+    store = LocalStore(directory)
+    for name in store.names():
+        owner = save_key_of(name)
+        temp = temp_of(name)
+        if (owner and owner != key) or (temp and temp[1] != key) or is_stock_file(name):
+            store.remove(name)
+    remove_other_saves_copies(directory, key)
 
 
 def exists_message(where: str, stock: bool = False) -> str:

@@ -33,11 +33,12 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from dcp_nvme.errors import ManifestError, SaveError
 from dcp_nvme.format.container import MANIFEST, check_name
+from dcp_nvme.save.after_commit import AfterCommit
 from dcp_nvme.storage.local_dir import (
     LocalStore,
     commit_prepared,
@@ -46,6 +47,7 @@ from dcp_nvme.storage.local_dir import (
     write_commit_file,
     write_prepared,
 )
+from dcp_nvme.storage.save_lock import SaveLock
 
 log = logging.getLogger(__name__)
 
@@ -213,13 +215,15 @@ def start_committer(committer: NodeCommitter) -> NodeCommitter:
 
 
 class NodeCommitter:
-    """Steps 2 and 4 for one save on one node writer rank, on a thread of its own."""
+    """Steps 2 and 4 for one save on one node writer rank, on a thread of its own; after a
+    commit, the save's ``after_commit.AfterCommit`` under the node's save lock."""
 
     def __init__(self, store: Any, directory: str, key: str, rank: int, node: str,
-                 after_commit: Callable[[], None], release: Callable[[], None], *,
-                 timeout: float = TIMEOUT) -> None:
+                 after_commit: AfterCommit, lock: SaveLock, *, timeout: float = TIMEOUT) -> None:
         self.store, self.directory, self.key, self.rank, self.node = store, directory, key, rank, node
-        self.after_commit, self.release, self.timeout = after_commit, release, timeout
+        self.after_commit, self.timeout = after_commit, timeout
+        self.lock = lock
+        """This node's save lock, held until the thread ends: the after-commit work runs under it."""
         self.cancelled = threading.Event()
         self._voted = threading.Event()
         self.outcome: str | None = None
@@ -258,7 +262,7 @@ class NodeCommitter:
                 self.outcome = "committed"
                 self.store.set(f"{prefix}done/{self.rank}", b"ok")
                 try:
-                    self.after_commit()
+                    self.after_commit.run(self.key, self.lock)
                 except Exception as exc:  # noqa: BLE001  the save is committed: what follows must not undo it
                     log.error("dcp_nvme: node %s: save %s is committed, but what follows a commit (drain, "
                               "replication) failed: %s", self.node, self.key, exc)
@@ -275,7 +279,7 @@ class NodeCommitter:
         finally:
             if self.outcome != "committed":
                 remove_save_files(self.directory, self.key)
-            self.release()
+            self.lock.release()
             with _live_lock:
                 if _live.get(self.directory) is self:
                     del _live[self.directory]

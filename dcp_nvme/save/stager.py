@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from dcp_nvme.config import ALIGN, check_option
 from dcp_nvme.engines.host_io import cuda_available
 from dcp_nvme.errors import InvalidInputError, StagingBusyError
-from dcp_nvme.save import items
+from dcp_nvme.save import handoff
 from dcp_nvme.save.arena import (
     Arena,
     Lease,
@@ -79,8 +79,8 @@ class _StagedFuture(Future):
         self.lease: Lease | None = None
         self.early: Any = None
         """A staged state handed to the save before the Future resolves (bounded staging: the
-        save writes the live tensors, then resolves it; see ``items.WaveRelease``)."""
-        self.wave: items.WaveRelease | None = None
+        save writes the live tensors, then resolves it; see ``handoff.WaveRelease``)."""
+        self.wave: handoff.WaveRelease | None = None
         self.copied: Future | None = None
         """Bounded staging: resolves when the arena copy is done (the save may read the arena)."""
         self.prepared: threading.Event | None = None
@@ -97,6 +97,8 @@ class _StagedFuture(Future):
         if self.early is not None and consumer and not self.done():
             if self.copied is not None:
                 self.copied.result(timeout)  # the arena's share is copied (raises what the copy raised)
+            if self.wave is not None:
+                handoff.attach(thread, self.wave)  # this thread's save, and only it, releases training
             self._watch(thread)
             return self.early
         return super().result(timeout)
@@ -389,7 +391,7 @@ class NVMeStager(AsyncStager):
                         host_pairs: list, device_pairs: list, started: float) -> None:
         """Bounded staging: the save gets ``staged`` once the arena copy is done
         (``future.early``, ``future.copied``); the Future resolves when the save has written
-        the live tensors (``items.WaveRelease``) or has ended, or with the copy's error."""
+        the live tensors (``handoff.WaveRelease``) or has ended, or with the copy's error."""
         copied: Future = Future()
 
         def resolve(error: BaseException | None) -> None:
@@ -399,7 +401,7 @@ class NVMeStager(AsyncStager):
             else:
                 future.set_result(staged)
 
-        wave = items.WaveRelease({t.untyped_storage().data_ptr() for t in live}, resolve)
+        wave = handoff.WaveRelease({t.untyped_storage().data_ptr() for t in live}, resolve)
 
         # a failed copy: the save raises it and may never report progress; training is released
         def release_if_failed(done: Future) -> None:
@@ -408,7 +410,6 @@ class NVMeStager(AsyncStager):
 
         copied.add_done_callback(release_if_failed)
         future.early, future.wave, future.copied = staged, wave, copied
-        items.register(wave)
         if host_pairs or device_pairs:
             self._copy_background(host_pairs, device_pairs, copied, staged, started)
         else:

@@ -29,6 +29,7 @@ from dcp_nvme import seams
 from dcp_nvme.compat import dcp_version
 from dcp_nvme.config import (
     COMPRESS_MODES,
+    WRITER_IO,
     IOConfig,
     check_option,
     option_or_default,
@@ -47,9 +48,7 @@ from dcp_nvme.format.container import (
     data_file_name,
     new_save_key,
     plan_container,
-    save_key_of,
     table_name,
-    temp_of,
 )
 from dcp_nvme.format.manifest import build_manifest_doc, seal, table_entry
 from dcp_nvme.format.tables import files_table, index_table_bytes
@@ -71,10 +70,10 @@ from dcp_nvme.host.job import (
     write_probe,
 )
 from dcp_nvme.save import copies
+from dcp_nvme.save.after_commit import AfterCommit, Started
 from dcp_nvme.save.dropin import (
     POINTER,
     held_key,
-    is_stock_file,
     refuse_existing,
     refuse_existing_early,
     whole_on_every_node,
@@ -82,21 +81,8 @@ from dcp_nvme.save.dropin import (
     write_pointer,
     writer_stock_options,
 )
-from dcp_nvme.save.items import (
-    check_planner_data,
-    collect_rows,
-    copy_rows,
-    format_summary,
-    key_from_results,
-    layer_summary,
-    rank_stats_doc,
-    release_for,
-    resolve_item,
-    storage_meta_doc,
-    unique_keys,
-    with_pads,
-    write_results,
-)
+from dcp_nvme.save.handoff import taken
+from dcp_nvme.save.items import resolve_item, unique_keys, with_pads
 from dcp_nvme.save.node_commit import (
     NodeCommitter,
     abort_everywhere,
@@ -104,13 +90,23 @@ from dcp_nvme.save.node_commit import (
     end_waiting,
     start_committer,
 )
+from dcp_nvme.save.results import (
+    check_planner_data,
+    collect_rows,
+    copy_rows,
+    format_summary,
+    key_from_results,
+    layer_summary,
+    rank_stats_doc,
+    storage_meta_doc,
+    write_results,
+)
 from dcp_nvme.storage import save_lock
 from dcp_nvme.storage.local_dir import (
     LocalStore,
     finish_begins,
     is_local_path,
     refuse_run_dir,
-    remove_other_saves_copies,
     remove_save_files,
     require_location,
     save_begins,
@@ -201,13 +197,11 @@ class NVMeWriter(StorageWriter):
         self.replicas = option_or_default("replicas", replicas, 0)
         self.replica_bandwidth = option_or_default("replica_bandwidth", replica_bandwidth, None)
         self.replica_stride = option_or_env("replica_stride", None, 1)  # env only: checked here, not after a commit
-        self.replication_future: concurrent.futures.Future[Any] | None = None
-        """With ``replicas``, on each node writer: a Future of the last save's ReplicationResult."""
+        self._started = Started()
+        """What the after-commit work of this writer's saves started (``after_commit``)."""
         self.path: str | None = writer_location(path)
-        self.config: IOConfig = resolve_config(
-            queue_depth=queue_depth, block_size=block_size, direct_io=direct_io, engine=engine,
-            node_queue_depth=node_queue_depth, node_write_order=node_write_order,
-        )
+        # the I/O keywords IOConfig gives the writer, from its arguments (locals() of __init__)
+        self.config: IOConfig = resolve_config(**{n: v for n, v in locals().items() if n in WRITER_IO})
         self.overwrite = check_option("overwrite", overwrite)
         self.mirror = None if mirror is None else check_option("mirror", mirror)
         self.mirror_root = None if mirror_root is None else check_option("mirror_root", mirror_root)
@@ -216,8 +210,6 @@ class NVMeWriter(StorageWriter):
                 f"mirror={self.mirror!r} and mirror_root={self.mirror_root!r} both given: mirror is one "
                 "checkpoint's URL, mirror_root a run's (each checkpoint drains to mirror_root/<its "
                 "directory name>); pass one")
-        self._mirrored: dict[str, str] = {}
-        """Mirror URL -> the checkpoint this writer drained there: one URL holds one checkpoint."""
         self.mirror_options = mirror_options
         if self.mirror or self.mirror_root:
             # the drain's module now, not at the first commit (which may come on a save thread
@@ -226,9 +218,6 @@ class NVMeWriter(StorageWriter):
         if compress is not None and compress not in COMPRESS_MODES:
             raise InvalidInputError(f"compress must be one of {COMPRESS_MODES}, got {compress!r}")
         self.compress = compress
-        self.drain_future: concurrent.futures.Future[Any] | None = None
-        """With a mirror, on the coordinator (and on each node writer of a node-local save): a
-        Future of the last save's drain of this node (DrainResult)."""
         self.is_coordinator = False
         self.save_key: str | None = None
         self.save_id: str = str(uuid.uuid4())
@@ -252,6 +241,25 @@ class NVMeWriter(StorageWriter):
         """On the coordinator: the plans of the last save, for a planner that caches
         (``dropin.with_cached_plans``)."""
         refuse_existing_early(self.path, self.overwrite)
+
+    @property
+    def drain_future(self) -> concurrent.futures.Future[Any] | None:
+        """With a mirror, on the coordinator (and on each node writer of a node-local save): a
+        Future of the last save's drain of this node (DrainResult)."""
+        return self._started.drain_future
+
+    @drain_future.setter
+    def drain_future(self, future: concurrent.futures.Future[Any] | None) -> None:
+        self._started.drain_future = future
+
+    @property
+    def replication_future(self) -> concurrent.futures.Future[Any] | None:
+        """With ``replicas``, on each node writer: a Future of the last save's ReplicationResult."""
+        return self._started.replication_future
+
+    @replication_future.setter
+    def replication_future(self, future: concurrent.futures.Future[Any] | None) -> None:
+        self._started.replication_future = future
 
     @property
     def _dir(self) -> str:
@@ -306,7 +314,7 @@ class NVMeWriter(StorageWriter):
         """A writer reused for another checkpoint (``checkpoint_id=``) with one ``mirror`` URL
         would drain each step over the last: refused before any byte is written."""
         url = self.mirror_url()
-        earlier = self._mirrored.get(url) if url else None
+        earlier = self._started.mirrored.get(url) if url else None
         if earlier is not None and earlier != self.path:
             assert url is not None  # earlier was found under it
             raise InvalidInputError(
@@ -372,25 +380,18 @@ class NVMeWriter(StorageWriter):
         except BaseException:
             lock.release()
             raise
-        self._lock = lock
-        key = target.save_key
+        self._lock = lock  # the committer releases it when it ends (a second release is a no-op)
         self._committer = start_committer(NodeCommitter(
-            job_store(), self._dir, key, target.rank, node_identity(),
-            after_commit=lambda: self._after_node_commit(key), release=lambda: self._release_this(lock)))
+            job_store(), self._dir, target.save_key, target.rank, node_identity(), self._after_commit(), lock))
 
-    def _release_this(self, lock: save_lock.SaveLock) -> None:
-        """Release ``lock`` (a committer's, of its own save), whatever save the writer is on now."""
-        if self._lock is lock:
-            self._lock = None
-        lock.release()
-
-    def _after_node_commit(self, key: str) -> None:
-        """On a node writer, its node's copy committed: what the coordinator does after its own."""
-        try:
-            self._remove_other_saves(LocalStore(self._dir), key)
-        except OSError as exc:
-            log.warning("dcp_nvme: %s committed, but removing files of other saves failed: %s", self.path, exc)
-        self._submit_drain()  # each node drains the files on its own disk
+    def _after_commit(self) -> AfterCommit:
+        """What follows this save's commit on this node, fixed now: a node writer's commit may
+        end after the writer moved on to its next checkpoint."""
+        return AfterCommit(
+            self._dir, str(self.path), self._started, getattr(self, "replicas", 0),
+            {"queue_depth": self.config.queue_depth, "block_size": self.config.block_size,
+             "bandwidth": getattr(self, "replica_bandwidth", None), "stride": getattr(self, "replica_stride", 1)},
+            self.mirror_url(), self.mirror_options, getattr(self, "compress", None))
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """One rank's part of the save, as named steps: resolve and place its items, write the
@@ -435,7 +436,7 @@ class NVMeWriter(StorageWriter):
         path = os.path.join(self._dir, name)
         watch = seams.save_diagnostics(self._dir, config.queue_depth, on_node, config.block_size) \
             if seams.save_diagnostics.plugged else None  # when asked: dcp-nvme bench and tune
-        wave = release_for(data)  # a bounded stager's live tensors are in this save
+        wave = taken(data)  # a bounded stager's live tensors are in this save
         progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
         try:
             with timer.span("write"), self._turn(config) as waited:
@@ -474,16 +475,13 @@ class NVMeWriter(StorageWriter):
         started = time.perf_counter()
         store = LocalStore(self._dir)
         key = self.save_key or (self._lock.save_key if self._lock else None) or key_from_results(results)
+        after = self._after_commit()
         committed = False
         try:
             finish_begins(self._dir, key)
             doc = self._commit(metadata, results, key)
             committed = True
-            try:
-                self._remove_other_saves(store, key)
-            except OSError as exc:  # committed and loadable: leftovers are garbage, not a failure
-                log.warning("dcp_nvme: %s committed, but removing files of other saves failed: %s",
-                            self.path, exc)
+            after.remove_other_saves(key, self._lock)  # committed and loadable: leftovers are garbage
         except BaseException:
             if not committed:  # nothing of this save may stay behind looking like a checkpoint
                 if self._topology is not None and self._topology.mode == NODE_LOCAL:
@@ -498,20 +496,7 @@ class NVMeWriter(StorageWriter):
         self.last_manifest = doc
         if self.last_stats is not None:
             self.last_stats.setdefault("phases", {})["commit"] = round(doc["commit_seconds"], 6)
-        self._submit_drain()
-
-    def _submit_drain(self) -> None:
-        """Committed on this node: its replication and its drain to the mirror run on in the background."""
-        if getattr(self, "replicas", 0):
-            self.replication_future = seams.replicate(
-                self._dir, node_identity(), self.replicas, queue_depth=self.config.queue_depth,
-                block_size=self.config.block_size, bandwidth=self.replica_bandwidth,
-                stride=getattr(self, "replica_stride", 1))
-        url = self.mirror_url()
-        if url:
-            self._mirrored[url] = self._dir
-            self.drain_future = seams.drain(self._dir, url, self.mirror_options,
-                                            compress=getattr(self, "compress", None))
+        after.start()  # this node's replication and drain run on in the background
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]], key: str) -> dict[str, Any]:
         """The tables, then manifest.json renamed into place: the commit. Returns the manifest."""
@@ -551,20 +536,6 @@ class NVMeWriter(StorageWriter):
             write_commit_files(self._dir, [*tables, (MANIFEST, sealed)], key)
         return doc
 
-    def _remove_other_saves(self, store: LocalStore, key: str) -> None:
-        """After our commit: the files of other saves are garbage, provided we still hold the
-        lock (no other save can be live then) and our manifest is the committed one."""
-        if self._lock is not None and not self._lock.held():
-            log.warning("dcp_nvme: %s: the save lock was broken during the commit of %s; files of "
-                        "other saves are left in place", self.path, key)
-            return
-        for name in store.names():
-            owner = save_key_of(name)
-            temp = temp_of(name)
-            if (owner and owner != key) or (temp and temp[1] != key) or is_stock_file(name):
-                store.remove(name)
-        remove_other_saves_copies(self._dir, key)
-
     def _release_lock(self) -> None:
         lock, self._lock = self._lock, None
         if lock is not None:
@@ -572,7 +543,8 @@ class NVMeWriter(StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         # a Future does not pickle (PROCESS mode); a lock belongs to the process that took it
-        return {**self.__dict__, "drain_future": None, "replication_future": None, "_lock": None, "_committer": None}
+        return {**self.__dict__, "_started": Started(mirrored=dict(self._started.mirrored)), "_lock": None,
+                "_committer": None}
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

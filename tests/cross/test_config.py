@@ -380,3 +380,25 @@ def test_each_io_option_is_declared_once_on_its_field(tmp_path):
         assert config.check_option(f.name, f.default) == f.default
         with pytest.raises(InvalidInputError, match=f"^{f.name}=.* from tune file"):
             f.metadata["check"](f.name, "?", "tune file")
+
+
+def test_the_writer_and_the_reader_name_the_io_keywords_iofig_gives_each(tmp_path):
+    """IOConfig's fields say which of NVMeWriter and NVMeReader take them as keywords: each one's
+    signature and docstring name exactly those, and each keyword reaches its IOConfig."""
+    from dataclasses import fields
+
+    from dcp_nvme import NVMeReader, NVMeWriter, config
+
+    io = {f.name for f in fields(config.IOConfig)}
+    assert config.SHARED_IO == tuple(n for n in config.WRITER_IO if n in config.READER_IO)
+    for cls, names in ((NVMeWriter, config.WRITER_IO), (NVMeReader, config.READER_IO)):
+        assert set(config.options_of(cls)) & io == set(names), cls.__name__
+        documented = {n for n in names if re.search(rf"\b{n}\b[^\n]*:", cls.__doc__ or "")}
+        assert documented == set(names), (cls.__name__, set(names) - documented)
+    assert f"{', '.join(config.SHARED_IO)}: as for NVMeWriter" in NVMeReader.__doc__
+    given = {"queue_depth": 3, "block_size": "1MiB", "direct_io": False, "engine": "posix", "verify": False,
+             "node_queue_depth": 6, "read_mode": "buffered", "node_write_order": "staggered"}
+    for made in (NVMeWriter(tmp_path / "w", **{n: given[n] for n in config.WRITER_IO}),
+                 NVMeReader(tmp_path / "r", **{n: given[n] for n in config.READER_IO})):
+        names = config.WRITER_IO if isinstance(made, NVMeWriter) else config.READER_IO
+        assert {n: getattr(made.config, n) for n in names} == {n: check_option(n, given[n]) for n in names}

@@ -305,7 +305,7 @@ def test_commit_keeps_the_ranks_order_when_it_is_the_metadata_order_else_sorts()
 
     from dcp_nvme.errors import SaveError
     from dcp_nvme.format.tables import StoredItem
-    from dcp_nvme.save.items import collect
+    from dcp_nvme.save.results import collect
 
     def row(fqn, start, rank):
         return ChunkRecord(fqn, "tensor", (start,), (2,), (4,), "float32", f"rank_{rank:05d}.ab.safetensors",
@@ -320,7 +320,7 @@ def test_commit_keeps_the_ranks_order_when_it_is_the_metadata_order_else_sorts()
                          for fqn in order})
 
     from dcp_nvme.format.tables import chunk_rows, rows_blob
-    from dcp_nvme.save import items as results_module
+    from dcp_nvme.save import results as results_module
 
     blobs = [[WriteResult(r[0].index, 8, StoredItem(r[0].storage_data.chunk, rows=rows_blob(ranks[i])))]
              + r[1:] for i, r in enumerate(results)]

@@ -201,3 +201,35 @@ def test_the_type_check_covers_the_whole_package():
 
     config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["mypy"]
     assert config["files"] == ["dcp_nvme"], config["files"]
+
+
+def _seam_calls(path: Path) -> set[str]:
+    """``seams.<name>(`` calls in ``path``."""
+    return {node.func.attr for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "seams"}
+
+
+def _defined(path: Path) -> set[str]:
+    return {node.name for node in ast.parse(path.read_text()).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_the_save_modules_each_hold_one_part_of_a_save():
+    """The writer plans, writes and commits; what follows a commit is ``after_commit``'s (the node
+    commit runs it without calling back into the writer); the stager's hand-off to the save is
+    ``handoff``'s (no process-wide registry in the writer's modules); ``items`` is the start of a
+    save's write and ``results`` its end."""
+    modules = _modules()
+    save = {name.rsplit(".", 1)[1]: path for name, path in modules.items() if name.startswith("dcp_nvme.save.")}
+    assert {"drain", "replicate"} <= _seam_calls(save["after_commit"])
+    assert not {"drain", "replicate"} & _seam_calls(save["writer"]), "the writer starts after-commit work itself"
+    imports = {short: {m.rsplit(".", 1)[-1] for m in _imports(f"dcp_nvme.save.{short}", path, modules)}
+               for short, path in save.items()}
+    assert "after_commit" in imports["node_commit"] and "writer" not in imports["node_commit"]
+    assert "handoff" in imports["stager"] and not {"items", "results"} & imports["stager"]
+    assert not imports["handoff"] & set(save), "the hand-off is the stager's and the writer's alone"
+    assert {"resolve_item", "unique_keys", "with_pads"} <= _defined(save["items"])
+    assert {"write_results", "collect_rows", "layer_summary"} <= _defined(save["results"])
+    assert not _defined(save["items"]) & _defined(save["results"])
+    assert "items" not in imports["results"] and "results" not in imports["items"]

@@ -16,7 +16,7 @@ import dcp_nvme
 from dcp_nvme import NVMeReader, NVMeWriter
 
 PACKAGE = os.path.dirname(dcp_nvme.__file__)
-MAX_SAVE_MODULES = 15
+MAX_SAVE_MODULES = 18  # save/ by part: items and results, the stager's hand-off, the after-commit work
 MAX_LOAD_MODULES = 21
 OPTIONAL = ("tiers/", "peers/", "observe/", "bench/", "tune/", "tools/", "integrations/")
 

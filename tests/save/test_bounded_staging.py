@@ -111,6 +111,40 @@ def test_staging_completion_waits_for_the_live_wave(tmp_path, monkeypatch):
         stager.close()
 
 
+def test_only_the_save_that_took_the_staged_state_releases_training(tmp_path):
+    """A plain dcp.save of the same tensors on another thread, while the bounded save waits to
+    write them, leaves the bounded save's staging_completion pending: training may change the
+    tensors only once the save that took the staged state has written them."""
+    import threading
+
+    gate, entered = threading.Event(), threading.Event()
+
+    class Held(NVMeWriter):
+        def write_data(self, plan, planner):
+            entered.set()
+            assert gate.wait(30)
+            return super().write_data(plan, planner)
+
+    state = _state()
+    stager = NVMeStager(max_bytes=_nbytes(state) // 2)
+    try:
+        response = dcp.async_save(state, storage_writer=Held(tmp_path / "async", engine="posix"),
+                                  async_stager=stager, no_dist=True)
+        assert entered.wait(30)
+        plain = threading.Thread(target=dcp.save, args=(state,), kwargs={
+            "storage_writer": NVMeWriter(tmp_path / "plain", engine="posix"), "no_dist": True})
+        plain.start()
+        plain.join(60)
+        assert (tmp_path / "plain" / "manifest.json").exists()
+        assert not response.staging_completion.done()
+        gate.set()
+        response.staging_completion.result(timeout=30)
+        response.upload_completion.result(timeout=60)
+    finally:
+        gate.set()
+        stager.close()
+
+
 def test_a_failed_bounded_save_still_releases_training(tmp_path, monkeypatch):
     def broken(self, *args, **kwargs):
         raise OSError(28, "No space left on device (injected)")

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.config import IOConfig, resolve_config
 from dcp_nvme.host.job import effective_queue_depth, node_turn, ranks_per_host, turn_file
-from dcp_nvme.save.items import format_summary, layer_summary
+from dcp_nvme.save.results import format_summary, layer_summary
 
 
 @pytest.fixture(autouse=True)

@@ -238,3 +238,48 @@ def _resave_on_two_nodes(rank, world, runs):
 def test_a_step_committed_on_one_node_only_is_saved_again_on_every_node(tmp_path):
     runs = [str(tmp_path / f"node{n}" / "run") for n in range(2)]
     run_ranks(2, _resave_on_two_nodes, runs)
+
+
+def _node_writer_commits_after_it_moved_on(tmp_path, monkeypatch):
+    """A node writer's copy of save ``key`` in ``a``, committed once the writer has been reset to
+    its next checkpoint ``b`` (a coordinator's rounds played over a store here); returns the
+    writer, its committer, the drains asked for and the two directories."""
+    from dcp_nvme import seams
+    from dcp_nvme.save import writer as writer_module
+
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(writer_module, "job_store", lambda: store)
+    a, b, mirror = tmp_path / "run" / "a", tmp_path / "run" / "b", tmp_path / "pfs"
+    a.mkdir(parents=True)
+    writer = NVMeWriter(a, mirror_root=mirror)
+    drains = []
+    monkeypatch.setattr(seams, "drain", lambda directory, url, *args, **kwargs: drains.append((directory, url)))
+    key = "abcd1234"
+    writer._start_node_copy(writer_module.RankPlan(rank=1, save_key=key, node_writer=True))
+    committer = writer._committer
+    writer.reset(b)  # the writer's next checkpoint, before this node's round came
+    store.set(f"{key}/meta", encode_payload(b'{"files": []}', []))
+    store.wait([f"{key}/vote/1"])
+    store.set(f"{key}/decision", b"commit")
+    committer.join(30)
+    assert committer.outcome == "committed" and (a / "manifest.json").exists()
+    return writer, committer, drains, a, b, mirror
+
+
+def test_a_node_writer_drains_the_directory_it_committed_not_the_one_it_moved_on_to(tmp_path, monkeypatch):
+    """A node writer's drain (and its clean-up of other saves) is of the save's directory: once
+    ran on whatever directory the writer was on by then."""
+    _, _, drains, a, b, mirror = _node_writer_commits_after_it_moved_on(tmp_path, monkeypatch)
+    assert drains == [(str(a), str(mirror / "a"))]
+
+
+def test_the_node_commit_holds_the_after_commit_work_and_nothing_of_the_writer(tmp_path, monkeypatch):
+    from dcp_nvme.save.after_commit import AfterCommit
+    from dcp_nvme.storage.save_lock import read_holder
+
+    writer, committer, drains, a, _, _ = _node_writer_commits_after_it_moved_on(tmp_path, monkeypatch)
+    assert isinstance(committer.after_commit, AfterCommit)
+    for value in [*vars(committer).values(), *vars(committer.after_commit).values()]:
+        assert value is not writer and getattr(value, "__self__", None) is not writer
+    assert read_holder(a) is None  # the committer released this node's lock when it ended
+    assert len(drains) == 1

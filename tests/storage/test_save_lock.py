@@ -71,7 +71,7 @@ PAUSED_SAVER = textwrap.dedent("""
     spec = importlib.util.spec_from_file_location("save_lock_test", sys.argv[4])
     test_module = importlib.util.module_from_spec(spec); spec.loader.exec_module(test_module); state = test_module.state
     from dcp_nvme import NVMeWriter
-    from dcp_nvme.save import writer
+    from dcp_nvme.save import after_commit, writer
     from dcp_nvme.engines import host_io as files
     from dcp_nvme.format.container import MANIFEST
     path, handshake, seed, point = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
@@ -91,7 +91,7 @@ PAUSED_SAVER = textwrap.dedent("""
     elif point == "manifest":
         writer.write_commit_files = paused_at(writer.write_commit_files, lambda d, files, *a: files[-1][0] == MANIFEST)
     elif point == "cleanup":
-        writer.NVMeWriter._remove_other_saves = paused_at(writer.NVMeWriter._remove_other_saves, lambda *a: True)
+        after_commit.remove_other_saves = paused_at(after_commit.remove_other_saves, lambda *a: True)
     dcp.save(state(seed), storage_writer=NVMeWriter(path, overwrite=True), no_dist=True)
     print("saved", flush=True)
 """)
