@@ -17,7 +17,7 @@ from dcp_nvme import NVMeReader, NVMeWriter
 
 PACKAGE = os.path.dirname(dcp_nvme.__file__)
 MAX_SAVE_MODULES = 18  # save/ by part: items and results, the stager's hand-off, the after-commit work
-MAX_LOAD_MODULES = 21
+MAX_LOAD_MODULES = 22  # load/dropin: FileSystemReader's arguments apart from the reader, as the save's
 OPTIONAL = ("tiers/", "peers/", "observe/", "bench/", "tune/", "tools/", "integrations/")
 
 
