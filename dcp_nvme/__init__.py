@@ -37,6 +37,7 @@ seams.restore_sources.plug("dcp_nvme.peers.sources:restore_sources")
 seams.peer_restore.plug("dcp_nvme.peers.exchange:peer_restore")
 seams.coded_engine.plug("dcp_nvme.tiers.coded:coded_engine")
 seams.decoded_store.plug("dcp_nvme.tiers.coded:decoded_store")
+seams.object_store.plug("dcp_nvme.tiers.s3_client:object_store")
 seams.mirror_restored.plug("dcp_nvme.tiers.journal:journal_restored")
 
 

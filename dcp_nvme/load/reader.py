@@ -36,7 +36,6 @@ from dcp_nvme.config import (
     unknown_option,
 )
 from dcp_nvme.engines import shared_engine
-from dcp_nvme.engines.fsspec import FsspecEngine
 from dcp_nvme.engines.host_io import tensor_bytes
 from dcp_nvme.engines.requests import IOStats, PhaseTimer
 from dcp_nvme.errors import (
@@ -480,7 +479,7 @@ class NVMeReader(StorageReader):
             assert coded is not None  # a manifest with a compression section has its coded engine
             engine = coded
         elif is_remote_url(self.path):
-            engine = FsspecEngine(cast(FsspecStore, self.store).fs, config)  # a URL's store (open_store)
+            engine = cast(FsspecStore, self.store).read_engine(config)  # a URL's store (open_store)
         else:
             engine, _ = shared_engine(config, has_device, self.path)
         try:
