@@ -40,7 +40,7 @@ from dcp_nvme.host.files import create_no_follow, fsync_dir, pwrite_all, write_f
 from dcp_nvme.storage.fsspec_dir import FsspecStore, filesystem, is_local_fs
 from dcp_nvme.storage.local_dir import LocalStore, is_remote_url, local_path
 from dcp_nvme.tiers.s3_client import S3Store, b64_crc, object_store
-from dcp_nvme.tiers.transfer import S3_MIN_PART
+from dcp_nvme.tiers.transfer import S3_MIN_PART, IncompleteOnTarget
 
 LocalPiece = Callable[[FileRecord, Piece], bytes]
 """Reads one piece of a local data file, checked against the blocks table."""
@@ -448,6 +448,10 @@ class BotoS3Sink(Sink):
         answer = self.s3.call("upload_part", f"{self.location(name)} part {piece.index + 1}", Key=self.s3.key(name),
                               UploadId=entry["upload_id"], PartNumber=piece.index + 1, Body=data,
                               ChecksumCRC32C=crc)
+        echoed = answer.get("ChecksumCRC32C")
+        if echoed and echoed != crc:  # the server stored other bytes than the blocks' (never journaled)
+            raise IncompleteOnTarget(f"{self.location(name)} part {piece.index + 1}: the server reports crc32c "
+                                     f"{echoed}, the local blocks {crc}; sent again")
         return f"{answer['ETag']}|{crc}"
 
     def finish(self, name: str, pieces: list[Piece], tags: dict[int, str], entry: dict[str, Any]) -> None:
