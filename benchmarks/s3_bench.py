@@ -63,8 +63,22 @@ def _s3tc_fs(region: str, endpoint: str):
     return S3FileSystem(region, s3_client=S3Client(region, endpoint=endpoint, s3client_config=config))
 
 
+class _GcClock:
+    """Python's collections during the operation, per generation, and their seconds."""
+
+    def __init__(self) -> None:
+        self.counts, self.seconds, self.began = [0, 0, 0], 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self.began
+            self.counts[info["generation"]] += 1
+
+
 def child(row: str, url: str, local: str, options: dict[str, Any], nbytes: int, transfers: int,
-          part_size: int) -> dict[str, Any]:
+          part_size: int, perf: str | None = None) -> dict[str, Any]:
     """One row, in this (fresh) process: imports first, then the timed operation."""
     began = _cpu()
     import torch
@@ -87,6 +101,17 @@ def child(row: str, url: str, local: str, options: dict[str, Any], nbytes: int, 
     else:
         import s3torchconnector.dcp as s3tc
     imported = _cpu() - began
+    import gc
+
+    profiler = None
+    if perf:  # the operation alone, every thread: perf report -i FILE --no-children --sort dso,sym
+        import signal
+
+        profiler = subprocess.Popen(["perf", "record", "-F", "999", "-g", "-p", str(os.getpid()), "-o", perf],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # perf attached
+    clock = _GcClock()
+    gc.callbacks.append(clock)
     cpu, started = _cpu(), time.perf_counter()
     if row == "drain":
         drain(local, url, storage_options=options,
@@ -106,11 +131,16 @@ def child(row: str, url: str, local: str, options: dict[str, Any], nbytes: int, 
         reader.fs = _s3tc_fs(region, options["endpoint_url"])
         dcp.load(state, storage_reader=reader, no_dist=True)
     seconds, cpu = time.perf_counter() - started, _cpu() - cpu
+    gc.callbacks.remove(clock)
+    if profiler is not None:
+        profiler.send_signal(signal.SIGINT)
+        profiler.wait()
     if row in WRITES:  # the bytes came back: the first values of the first tensor
         expect = _state(nbytes)["layer0.weight"][:4]
         assert torch.equal(state["layer0.weight"][:4], expect), f"{row}: read back other bytes"
     return {"row": row, "seconds": seconds, "cpu_s": cpu, "import_cpu_s": imported,
-            "s3fs_imported": "s3fs" in sys.modules}
+            "s3fs_imported": "s3fs" in sys.modules, "gc_collections": clock.counts, "gc_seconds": clock.seconds,
+            "gc_objects": len(gc.get_objects())}
 
 
 def _machine() -> dict[str, Any]:
@@ -128,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-transfers", type=int, default=8, help="our drain's parts in flight")
     parser.add_argument("--part-size", default="16MiB", help="our drain's part size")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--perf", default=None, help="perf record each row's operation to PREFIX.<row>.perf")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--args", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -170,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 writer = WRITES.get(row, row)
                 url = f"s3://bench/r{round_}/{writer}"
                 spec = {"url": url, "local": local, "options": options, "nbytes": nbytes,
-                        "transfers": args.max_transfers, "part_size": parse_size(args.part_size)}
+                        "transfers": args.max_transfers, "part_size": parse_size(args.part_size),
+                        "perf": f"{os.path.abspath(args.perf)}.{row}.perf" if args.perf else None}
                 out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", row,
                                       "--args", json.dumps(spec)], capture_output=True, text=True, env=env)
                 if out.returncode != 0:

@@ -69,7 +69,8 @@ def child(client: str, op: str, key: str, options: dict[str, Any], size: int, pa
             got = sum(map(len, fs.cat_ranges([f"bench/{key}"] * len(spans), [s for s, _ in spans],
                                              [e for _, e in spans])))
     elif client == "botocore":
-        store = s3_client.object_store(f"s3://bench/{key}", options)
+        folder, name = key.rsplit("/", 1)
+        store = s3_client.object_store(f"s3://bench/{folder}", options)
         assert store is not None
         c = store.client
         if op == "put":
@@ -94,9 +95,7 @@ def child(client: str, op: str, key: str, options: dict[str, Any], size: int, pa
             def get(span: tuple[int, int]) -> int:
                 buffer = getattr(local, "buffer", None) or bytearray(part)
                 local.buffer = buffer
-                prefix = store.root.split("/", 1)
-                return store.read_into(prefix[1] if len(prefix) > 1 else key, span[0],
-                                       memoryview(buffer)[: span[1] - span[0]])
+                return store.read_into(name, span[0], memoryview(buffer)[: span[1] - span[0]])
 
             with ThreadPoolExecutor(threads) as pool:
                 got = sum(pool.map(get, _ranges(size, part)))
