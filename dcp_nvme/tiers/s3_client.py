@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_nvme.config import IOConfig
+from dcp_nvme.config import IOConfig, check_backend
 from dcp_nvme.engines.fsspec import deliver
 from dcp_nvme.engines.requests import IOStats, ReadRequest, run_bounded
 from dcp_nvme.errors import BucketMissingError, InvalidInputError, ManifestError
@@ -338,6 +338,7 @@ def object_store(url: str, storage_options: dict[str, Any] | None, fs: Any = Non
     """The botocore store of an ``s3://`` URL, or None (said once) where s3fs must serve it."""
     if not url.startswith("s3://") or len(url) <= len("s3://"):
         return None
+    check_backend("s3", url)  # s3:// needs the s3 extra whichever client serves it (looked up, not imported)
     options, why = s3_options(storage_options)
     if options is None:
         _say_once(why)

@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import crc32c
 import pytest
@@ -200,4 +201,18 @@ def test_s3_drain_from_storage_options_stores_crc32c_object(tmp_path, seaweed, s
     data = open(os.path.join(local, name), "rb").read()
     parts = b"".join(crc32c.crc32c(data[p.offset: p.offset + p.length]).to_bytes(4, "big") for p in pieces)
     assert head["ChecksumCRC32C"] in (f"{_crc_b64(parts)}-{len(pieces)}", _crc_b64(data))
+    assert_same(load(NVMeReader(url, storage_options=opts(seaweed)), sd), sd)
+
+
+def test_s3_drain_holds_its_bandwidth_cap(tmp_path, seaweed, seaweed_bucket):
+    """The cap holds on the botocore path: after one piece's burst, no faster than the cap."""
+    sd = make_state(25, floats=4_000_000)  # 16 MB
+    local = save(tmp_path / "step_25", sd)
+    url = f"s3://{seaweed_bucket}/step_25"
+    rate = 8 * MiB
+    started = time.monotonic()
+    result = drain(local, url, storage_options=opts(seaweed), options=DrainOptions(**{**FAST, "bandwidth": rate}))
+    took = time.monotonic() - started
+    assert result.bytes_sent > 2 * FAST["part_size"]
+    assert took >= (result.bytes_sent - FAST["part_size"]) / rate * 0.95
     assert_same(load(NVMeReader(url, storage_options=opts(seaweed)), sd), sd)
