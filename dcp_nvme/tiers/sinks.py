@@ -344,14 +344,12 @@ class BotoS3Sink(Sink):
         self._buffers = threading.local()
 
     def buffer(self, length: int) -> bytearray | None:
-        held: dict[int, bytearray] = getattr(self._buffers, "held", None) or {}
-        found = held.get(length)
-        if found is None:
-            if len(held) >= 3:  # a file's first, middle and last piece sizes
-                held.pop(next(iter(held)))
-            found = held[length] = bytearray(length)
-        self._buffers.held = held
-        return found
+        # one per thread, the size of its last piece (most pieces have the part size): the
+        # memory stays what the pieces in flight need; botocore takes no view of a larger one
+        held: bytearray | None = getattr(self._buffers, "held", None)
+        if held is None or len(held) != length:
+            held = self._buffers.held = bytearray(length)
+        return held
 
     def _crc(self, record: FileRecord, piece: Piece, data: bytes | bytearray | None, local: LocalPiece | None) -> int:
         """The piece's crc32c from the blocks table (its checks tile it), else hashed."""
