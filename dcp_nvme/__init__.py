@@ -36,6 +36,7 @@ seams.replication_group.plug("dcp_nvme.peers.replicate:replication_group")
 seams.restore.plug("dcp_nvme.peers.restore:open_restore")
 seams.coded_engine.plug("dcp_nvme.tiers.coded:coded_engine")
 seams.decoded_store.plug("dcp_nvme.tiers.coded:decoded_store")
+seams.object_store.plug("dcp_nvme.tiers.s3_client:object_store")
 seams.mirror_restored.plug("dcp_nvme.tiers.journal:journal_restored")
 
 

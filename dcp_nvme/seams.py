@@ -184,6 +184,13 @@ class DecodedStore(Protocol):
     def __call__(self, store: Store, manifest: Manifest, location: str) -> Store: ...
 
 
+class ObjectStore(Protocol):
+    """``tiers.s3_client.object_store``: an ``s3://`` checkpoint through botocore (a store with
+    ``FsspecStore``'s methods and ``read_engine``), or None where fsspec must serve it."""
+
+    def __call__(self, url: str, storage_options: dict[str, Any] | None) -> Any: ...
+
+
 class MirrorRestored(Protocol):
     def __call__(self, path: str, target: str, save_key: str,
                  storage_options: dict[str, Any] | None) -> None: ...
@@ -211,6 +218,8 @@ coded_engine: Seam[CodedEngine] = Seam("coded_engine", "reads of a compressed mi
                     "config) -> an engine, or None for a plain checkpoint")
 decoded_store: Seam[DecodedStore] = Seam("decoded_store", "a compressed mirror's files as the plain checkpoint they hold; "
                      "(store, manifest, location) -> a store")
+object_store: Seam[ObjectStore] = Seam("object_store", "an s3:// URL read through botocore itself; "
+                    "(url, storage_options) -> a store, or None for fsspec")
 mirror_restored: Seam[MirrorRestored] = Seam("mirror_restored", "a step whose metadata a restore took from its mirror: journal it "
                        "as mirrored there; (path, target, save_key, storage_options) -> None")
 save_diagnostics: Seam[SaveDiagnostics] = Seam("save_diagnostics", "drive health and block-layer advice around a save's write, "

@@ -55,7 +55,7 @@ class FsspecEngine:
         pass
 
 
-def deliver(request: ReadRequest, data: bytes, dests: Sequence[torch.Tensor]) -> None:
+def deliver(request: ReadRequest, data: bytes | bytearray | memoryview, dests: Sequence[torch.Tensor]) -> None:
     """Check one whole-request read (length, then crc32c) and scatter its pieces to ``dests``."""
     check_length(request, request.file_offset + len(data))
     check_host(request.file, request.file_offset, request.checks, [memoryview(data)])

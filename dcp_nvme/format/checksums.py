@@ -106,3 +106,55 @@ def check_table(location: str, entry: dict[str, Any], data: bytes) -> None:
             f"{entry['size']}, crc32c {actual:#010x} vs {entry['crc32c']:#010x}): the table is "
             "corrupt or was modified after the save",
         )
+
+
+# --------------------------------------------------------------------------- crc32c of a span
+
+
+_CRC32C_POLY = 0x82F63B78  # reflected Castagnoli
+_shift_ops: dict[int, list[int]] = {}
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _shift_op(length: int) -> list[int]:
+    """The GF(2) operator that appends ``length`` zero bytes to a crc32c (zlib's crc32_combine),
+    cached per length: a file's blocks share one or two lengths."""
+    found = _shift_ops.get(length)
+    if found is not None:
+        return found
+    op = [_CRC32C_POLY] + [1 << n for n in range(31)]  # one zero bit
+    result = [1 << n for n in range(32)]  # identity
+    bits = length * 8
+    while bits:
+        if bits & 1:
+            result = [_times(op, column) for column in result]
+        op = [_times(op, column) for column in op]
+        bits >>= 1
+    _shift_ops[length] = result
+    return result
+
+
+def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
+    return _times(_shift_op(length2), crc1) ^ crc2 if length2 else crc1
+
+
+def span_crc(checks: Sequence[Check], length: int) -> int | None:
+    """The crc32c of ``length`` bytes from the expected crcs of checks that tile them exactly
+    (checked bytes: no byte is hashed again), or None when the checks leave a gap."""
+    crc, covered = 0, 0
+    for rel, size, expected in checks:
+        if rel != covered:
+            return None
+        crc = crc32c_combine(crc, expected, size)
+        covered += size
+    return crc if covered == length else None

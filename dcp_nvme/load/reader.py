@@ -21,7 +21,6 @@ from torch.futures import Future
 from dcp_nvme import seams
 from dcp_nvme.config import READER_IO, IOConfig, check_option, option_or_default, resolve_config
 from dcp_nvme.engines import shared_engine
-from dcp_nvme.engines.fsspec import FsspecEngine
 from dcp_nvme.engines.requests import IOStats, PhaseTimer
 from dcp_nvme.errors import ChecksumMismatchError, MissingItemError
 from dcp_nvme.format.container import MANIFEST
@@ -292,7 +291,7 @@ class NVMeReader(StorageReader):
             assert coded is not None  # a manifest with a compression section has its coded engine
             engine = coded
         elif is_remote_url(self.path):
-            engine = FsspecEngine(cast(FsspecStore, self.store).fs, config)  # a URL's store (open_store)
+            engine = cast(FsspecStore, self.store).read_engine(config)  # a URL's store (open_store)
         else:
             engine, _ = shared_engine(config, has_device, self.path)
         try:

@@ -12,7 +12,8 @@ from typing import Any
 
 import fsspec
 
-from dcp_nvme.config import missing_backend
+from dcp_nvme import seams
+from dcp_nvme.config import IOConfig, missing_backend
 from dcp_nvme.errors import ManifestError
 from dcp_nvme.host.files import bare_name, fsync_dir
 from dcp_nvme.storage.local_dir import LocalStore, is_remote_url, local_path
@@ -124,10 +125,20 @@ class FsspecStore:
         if self.local:
             fsync_dir(self.root)
 
+    def read_engine(self, config: IOConfig) -> Any:
+        """The engine of this store's bulk reads (an ``S3Store`` has its own)."""
+        from dcp_nvme.engines.fsspec import FsspecEngine  # torch: only a load imports it
+
+        return FsspecEngine(self.fs, config)
+
 
 def open_store(location: str | os.PathLike, storage_options: dict[str, Any] | None = None):
     """LocalStore for local paths (and ``file://``), FsspecStore for other URLs."""
     text = os.fspath(location)
     if is_remote_url(text):
+        if text.startswith("s3://") and seams.object_store.plugged:  # botocore itself, where it can
+            store = seams.object_store(text, storage_options)
+            if store is not None:
+                return store
         return FsspecStore(text, storage_options)
     return LocalStore(local_path(text))

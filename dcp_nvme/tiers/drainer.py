@@ -43,7 +43,7 @@ from dcp_nvme.tiers.compress import CompressedSource, default_threads, remove_sc
 from dcp_nvme.tiers.delta import journal_summary, pick_base
 from dcp_nvme.tiers.journal import DRAINING, FAILED, MIRRORED, DrainBusy, Journal, drain_lock
 from dcp_nvme.tiers.options import DrainOptions
-from dcp_nvme.tiers.sinks import S3Sink, Sink, open_sink
+from dcp_nvme.tiers.sinks import Sink, open_sink
 from dcp_nvme.tiers.source import DrainSource, overwritten
 from dcp_nvme.tiers.target import (
     Heartbeat,
@@ -53,7 +53,6 @@ from dcp_nvme.tiers.target import (
     wait_for_every_node,
 )
 from dcp_nvme.tiers.transfer import (
-    S3_MIN_PART,
     IncompleteOnTarget,
     NodeSilent,
     SourceChanged,
@@ -338,7 +337,7 @@ def _plan(record: FileRecord, entry: dict[str, Any], part_size: int, sink: Sink)
     """The part size for one file: the one its unfinished transfer began with, else the option."""
     planned = entry.get("part_size")
     in_progress = bool(entry["pieces"]) or bool(entry.get("upload_id"))
-    minimum = S3_MIN_PART if isinstance(sink, S3Sink) else 1
+    minimum = sink.min_part
     if not (in_progress and isinstance(planned, int) and planned >= minimum):
         planned = part_size
     return planned, plan_pieces(record.size, record.data_start, record.checksum_block, planned)
@@ -347,9 +346,7 @@ def _plan(record: FileRecord, entry: dict[str, Any], part_size: int, sink: Sink)
 def _attempt(source: DrainSource | CompressedSource, sink: Sink, journal: Journal, options: DrainOptions,
              result: DrainResult, progress: Progress | None) -> None:
     manifest = source.manifest
-    part_size = options.part_size
-    if isinstance(sink, S3Sink):
-        part_size = max(part_size, S3_MIN_PART)
+    part_size = max(options.part_size, sink.min_part)
     refuse_other_checkpoint(manifest.doc, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
@@ -506,13 +503,15 @@ def _send_all(source: DrainSource | CompressedSource, sink: Sink, journal: Journ
     lock = threading.Lock()
 
     def send(record: FileRecord, piece: Piece) -> None:
-        data = source.piece(record, piece)
+        buffer = sink.buffer(piece.length) if isinstance(source, DrainSource) else None
+        data = source.piece_into(record, piece, buffer) if buffer is not None and isinstance(source, DrainSource) \
+            else source.piece(record, piece)
         bucket.take(len(data))
         entry = journal.file(record.name)
         where = sink.location(record.name)
         with step(f"sending piece {piece.index} (bytes {piece.offset}-{piece.offset + piece.length}) "
                    f"of {where}"):
-            tag = sink.put_piece(record.name, piece, data, entry)
+            tag = sink.put_piece(record.name, piece, data, entry, record)
         _at("piece-sent", name=record.name, piece=piece)
         journal.piece_done(record.name, piece, tag)
         _at("piece-journaled", name=record.name, piece=piece)

@@ -81,6 +81,16 @@ class DrainSource:
 
     def piece(self, record: FileRecord, piece: Piece) -> bytes:
         """The piece's bytes from local disk, checked against the blocks table."""
+        data = self._read(record, piece, None)
+        assert isinstance(data, bytes)
+        return data
+
+    def piece_into(self, record: FileRecord, piece: Piece, into: bytearray) -> bytearray:
+        """``piece`` read into a buffer of its length (a sink's, reused: no fresh pages per piece)."""
+        self._read(record, piece, into)
+        return into
+
+    def _read(self, record: FileRecord, piece: Piece, into: bytearray | None) -> bytes | bytearray:
         path = self.store.path(record.name)
         with step(f"reading {path} bytes {piece.offset}-{piece.offset + piece.length}"):
             try:
@@ -88,11 +98,15 @@ class DrainSource:
             except FileNotFoundError:  # removed since the start (changed() tells an overwrite apart)
                 raise LocalDamage(f"{path} is missing: the local checkpoint is damaged") from None
             with handle:
-                data = os.pread(handle.fileno(), piece.length, piece.offset)
-            if len(data) != piece.length:
-                raise ManifestError(f"{path} is truncated at {piece.offset + len(data)} of "
+                if into is None:
+                    data: bytes | bytearray = os.pread(handle.fileno(), piece.length, piece.offset)
+                    got = len(data)
+                else:
+                    data, got = into, os.preadv(handle.fileno(), [into], piece.offset)
+            if got != piece.length:
+                raise ManifestError(f"{path} is truncated at {piece.offset + got} of "
                                     f"{record.size} bytes")
-            verify_piece(record, piece.offset, data, path)  # what we send is right
+            verify_piece(record, piece.offset, memoryview(data), path)  # what we send is right
         return data
 
     def changed(self) -> str | None:

@@ -105,7 +105,7 @@ def test_every_seam_has_a_typed_signature_and_every_plugged_target_takes_it():
     declared = typing.get_type_hints(seams)
     found = {name: value for name, value in vars(seams).items() if isinstance(value, Seam)}
     assert set(found) == {"drain", "replicate", "replication_group", "restore", "coded_engine", "decoded_store",
-                          "mirror_restored", "save_diagnostics"}
+                          "object_store", "mirror_restored", "save_diagnostics"}
     enable_save_diagnostics()
     try:
         for name, seam in found.items():

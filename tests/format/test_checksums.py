@@ -136,3 +136,19 @@ def test_a_table_is_checked_by_size_and_crc_and_named(saved):
         with pytest.raises(TableError, match="does not match manifest.json") as info:
             check_table(str(path), entry, bad)
         assert info.value.name == entry["name"]
+
+
+def test_span_crc_combines_block_crcs_into_the_crc_of_the_span():
+    """An S3 part's x-amz-checksum-crc32c comes from the blocks table, no byte hashed again:
+    the combined crc equals crc32c of the bytes, for any block sizes, and a gap gives None."""
+    from dcp_nvme.format.checksums import crc32c_combine, span_crc
+
+    blocks = [os.urandom(n) for n in (4096, 1 << 20, 1 << 20, 12345, 1)]
+    checks, offset = [], 0
+    for block in blocks:
+        checks.append((offset, len(block), crc32c.crc32c(block)))
+        offset += len(block)
+    assert span_crc(checks, offset) == crc32c.crc32c(b"".join(blocks))
+    assert crc32c_combine(crc32c.crc32c(blocks[0]), crc32c.crc32c(b""), 0) == crc32c.crc32c(blocks[0])
+    assert span_crc(checks[:1] + checks[2:], offset) is None  # a block missing: hash the bytes instead
+    assert span_crc(checks, offset + 1) is None

@@ -74,8 +74,8 @@ def gated_coder(monkeypatch):
         begin(self, name, record, entry, resuming)
         opened.set()
 
-    def putting(self, name, piece, data, entry):
-        tag = put(self, name, piece, data, entry)
+    def putting(self, name, piece, data, entry, record=None):
+        tag = put(self, name, piece, data, entry, record)
         sent.set()
         return tag
 
