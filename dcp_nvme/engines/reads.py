@@ -26,6 +26,7 @@ from dcp_nvme.engines.host_io import (
     open_for_reading,
 )
 from dcp_nvme.engines.requests import SCRATCH, ReadRequest, Segment, plan_read_segments
+from dcp_nvme.engines.small import read_buffered_if_small
 from dcp_nvme.format.checksums import check_host
 from dcp_nvme.format.container import align_down, align_up
 
@@ -51,6 +52,7 @@ class ReadSource:
     def open(cls, path: str, config: IOConfig) -> ReadSource:
         fd, direct = open_for_reading(path, config)
         try:
+            direct = read_buffered_if_small(fd, direct, config.block_size)  # one request: cached
             dio = dio_alignment(fd) if direct else None
         except BaseException:
             os.close(fd)
