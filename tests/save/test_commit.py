@@ -149,8 +149,8 @@ def test_failed_write_commits_nothing_and_removes_its_data(tmp_path, monkeypatch
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(files, "pwrite_all", full_disk)
-    with pytest.raises(CheckpointException) as info:
-        _save(tmp_path / "c", 1)
+    with pytest.raises(CheckpointException) as info:  # 9 MiB: more than a request, the engine writes it
+        dcp.save({"w": torch.ones(9 << 18)}, storage_writer=NVMeWriter(tmp_path / "c"), no_dist=True)
     assert "No space left on device" in str(info.value)
     assert not os.path.exists(tmp_path / "c" / MANIFEST)
     assert not [n for n in os.listdir(tmp_path / "c") if n.endswith(".safetensors")]
@@ -270,7 +270,8 @@ def test_a_full_disk_at_preallocation_names_the_file_and_commits_nothing(tmp_pat
     if not writer.config.direct_io:
         pytest.skip("O_DIRECT off")
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"w": torch.ones(1000)}, storage_writer=writer, no_dist=True)
+        # 9 MiB: more than a request, so the engine preallocates (engines.small writes less at once)
+        dcp.save({"w": torch.ones(9 << 18)}, storage_writer=writer, no_dist=True)
     monkeypatch.undo()
     message = str(info.value)
     if "No space left on device" not in message:
