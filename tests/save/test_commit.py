@@ -228,7 +228,7 @@ def test_o_direct_containers_are_preallocated_then_cut_to_size(tmp_path, monkeyp
     real = posix.preallocate
     monkeypatch.setattr(posix, "preallocate", lambda fd, size: calls.append(size) or real(fd, size))
     path = tmp_path / "c"
-    state = {"w": torch.arange(100_003, dtype=torch.float32)}  # an odd size
+    state = {"w": torch.arange(2_400_003, dtype=torch.float32)}  # an odd size, more than a request
     writer = NVMeWriter(path, direct_io=True)
     dcp.save(state, storage_writer=writer, no_dist=True)
     if not writer.last_stats["io"]["direct_io"]:
@@ -236,7 +236,7 @@ def test_o_direct_containers_are_preallocated_then_cut_to_size(tmp_path, monkeyp
     (container,) = [p for p in path.iterdir() if p.suffix == ".safetensors"]
     assert calls == [-(-container.stat().st_size // 4096) * 4096]  # reserved page-rounded
     assert container.stat().st_size % 4096  # ... and cut back to the real, unaligned size
-    dest = {"w": torch.zeros(100_003)}
+    dest = {"w": torch.zeros(2_400_003)}
     dcp.load(dest, storage_reader=NVMeReader(path), no_dist=True)
     assert torch.equal(dest["w"], state["w"])
 
@@ -252,8 +252,11 @@ def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch, code)
         return -1
 
     monkeypatch.setattr(files, "_fallocate", refuse)
-    _save(tmp_path / "c", 5, direct_io=True)
-    assert _load(tmp_path / "c") == 5
+    big = 9 << 18  # 9 MiB: more than a request, so the engine preallocates (engines.small does not)
+    dcp.save({"w": torch.full((big,), 5.0)}, storage_writer=NVMeWriter(tmp_path / "c", direct_io=True), no_dist=True)
+    dest = {"w": torch.zeros(big)}
+    dcp.load(dest, storage_reader=NVMeReader(tmp_path / "c"), no_dist=True)
+    assert dest["w"][0].item() == 5
 
 
 def test_a_full_disk_at_preallocation_names_the_file_and_commits_nothing(tmp_path, monkeypatch):
