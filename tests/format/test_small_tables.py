@@ -40,3 +40,25 @@ def test_small_tables_are_stored_without_a_coder(count, coded):
              for c in range(meta.num_columns)}
     assert kinds == ({"ZSTD"} if coded else {"UNCOMPRESSED"}), (count, kinds, SMALL_TABLE)
     assert parse_chunks(data, max_rows=count) == _rows(count)  # read back alike either way
+
+
+def test_a_small_index_is_checked_row_by_row_and_a_large_one_by_the_screens(monkeypatch):
+    from dcp_nvme.format import column_checks
+    from dcp_nvme.format.columns import ChunkColumns
+    from dcp_nvme.format.tables import read_chunk_table
+
+    screened = []
+    real = column_checks._Screen
+    monkeypatch.setattr(column_checks, "_Screen", lambda *a: screened.append(1) or real(*a))
+    for count, screens in ((column_checks.SMALL_INDEX, 0), (column_checks.SMALL_INDEX + 1, 1)):
+        rows = _rows(count)
+        doc = {"save_key": "ab", "files": [{"name": "rank_00000.ab.safetensors", "rank": 0, "size": 1 << 24}]}
+        cols = ChunkColumns.from_table(read_chunk_table(chunks_table(rows), "index", count))
+        column_checks.check_columns(cols, doc, "index")
+        assert len(screened) == screens
+        bad = _rows(count)
+        bad[3] = ChunkRecord(*[*vars(bad[3]).values()][:8], 12, bad[3].key)  # a length that is not 256 x 4
+        cols = ChunkColumns.from_table(read_chunk_table(chunks_table(bad), "index", count))
+        with pytest.raises(Exception, match="model.t000003"):
+            column_checks.check_columns(cols, doc, "index")
+        screened.clear()
