@@ -9,14 +9,13 @@ writeback at once (``sync_file_range``) and the caller owes an fsync before anyt
 file; the writer's commit joins it to the tables' and the manifest's fsync round
 (``storage.local_dir.write_commit_files``), one journal commit instead of two.
 
-On load, a container no larger than ``block_size`` is read buffered (``read_buffered_if_small``):
-it was written moments ago or read often (a small state), so the page cache usually holds it,
-and O_DIRECT would fetch it from the device again."""
+On load, a container no larger than ``block_size`` is read buffered
+(``reads.read_buffered_if_small``): it was written moments ago or is read often (a small
+state), so the page cache usually holds it, and O_DIRECT would fetch it from the device again."""
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import os
 import threading
 import time
@@ -31,7 +30,6 @@ from dcp_nvme.engines.host_io import block_crcs, memory_at, pwritev_all, with_pa
 from dcp_nvme.engines.requests import IOStats
 from dcp_nvme.format.container import save_key_of
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -95,15 +93,6 @@ def write_small(path: str, header: bytes, sources: Sequence[torch.Tensor], check
     stats.seconds = time.perf_counter() - started
     return FileWriteResult(path, len(header) + size, len(header), checksum_block, crcs,
                            crc32c.crc32c(header), stats)
-
-
-def read_buffered_if_small(fd: int, direct: bool, block_size: int) -> bool:
-    """Whether reads of the open container ``fd`` stay O_DIRECT: one no larger than
-    ``block_size`` has its O_DIRECT flag cleared (``F_SETFL``), and is read buffered."""
-    if not direct or os.fstat(fd).st_size > block_size:
-        return direct
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-    return False
 
 
 def write_container(engine, path: str, header: bytes, sources: Sequence[torch.Tensor], config: IOConfig,
