@@ -40,6 +40,11 @@ __getattr__, __dir__ = lazy_names(__name__, globals(), {"PosixEngine": ".posix"}
 
 
 def _posix(config: IOConfig) -> Engine:
+    """The cached threads engine for these knobs when there is one (none made to be thrown
+    away by ``shared_engine``: a save of one request never calls into it, ``engines.small``)."""
+    cached = _ENGINE_CACHE.get(("posix", *(getattr(config, knob) for knob in ENGINE_KNOBS)))
+    if cached is not None:
+        return cached
     from dcp_nvme.engines.posix import PosixEngine
 
     return PosixEngine(config)

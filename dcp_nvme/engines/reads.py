@@ -2,11 +2,13 @@
 
 Under O_DIRECT the aligned bulk of every host destination whose address is congruent with its
 file offset is read straight into it; the rest (edges, scratch, other destinations, device
-memory) into a bounce buffer, copied out after every checksum block has been verified."""
+memory) into a bounce buffer, copied out after every checksum block has been verified. A
+container no larger than ``block_size`` is read buffered (``read_buffered_if_small``)."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -33,6 +35,16 @@ log = logging.getLogger(__name__)
 
 
 _warned_read_memory: set[str] = set()
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def read_buffered_if_small(fd: int, direct: bool, block_size: int) -> bool:
+    """Whether reads of the open container ``fd`` stay O_DIRECT: one no larger than
+    ``block_size`` has its O_DIRECT flag cleared (``F_SETFL``), and is read buffered."""
+    if not direct or os.fstat(fd).st_size > block_size:
+        return direct
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+    return False
 
 
 @dataclass
@@ -51,6 +63,7 @@ class ReadSource:
     def open(cls, path: str, config: IOConfig) -> ReadSource:
         fd, direct = open_for_reading(path, config)
         try:
+            direct = read_buffered_if_small(fd, direct, config.block_size)  # one request: cached
             dio = dio_alignment(fd) if direct else None
         except BaseException:
             os.close(fd)

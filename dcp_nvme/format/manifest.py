@@ -39,6 +39,7 @@ from dcp_nvme.format.container import (
     save_key_of,
 )
 from dcp_nvme.format.tables import (
+    CODED,
     FREE_ROWS,
     MIN_CHECKSUM_BLOCK,
     MIN_ITEM_HEADER,
@@ -425,23 +426,27 @@ def fqn_keys(doc: dict[str, Any]) -> bool:
 
 def _read_index(store, manifest: Manifest, location: str) -> ChunkColumns:
     """The index table read, decoded into columns and checked."""
-    data, what, rows = _counted_table(store, manifest.doc["index"], location)
-    table = read_chunk_table(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER))
+    data, what, parquet = _counted_table(store, manifest.doc["index"], location, CODED)
+    limit = _row_limit(store, manifest, parquet.metadata.num_rows, MIN_ITEM_HEADER)
+    table = read_chunk_table(data, what, limit, parquet)
     columns = ChunkColumns.from_table(table, fqn_keys=fqn_keys(manifest.doc))
-    del table, data
+    del table, data, parquet
     check_columns(columns, manifest.doc, what)
     return columns
 
 
-def _counted_table(store, entry: dict[str, Any], location: str) -> tuple[bytes, str, int]:
-    """A table's bytes (checked against its manifest entry), its name for errors, its row count
-    (which must be the one the manifest says)."""
+def _counted_table(store, entry: dict[str, Any], location: str,
+                   dictionary: tuple = ()) -> tuple[bytes, str, pq.ParquetFile]:
+    """A table's bytes (checked against its manifest entry), its name for errors, its footer
+    parsed once (``dictionary``: see ``parquet_footer``), whose row count must be the one the
+    manifest says."""
     what = f"{location}/{entry['name']}"
     data = _load_table(store, entry, location)
-    rows = parquet_footer(data, what).metadata.num_rows
+    parquet = parquet_footer(data, what, dictionary)
+    rows = parquet.metadata.num_rows
     if "rows" in entry and rows != entry["rows"]:
         raise ManifestError(f"{what} has {rows} rows, {MANIFEST} says {entry['rows']}")
-    return data, what, rows
+    return data, what, parquet
 
 
 def read_copies(store, manifest: Manifest, location: str) -> list[ChunkRecord]:
@@ -452,8 +457,9 @@ def read_copies(store, manifest: Manifest, location: str) -> list[ChunkRecord]:
     entry = manifest.doc.get("copies")
     if entry is None:
         return []
-    data, what, rows = _counted_table(store, entry, location)
-    copies = parse_chunks(data, what, _row_limit(store, manifest, rows, MIN_ITEM_HEADER), fqn_keys(manifest.doc))
+    data, what, parquet = _counted_table(store, entry, location)
+    limit = _row_limit(store, manifest, parquet.metadata.num_rows, MIN_ITEM_HEADER)
+    copies = parse_chunks(data, what, limit, fqn_keys(manifest.doc), parquet)
     sizes = {f["name"]: f["size"] for f in manifest.doc["files"]}
     for copy in copies:
         check_row(copy, sizes, manifest.save_key, what)
@@ -468,8 +474,10 @@ def read_files(store, manifest: Manifest, location: str) -> dict[str, FileRecord
         what = f"{location}/{entry['name']}"
         data = _load_table(store, entry, location)
         count = len(doc["files"])
-        crcs = column_values(parquet_footer(data, what).metadata, "crcs")
-        files = parse_files(data, what, count, _row_limit(store, manifest, crcs, MIN_CHECKSUM_BLOCK, 64) + count)
+        parquet = parquet_footer(data, what)  # once: the bounds and the read share it
+        crcs = column_values(parquet.metadata, "crcs")
+        limit = _row_limit(store, manifest, crcs, MIN_CHECKSUM_BLOCK, 64) + count
+        files = parse_files(data, what, count, limit, parquet)
         check_files(files, manifest, what)
         manifest._files = files
     return manifest._files

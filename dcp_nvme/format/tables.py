@@ -118,9 +118,15 @@ _FILE_SCHEMA = pa.schema([
 ])
 
 
+SMALL_TABLE = 64 << 10
+"""Tables whose columns take less than this in memory are stored uncompressed: zstd would save
+a few KiB and cost a coder set up on every write and read (half of a small table's write)."""
+
+
 def _parquet_bytes(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd", write_statistics=False)  # our reader uses none
+    compression = "none" if table.nbytes < SMALL_TABLE else "zstd"
+    pq.write_table(table, sink, compression=compression, write_statistics=False)  # our reader uses none
     return sink.getvalue().to_pybytes()
 
 
@@ -227,9 +233,11 @@ MAX_ROW_BYTES = 4096
 """Average decoded bytes per row allowed (names, shapes) before a table is refused as a bomb."""
 
 
-def parquet_footer(data: bytes, what: str) -> pq.ParquetFile:
+def parquet_footer(data: bytes, what: str, dictionary: Sequence[str] = ()) -> pq.ParquetFile:
+    """The table's footer, parsed (once per read: the checks and the read share it);
+    ``dictionary``: columns read as their dictionary codes (``CODED``)."""
     try:
-        return pq.ParquetFile(pa.BufferReader(data))
+        return pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(dictionary) or None)
     except (pa.ArrowException, OSError) as exc:
         raise ManifestError(f"{what} is not a readable Parquet file: {exc}") from None
 
@@ -272,33 +280,36 @@ def _check_counts(parquet: pq.ParquetFile, what: str, max_rows: int,
 
 
 def _read_table(data: bytes, schema: pa.Schema, what: str, max_rows: int,
-                long_column: str | None = None, max_long: int = 0, nullable: tuple = ()) -> dict[str, list]:
-    table = _read_arrow(data, schema, what, max_rows, long_column, max_long, nullable=nullable)
+                long_column: str | None = None, max_long: int = 0, nullable: tuple = (),
+                parquet: pq.ParquetFile | None = None) -> dict[str, list]:
+    table = _read_arrow(data, schema, what, max_rows, long_column, max_long, nullable=nullable, parquet=parquet)
     return {name: table.column(name).to_pylist() for name in schema.names}
 
 
-def read_chunk_table(data: bytes, what: str = "index", max_rows: int = FREE_ROWS) -> pa.Table:
+def read_chunk_table(data: bytes, what: str = "index", max_rows: int = FREE_ROWS,
+                     parquet: pq.ParquetFile | None = None) -> pa.Table:
     """The index as an Arrow table, with the checks of ``parse_chunks`` (footer bounds, column
-    types, no nulls but in ``key``) and no Python object per row."""
-    return _read_arrow(data, _CHUNK_SCHEMA, what, max_rows, dictionary=_CODED, nullable=_NULLABLE)
+    types, no nulls but in ``key``) and no Python object per row. ``parquet``: its footer
+    already parsed, by ``parquet_footer(data, what, CODED)``."""
+    return _read_arrow(data, _CHUNK_SCHEMA, what, max_rows, dictionary=CODED, nullable=_NULLABLE, parquet=parquet)
 
 
 _NULLABLE = ("key",)
 """A null key is the default one (``default_item_key``); format version 3 writes them."""
 
 
-_CODED = ("fqn", "kind", "dtype", "file")
+CODED = ("fqn", "kind", "dtype", "file")
 """Index columns of few distinct values, read as Parquet stores them (dictionary pages): no
 string per row is made, and ``columns`` takes their codes as they are."""
 
 
 def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
                 long_column: str | None = None, max_long: int = 0, dictionary: tuple = (),
-                nullable: tuple = ()) -> pa.Table:
-    parquet = parquet_footer(data, what)
-    if dictionary:
-        parquet = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(dictionary))
-    missing = [n for n in schema.names if n not in parquet.schema_arrow.names]
+                nullable: tuple = (), parquet: pq.ParquetFile | None = None) -> pa.Table:
+    if parquet is None:
+        parquet = parquet_footer(data, what, dictionary)
+    present = set(parquet.schema_arrow.names)  # a property that builds the schema at each call
+    missing = [n for n in schema.names if n not in present]
     if missing:
         raise ManifestError(f"{what} lacks column(s) {missing}")
     _check_counts(parquet, what, max_rows, long_column, max_long)
@@ -325,10 +336,10 @@ def _read_arrow(data: bytes, schema: pa.Schema, what: str, max_rows: int,
 
 
 def parse_chunks(data: bytes, what: str = "index", max_rows: int = FREE_ROWS,
-                 fqn_keys: bool = False) -> list[ChunkRecord]:
+                 fqn_keys: bool = False, parquet: pq.ParquetFile | None = None) -> list[ChunkRecord]:
     """The index rows, refused unread when the footer declares more than ``max_rows``; a null
     key is the default one (``default_item_key``, format 4 ``fqn_keys``)."""
-    cols = _read_table(data, _CHUNK_SCHEMA, what, max_rows, nullable=_NULLABLE)
+    cols = _read_table(data, _CHUNK_SCHEMA, what, max_rows, nullable=_NULLABLE, parquet=parquet)
     return [
         ChunkRecord(fqn, kind, tuple(off), tuple(sizes), tuple(shape), dtype, file, int(b), int(n),
                     default_item_key(fqn, tuple(off) if kind == "tensor" else None, fqn_keys) if key is None else key)
@@ -337,8 +348,8 @@ def parse_chunks(data: bytes, what: str = "index", max_rows: int = FREE_ROWS,
 
 
 def parse_files(data: bytes, what: str = "blocks", max_rows: int = FREE_ROWS,
-                max_crcs: int = 64 * FREE_ROWS) -> dict[str, FileRecord]:
-    cols = _read_table(data, _FILE_SCHEMA, what, max_rows, "crcs", max_crcs)
+                max_crcs: int = 64 * FREE_ROWS, parquet: pq.ParquetFile | None = None) -> dict[str, FileRecord]:
+    cols = _read_table(data, _FILE_SCHEMA, what, max_rows, "crcs", max_crcs, parquet=parquet)
     files = {}
     for name, rank, size, start, checksum, block, hcrc, crcs in zip(*cols.values()):
         if checksum != "crc32c":

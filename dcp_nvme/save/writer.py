@@ -3,7 +3,6 @@
 Order of calls (DCP's): reset -> set_up_storage_writer -> prepare_local_plan ->
 prepare_global_plan (coordinator) -> write_data (every rank) -> finish (coordinator).
 
-
 Each rank's write (``write_data``) is: resolve the items (``items``), place them
 (``format.container``), write the container through the engine under the node's turn, and hand
 back WriteResults carrying the rows; ``finish`` writes the tables, then the manifest."""
@@ -39,6 +38,7 @@ from dcp_nvme.config import (
 from dcp_nvme.engines import shared_engine
 from dcp_nvme.engines.host_io import host_address
 from dcp_nvme.engines.requests import PhaseTimer
+from dcp_nvme.engines.small import take_owed, write_container
 from dcp_nvme.errors import CheckpointLockedError, InvalidInputError, StorageError
 from dcp_nvme.format.container import (
     FORMAT,
@@ -437,11 +437,11 @@ class NVMeWriter(StorageWriter):
         watch = seams.save_diagnostics(self._dir, config.queue_depth, on_node, config.block_size) \
             if seams.save_diagnostics.plugged else None  # when asked: dcp-nvme bench and tune
         wave = taken(data)  # a bounded stager's live tensors are in this save
-        progress = {"on_progress": wave.progress} if wave and engine.name in ("posix", "uring") else {}
+        defer = self.is_coordinator and getattr(self._topology, "mode", NODE_LOCAL) != NODE_LOCAL  # fsync at commit
         try:
             with timer.span("write"), self._turn(config) as waited:
                 began_unix = time.time()
-                written = engine.write_file(path, layout.header, data, config.checksum_block, **progress)
+                written = write_container(engine, path, layout.header, data, config, defer, wave and wave.progress)
                 write_unix = (began_unix, time.time())  # wall clock: comparable across ranks
             timer.add("turn_wait", waited)  # a part of "write": the other local ranks' turns
             if wave is not None:
@@ -533,7 +533,7 @@ class NVMeWriter(StorageWriter):
             writers = {rank: topology.rank_nodes[rank] for rank in topology.node_writers}
             commit_on_every_node(job_store(), self._dir, key, sealed, tables, writers)
         else:  # the tables and the manifest fsynced together, then renamed: the manifest's rename is the commit
-            write_commit_files(self._dir, [*tables, (MANIFEST, sealed)], key)
+            write_commit_files(self._dir, [*tables, (MANIFEST, sealed)], key, take_owed(self._dir, key))
         return doc
 
     def _release_lock(self) -> None:

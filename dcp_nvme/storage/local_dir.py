@@ -12,7 +12,7 @@ import atexit
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -199,9 +199,12 @@ def commit_prepared(directory: str | os.PathLike, name: str, save_key: str) -> N
                                       f"failed: {exc.strerror or exc}; it may not survive a power loss") from exc
 
 
-def write_commit_files(directory: str | os.PathLike, files: list[tuple[str, bytes]], save_key: str) -> None:
+def write_commit_files(directory: str | os.PathLike, files: list[tuple[str, bytes]], save_key: str,
+                       owed: Sequence[str] = ()) -> None:
     """Write ``files`` all or nothing, the last one the commit (the manifest): each under its
-    temp name, all fsynced together, then the renames in order and one fsync of the directory.
+    temp name, all fsynced together with the files at the paths ``owed`` (data files whose
+    fsync was deferred to the commit: ``engines.small``), then the renames in order and one
+    fsync of the directory.
 
     The durability rule (docs/design.md, "Durability rule"): every file's bytes are fsynced before
     the rename that makes the last one visible, and the directory once after it. The fsyncs run
@@ -218,10 +221,13 @@ def write_commit_files(directory: str | os.PathLike, files: list[tuple[str, byte
                 step, view = "write", memoryview(data)
                 while view:
                     view = view[os.write(fds[-1], view):]
+            for path in owed:
+                step = "open"
+                fds.append(open_regular(path))
             failures = _fsync_together(fds)
             if failures:
                 index, exc = failures[0]
-                step, path = "fsync", temps[index]
+                step, path = "fsync", [*temps, *owed][index]
                 raise exc
         finally:
             for fd in fds:

@@ -129,11 +129,13 @@ def test_fsdp2_save_two_ranks_load_one(tmp_path):
 
 def _one_rank_fails(rank, world, path):
     from dcp_nvme.engines import host_io as files
+    from dcp_nvme.engines import small
 
     if rank == 1:
         def broken(fd, buffer, offset):
             raise OSError(5, "Input/output error")
-        files.pwrite_all = broken
+        files.pwrite_all = broken  # the engine's first write
+        small.pwritev_all = broken  # the one write of a container of one request
     state = _sharded(full_state(), world, {"emb": Shard(0), "proj": Shard(0), "bias": Shard(0)})
     try:
         dcp.save(state, storage_writer=NVMeWriter(path))

@@ -261,7 +261,7 @@ BAD = {
 @pytest.mark.parametrize("keys", ["stored", "default"])
 @pytest.mark.parametrize("fault", sorted(BAD))
 def test_columnar_checks_raise_what_the_row_checks_raise(fault, keys):
-    rows = _rows(20, keys=keys)
+    rows = _rows(2 * column_checks.SMALL_INDEX, keys=keys)  # more rows than are checked row by row
     doc = _doc(rows)
     BAD[fault](rows)
     expected = _error_of(lambda: validation.check_chunks(rows, doc, "index"))

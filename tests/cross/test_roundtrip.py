@@ -163,8 +163,8 @@ def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch, refuse_a
     monkeypatch.setattr(posix.os, "open", fake_open)
     monkeypatch.setattr(posix.os, "pwrite", fake_pwrite)
     monkeypatch.setattr(files, "_warned_dirs", set())
-    state = {"w": torch.randn(100_000)}
-    dest = {"w": torch.zeros(100_000)}
+    state = {"w": torch.randn(2_400_000)}  # more than a request: the engine writes it (not engines.small)
+    dest = {"w": torch.zeros(2_400_000)}
     path = tmp_path / "ckpt"
     writer = NVMeWriter(path, direct_io=True)
     with caplog.at_level("WARNING"):

@@ -245,14 +245,15 @@ def test_probe_that_hangs_times_out(monkeypatch, fake_cuda, tmp_path):
 def test_a_verify_off_reader_reuses_the_writers_engine_and_buffers(monkeypatch, tmp_path):
     """Engines read only queue_depth, block_size and direct_io: verify must not split the cache."""
     monkeypatch.setattr(engines, "_ENGINE_CACHE", {})
-    state = {"w": torch.randn(300, 257), "step": torch.tensor(7)}
+    # more than one block_size: a container of one request would skip the engine (engines.small)
+    state = {"w": torch.randn(1200, 257), "step": torch.tensor(7)}
     options = {"engine": "posix", "queue_depth": 2, "block_size": "1MiB"}
     dcp.save(state, storage_writer=NVMeWriter(tmp_path, **options), no_dist=True)
     (engine,) = engines._ENGINE_CACHE.values()
     pool = engine._pool  # the save allocated it (the header goes through a bounce buffer)
     assert pool is not None
     for verify in (True, False):
-        out = {"w": torch.zeros(300, 257), "step": torch.tensor(0)}
+        out = {"w": torch.zeros(1200, 257), "step": torch.tensor(0)}
         dcp.load(out, storage_reader=NVMeReader(tmp_path, verify=verify, **options), no_dist=True)
         assert torch.equal(out["w"], state["w"]) and int(out["step"]) == 7
     assert list(engines._ENGINE_CACHE.values()) == [engine] and engine._pool is pool

@@ -150,7 +150,7 @@ def test_a_failed_bounded_save_still_releases_training(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device (injected)")
 
     monkeypatch.setattr(ContainerWrite, "write_host_window", broken)
-    state = _state()
+    state = {**_state(), "big": torch.randn(9 << 18)}  # more than a request: the engine writes it
     stager = NVMeStager(max_bytes=_nbytes(state) // 2)
     try:
         response = dcp.async_save(state, storage_writer=NVMeWriter(tmp_path, engine="posix"),

@@ -149,8 +149,8 @@ def test_failed_write_commits_nothing_and_removes_its_data(tmp_path, monkeypatch
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(files, "pwrite_all", full_disk)
-    with pytest.raises(CheckpointException) as info:
-        _save(tmp_path / "c", 1)
+    with pytest.raises(CheckpointException) as info:  # 9 MiB: more than a request, the engine writes it
+        dcp.save({"w": torch.ones(9 << 18)}, storage_writer=NVMeWriter(tmp_path / "c"), no_dist=True)
     assert "No space left on device" in str(info.value)
     assert not os.path.exists(tmp_path / "c" / MANIFEST)
     assert not [n for n in os.listdir(tmp_path / "c") if n.endswith(".safetensors")]
@@ -228,7 +228,7 @@ def test_o_direct_containers_are_preallocated_then_cut_to_size(tmp_path, monkeyp
     real = posix.preallocate
     monkeypatch.setattr(posix, "preallocate", lambda fd, size: calls.append(size) or real(fd, size))
     path = tmp_path / "c"
-    state = {"w": torch.arange(100_003, dtype=torch.float32)}  # an odd size
+    state = {"w": torch.arange(2_400_003, dtype=torch.float32)}  # an odd size, more than a request
     writer = NVMeWriter(path, direct_io=True)
     dcp.save(state, storage_writer=writer, no_dist=True)
     if not writer.last_stats["io"]["direct_io"]:
@@ -236,7 +236,7 @@ def test_o_direct_containers_are_preallocated_then_cut_to_size(tmp_path, monkeyp
     (container,) = [p for p in path.iterdir() if p.suffix == ".safetensors"]
     assert calls == [-(-container.stat().st_size // 4096) * 4096]  # reserved page-rounded
     assert container.stat().st_size % 4096  # ... and cut back to the real, unaligned size
-    dest = {"w": torch.zeros(100_003)}
+    dest = {"w": torch.zeros(2_400_003)}
     dcp.load(dest, storage_reader=NVMeReader(path), no_dist=True)
     assert torch.equal(dest["w"], state["w"])
 
@@ -252,8 +252,11 @@ def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch, code)
         return -1
 
     monkeypatch.setattr(files, "_fallocate", refuse)
-    _save(tmp_path / "c", 5, direct_io=True)
-    assert _load(tmp_path / "c") == 5
+    big = 9 << 18  # 9 MiB: more than a request, so the engine preallocates (engines.small does not)
+    dcp.save({"w": torch.full((big,), 5.0)}, storage_writer=NVMeWriter(tmp_path / "c", direct_io=True), no_dist=True)
+    dest = {"w": torch.zeros(big)}
+    dcp.load(dest, storage_reader=NVMeReader(tmp_path / "c"), no_dist=True)
+    assert dest["w"][0].item() == 5
 
 
 def test_a_full_disk_at_preallocation_names_the_file_and_commits_nothing(tmp_path, monkeypatch):
@@ -270,7 +273,8 @@ def test_a_full_disk_at_preallocation_names_the_file_and_commits_nothing(tmp_pat
     if not writer.config.direct_io:
         pytest.skip("O_DIRECT off")
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"w": torch.ones(1000)}, storage_writer=writer, no_dist=True)
+        # 9 MiB: more than a request, so the engine preallocates (engines.small writes less at once)
+        dcp.save({"w": torch.ones(9 << 18)}, storage_writer=writer, no_dist=True)
     monkeypatch.undo()
     message = str(info.value)
     if "No space left on device" not in message:

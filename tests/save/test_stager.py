@@ -191,7 +191,7 @@ def test_every_dtype_and_strided_views_round_trip(tmp_path):
 
 
 def test_mutating_after_async_save_returns_does_not_change_the_checkpoint(tmp_path):
-    state = make_state()
+    state = make_state(scale=4)  # more than BLOCK: the engine writes it (engines.small writes one request)
     expected = snapshot(state)
     gate = threading.Event()
     original = PosixEngine.write_file
@@ -266,7 +266,7 @@ def test_repeated_saves_keep_memory_flat(tmp_path):
 
 def test_a_save_never_restages_the_arena_while_it_is_written(tmp_path):
     """on_busy='error' refuses; on_busy='wait' blocks until the earlier write is done."""
-    first = make_state(seed=1)
+    first = make_state(seed=1, scale=4)  # more than BLOCK: the engine writes it, not engines.small
     expected_first = snapshot(first)
     gate = threading.Event()
     original = PosixEngine.write_file
@@ -280,10 +280,10 @@ def test_a_save_never_restages_the_arena_while_it_is_written(tmp_path):
         PosixEngine.write_file = gated_write
         _, held = async_save(first, str(tmp_path / "held"), refusing)
         with pytest.raises(StagingBusyError, match="still being written"):
-            refusing.stage(make_state(seed=2))
+            refusing.stage(make_state(seed=2, scale=4))
 
         _, resp1 = async_save(first, str(tmp_path / "one"), waiting)
-        second = make_state(seed=2)
+        second = make_state(seed=2, scale=4)
         done: list = []
         worker = threading.Thread(
             target=lambda: done.append(async_save(second, str(tmp_path / "two"), waiting)))
@@ -305,7 +305,7 @@ def test_a_save_never_restages_the_arena_while_it_is_written(tmp_path):
 
 
 def test_background_failure_surfaces_and_nothing_is_committed(tmp_path):
-    state = make_state()
+    state = make_state(scale=4)  # more than BLOCK: the engine writes it (engines.small writes one request)
     stager = NVMeStager()
     original = PosixEngine.write_file
 

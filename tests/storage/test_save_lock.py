@@ -29,14 +29,18 @@ from dcp_nvme.save.dropin import POINTER
 from dcp_nvme.storage import save_lock as savelock
 from dcp_nvme.storage.save_lock import LOCK_NAME, STALE_AFTER_S, LockHolder
 
+WORDS = 9 << 18
+
 
 def state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(200_000, generator=g), "b": torch.arange(100) + seed}
+    # 9 MiB: more than a request, so the engine writes it (its header write is where the tests
+    # pause or fail a save; engines.small writes a container of one request in one call)
+    return {"w": torch.randn(WORDS, generator=g), "b": torch.arange(100) + seed}
 
 
 def load(path) -> dict:
-    out = {"w": torch.zeros(200_000), "b": torch.zeros(100, dtype=torch.int64)}
+    out = {"w": torch.zeros(WORDS), "b": torch.zeros(100, dtype=torch.int64)}
     dcp.load(out, storage_reader=NVMeReader(path), no_dist=True)
     return out
 
@@ -297,7 +301,7 @@ def test_heartbeat_and_release_by_garbage_collection(tmp_path):
 def _ranks_lock_and_failure(rank, world, path):
     from dcp_nvme.engines import host_io as files
 
-    sd = {f"r{rank}": torch.full((50_000,), float(rank + 1))}
+    sd = {f"r{rank}": torch.full((WORDS,), float(rank + 1))}  # more than a request: the engine writes it
     # 1. a live lock (another host's, fresh) refuses the save on every rank, none hangs
     if rank == 0:
         write_lock(path, holder_for(7, 1, pid_space="node-c|b|n", host="node-c"))
@@ -333,10 +337,10 @@ def _ranks_lock_and_failure(rank, world, path):
     dcp.save(sd, storage_writer=writer)
     dist.barrier()
     if rank == 0:
-        out = {"r0": torch.zeros(50_000), "r1": torch.zeros(50_000)}
+        out = {"r0": torch.zeros(WORDS), "r1": torch.zeros(WORDS)}
         dcp.load(out, storage_reader=NVMeReader(path), no_dist=True)
-        assert torch.equal(out["r0"], torch.full((50_000,), 1.0))
-        assert torch.equal(out["r1"], torch.full((50_000,), 2.0))
+        assert torch.equal(out["r0"], torch.full((WORDS,), 1.0))
+        assert torch.equal(out["r1"], torch.full((WORDS,), 2.0))
         assert not os.path.exists(os.path.join(path, LOCK_NAME))
 
 

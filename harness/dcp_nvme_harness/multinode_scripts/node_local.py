@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 import dcp_nvme
 from dcp_nvme import NVMeReader, NVMeWriter
 from dcp_nvme.engines import host_io as files
+from dcp_nvme.engines import small
 from dcp_nvme.tiers import Drainer, DrainOptions, set_default_drainer
 
 SHARD = int(os.environ.get("SHARD_ELEMS", "4"))  # elements per rank of the saved world (a bench sets more)
@@ -78,7 +80,8 @@ def do_save(record: dict) -> None:
             def die(fd, buffer, offset, real=files.pwrite_all):  # this node loses power mid-write
                 real(fd, buffer, offset)
                 os._exit(9)
-            files.pwrite_all = die
+            files.pwrite_all = die  # the engine's first write
+            small.pwritev_all = partial(die, real=small.pwritev_all)  # a container of one request
         writer.overwrite = step in overwrite
         began = time.perf_counter()
         dcp.save(state(world * SHARD, float(10 * step + rank)), storage_writer=writer,

@@ -38,7 +38,8 @@ if os.environ.get("FAIL_PREPARE") == "1":
 record = {"rank": rank, "host": os.uname().nodename}
 try:
     writer = NVMeWriter(path, mirror_root=os.environ.get("MIRROR_ROOT") or None)
-    dcp.save({f"r{rank}": torch.full((1 << 16,), float(rank))}, storage_writer=writer)
+    # 9 MiB: more than a request, so the engine writes it (engines.small writes one request)
+    dcp.save({f"r{rank}": torch.full((9 << 18,), float(rank))}, storage_writer=writer)
     record["error"] = None
 except BaseException as exc:  # noqa: BLE001  DCP raises CheckpointException (a BaseException)
     record["error"] = f"{type(exc).__name__}: {str(exc).strip()[-600:]}"
