@@ -177,7 +177,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown row(s) {sorted(unknown)}")
     rows = [r for r in rows if _available(r)]
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(here, "..", "harness"))
     from dcp_nvme_harness.seaweed import SeaweedFS, seaweed_unavailable
 
     why = seaweed_unavailable()
@@ -261,18 +260,19 @@ def _available(row: str) -> bool:
 
 
 _SAVE = """
-import sys, torch.distributed.checkpoint as dcp
-sys.path.insert(0, sys.argv[3])
-from s3_bench import _state
+import importlib.util, sys
+import torch.distributed.checkpoint as dcp
 from dcp_nvme import NVMeWriter
-dcp.save(_state(int(sys.argv[2])), storage_writer=NVMeWriter(sys.argv[1]), no_dist=True)
+spec = importlib.util.spec_from_file_location("s3_bench", sys.argv[3])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+dcp.save(bench._state(int(sys.argv[2])), storage_writer=NVMeWriter(sys.argv[1]), no_dist=True)
 """
 
 
 def _save_local(local: str, nbytes: int, env: dict[str, str]) -> None:
     """The committed local checkpoint the drain row mirrors (saved by a process of its own)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run([sys.executable, "-c", _SAVE, local, str(nbytes), here], check=True, env=env)
+    subprocess.run([sys.executable, "-c", _SAVE, local, str(nbytes), os.path.abspath(__file__)], check=True, env=env)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     size, part = parse_size(args.size), parse_size(args.part_size)
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(here, "..", "harness"))
     from dcp_nvme_harness.seaweed import SeaweedFS
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "PYTHONDONTWRITEBYTECODE"}
