@@ -1,7 +1,7 @@
 """S3 through botocore itself: the drain's multipart uploads and the restore's ranged GETs.
 
-s3fs (aiobotocore under an event loop) costs a second of imports and several CPU seconds per GB
-more than plain botocore on threads (docs/benchmarks.md, "S3 clients"). Where the target is
+s3fs (aiobotocore under an event loop) costs more imports and more CPU per GB than plain
+botocore on threads (docs/benchmarks.md, "S3 clients"). Where the target is
 ``s3://`` and its storage options say nothing botocore alone cannot honour, the mirror goes
 through here; every other case (another protocol, an option only s3fs knows, no botocore) keeps
 fsspec, and the fallback is said once.
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_nvme.config import IOConfig, check_backend
-from dcp_nvme.engines.fsspec import deliver
 from dcp_nvme.engines.requests import IOStats, ReadRequest, run_bounded
 from dcp_nvme.errors import BucketMissingError, InvalidInputError, ManifestError
 from dcp_nvme.host.files import bare_name
@@ -117,7 +116,7 @@ def _say_once(why: str) -> None:
 
 def client(options: S3Options) -> Any:
     """One botocore client per set of options, shared by every thread (botocore clients are
-    thread-safe; building one loads the S3 model: ~0.2 s)."""
+    thread-safe; building one loads the S3 model, which is slow)."""
     with _lock:
         found = _clients.get(options)
         if found is not None:
@@ -314,6 +313,9 @@ class S3Engine:
         return memoryview(held)[:length]
 
     def read(self, requests: Sequence[ReadRequest], dests: Sequence[Any]) -> IOStats:
+        # engines.fsspec imports torch: a load has it, the CLI's listings that import the tiers must not
+        from dcp_nvme.engines.fsspec import deliver
+
         stats = IOStats("read")
         started = time.perf_counter()
         prefix = self.store.root + "/"
