@@ -19,6 +19,7 @@ $MIRROR_OPTIONS: storage options (JSON) for an s3:// mirror. $SHARD_ELEMS: float
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from functools import partial
@@ -62,6 +63,9 @@ def saved_values(step: int, saved_world: int) -> list[float]:
     return [float(10 * step + r) for r in range(saved_world) for _ in range(SHARD)]
 
 
+save_returned = threading.Event()
+
+
 def do_save(record: dict) -> None:
     keep = int(os.environ.get("KEEP", "0")) or None
     set_default_drainer(Drainer(DrainOptions(backoff=0.1, retries=2, node_wait=120,
@@ -70,7 +74,14 @@ def do_save(record: dict) -> None:
     if os.environ.get("DIE_IN_DRAIN") == "1":  # this node dies once its drain sent a piece
         from dcp_nvme.tiers.drainer import set_drain_hook
 
-        set_drain_hook(lambda point, info: os._exit(9) if point == "piece-sent" else None)
+        def die_in_drain(point, info):
+            if point == "piece-sent":
+                # once this node's save returned: dying before DCP's last broadcast would fail the
+                # survivor's dcp.save (a node dying mid-save is tested apart)
+                save_returned.wait(60)
+                os._exit(9)
+
+        set_drain_hook(die_in_drain)
     crash_at = int(os.environ.get("CRASH_AT_STEP", "0"))
     overwrite = {int(s) for s in os.environ.get("OVERWRITE", "").split(",") if s}
     writer = NVMeWriter(os.path.join(run_dir, "step_0"), mirror_root=mirror_root, mirror_options=mirror_options)
@@ -87,6 +98,7 @@ def do_save(record: dict) -> None:
         dcp.save(state(world * SHARD, float(10 * step + rank)), storage_writer=writer,
                  checkpoint_id=os.path.join(run_dir, f"step_{step}"))
         saved = time.perf_counter() - began
+        save_returned.set()
         drained = None
         if writer.drain_future is not None:
             result = writer.drain_future.result(timeout=180)
