@@ -107,11 +107,10 @@ fi
 case "$job" in
   # a --dir DIR (or --size) given after `demo` overrides these: argparse keeps the last one
   demo) exec "$venv/bin/dcp-nvme" bench --size 512MiB --dir ./bench_out/demo "$@" ;;
-  # four workers on two cores, one test file each at a time: most tests wait on subprocesses,
-  # fsyncs and sockets, so two workers left the cores idle half the time (docs/testing.md); a
+  # two workers, one test file each at a time: most tests wait on subprocesses and disks, and a
   # file's module fixtures (servers, saved checkpoints) stay in one worker; the files in the order
   # the harness collects them (the longest first; xdist would put the files of most tests first);
-  # -n 0 runs in one process, -n 2 as before
+  # -n 0 runs in one process
   test)
     args=() paths=0
     for arg in "$@"; do
@@ -123,5 +122,5 @@ case "$job" in
              tests/cross/test_compat.py tests/cross/test_install_keeps_torch.py tests/cross/test_node_local.py
              integration)
     fi
-    exec "$py" -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=25 ${args[@]+"${args[@]}"} ;;
+    exec "$py" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 ${args[@]+"${args[@]}"} ;;
 esac
