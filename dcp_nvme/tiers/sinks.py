@@ -40,11 +40,23 @@ from dcp_nvme.host.files import create_no_follow, fsync_dir, pwrite_all, write_f
 from dcp_nvme.storage.fsspec_dir import FsspecStore, filesystem, is_local_fs
 from dcp_nvme.storage.local_dir import LocalStore, is_remote_url, local_path
 from dcp_nvme.tiers.s3_client import S3Store, b64_crc, object_store
-from dcp_nvme.tiers.transfer import S3_MIN_PART, IncompleteOnTarget
+from dcp_nvme.tiers.transfer import S3_MAX_PARTS, S3_MIN_PART, IncompleteOnTarget
 
 LocalPiece = Callable[[FileRecord, Piece], bytes]
 """Reads one piece of a local data file, checked against the blocks table."""
 
+
+
+def next_parts_page(answer: dict[str, Any], page: dict[str, Any], where: str, upload: str) -> dict[str, Any]:
+    """The next ListParts page after a truncated ``answer``. The server's marker is input: it must
+    move forward within S3's part numbers, or a store answering "truncated" with the same page
+    would hold the drain in a loop."""
+    marker = answer.get("NextPartNumberMarker")
+    last = page.get("PartNumberMarker", 0)
+    if not isinstance(marker, (int, str)) or not str(marker).isdigit() or not last < int(marker) < S3_MAX_PARTS:
+        raise IncompleteOnTarget(f"{where}: ListParts of upload {upload} answered a next marker {marker!r} "
+                                 f"after {last}; the store's listing cannot be trusted")
+    return {"PartNumberMarker": int(marker)}
 
 class Sink:
     """Interface (and the shared small-file side, through a store)."""
@@ -273,7 +285,7 @@ class S3Sink(Sink):
                 parts[int(part["PartNumber"])] = part
             if not answer.get("IsTruncated"):
                 return parts
-            page = {"PartNumberMarker": int(answer["NextPartNumberMarker"])}
+            page = next_parts_page(answer, page, f"s3://{bucket}/{key}", upload)
 
     def confirm_pieces(self, name: str, record: FileRecord, pieces: list[Piece], claimed: dict[int, str],
                        local: LocalPiece) -> dict[int, str]:
@@ -417,7 +429,7 @@ class BotoS3Sink(Sink):
                 parts[int(part["PartNumber"])] = part
             if not answer.get("IsTruncated"):
                 return parts
-            page = {"PartNumberMarker": int(answer["NextPartNumberMarker"])}
+            page = next_parts_page(answer, page, self.location(name), upload)
 
     def confirm_pieces(self, name: str, record: FileRecord, pieces: list[Piece], claimed: dict[int, str],
                        local: LocalPiece) -> dict[int, str]:

@@ -21,6 +21,8 @@ MiB = 1 << 20
 
 S3_MIN_PART = 5 * MiB
 """S3 refuses multipart parts below 5 MiB (except the last)."""
+S3_MAX_PARTS = 10_000
+"""S3 numbers a multipart upload's parts 1 to 10,000."""
 
 
 class DrainFault(Exception):

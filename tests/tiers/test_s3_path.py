@@ -216,3 +216,32 @@ def test_s3_drain_holds_its_bandwidth_cap(tmp_path, seaweed, seaweed_bucket):
     assert result.bytes_sent > 2 * FAST["part_size"]
     assert took >= (result.bytes_sent - FAST["part_size"]) / rate * 0.95
     assert_same(load(NVMeReader(url, storage_options=opts(seaweed)), sd), sd)
+
+
+def test_s3_part_listing_that_does_not_move_forward_is_refused_not_looped():
+    """ListParts' next marker is the server's word: a store that answers "truncated" with the
+    same marker again (or a marker past S3's part numbers) ends the listing with an error naming
+    the upload, instead of holding the drain in a loop."""
+    from dcp_nvme.tiers.transfer import IncompleteOnTarget
+
+    class Answers:
+        bucket = "b"
+
+        def __init__(self, markers):
+            self.markers, self.calls = list(markers), 0
+
+        def call(self, op, location, **kwargs):
+            assert op == "list_parts"
+            self.calls += 1
+            marker = self.markers.pop(0)
+            return {"Parts": [{"PartNumber": self.calls, "Size": 1}], "IsTruncated": True, "NextPartNumberMarker": marker}
+
+        def key(self, name):
+            return f"run/{name}"
+
+    for markers in ([1, 1], [1, "x"], [10_000]):
+        sink = BotoS3Sink.__new__(BotoS3Sink)
+        sink.s3, sink.target = Answers(markers), "s3://b/run"
+        with pytest.raises(IncompleteOnTarget, match="upload u1.*cannot be trusted"):
+            sink._list_parts("f", "u1")
+        assert sink.s3.calls == len(markers)
