@@ -42,7 +42,7 @@ __getattr__, __dir__ = lazy_names(__name__, globals(), {"PosixEngine": ".posix"}
 def _posix(config: IOConfig) -> Engine:
     """The cached threads engine for these knobs when there is one (none made to be thrown
     away by ``shared_engine``: a save of one request never calls into it, ``engines.small``)."""
-    cached = _ENGINE_CACHE.get(("posix", *(getattr(config, knob) for knob in ENGINE_KNOBS)))
+    cached = _ENGINE_CACHE.get(_cache_key("posix", config))
     if cached is not None:
         return cached
     from dcp_nvme.engines.posix import PosixEngine
@@ -154,6 +154,13 @@ ENGINE_KNOBS = ("queue_depth", "block_size", "direct_io", "read_mode")
 """The IOConfig fields an engine reads; anything else (verify, engine) must not split the cache."""
 
 _ENGINE_CACHE: dict[tuple, Engine] = {}
+
+
+def _cache_key(name: str, config: IOConfig) -> tuple:
+    """One cached engine per kind and knobs."""
+    return (name, *(getattr(config, knob) for knob in ENGINE_KNOBS))
+
+
 _cache_lock = threading.Lock()
 
 
@@ -165,6 +172,5 @@ def shared_engine(
 
     ``directory`` is where the files are: kvikio's probe runs there (once per directory)."""
     engine, reason = select_engine(config, has_device_tensors, directory)
-    key = (engine.name, *(getattr(config, knob) for knob in ENGINE_KNOBS))
     with _cache_lock:
-        return _ENGINE_CACHE.setdefault(key, engine), reason
+        return _ENGINE_CACHE.setdefault(_cache_key(engine.name, config), engine), reason

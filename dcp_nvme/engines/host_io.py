@@ -21,7 +21,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -135,17 +135,18 @@ def write_header(path: str, fd: int, direct: bool, view: memoryview) -> tuple[in
 _FALLOCATE_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-def _libc_fallocate():
+def libc_function(name: str, *argtypes: type) -> Callable[..., int] | None:
+    """libc's ``name`` (returning an int, errno kept), or None where this libc has none."""
     try:
-        function = ctypes.CDLL(None, use_errno=True).fallocate
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
     return function
 
 
-_fallocate = _libc_fallocate()
+_fallocate = libc_function("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
 def preallocate(fd: int, size: int) -> bool:

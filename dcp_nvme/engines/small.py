@@ -26,24 +26,14 @@ import torch
 
 from dcp_nvme.config import IOConfig
 from dcp_nvme.engines.base import FileWriteResult
-from dcp_nvme.engines.host_io import block_crcs, memory_at, pwritev_all, with_path
+from dcp_nvme.engines.host_io import block_crcs, libc_function, memory_at, pwritev_all, with_path
 from dcp_nvme.engines.requests import IOStats
 from dcp_nvme.format.container import save_key_of
 
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _libc_sync_file_range():
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    function.restype = ctypes.c_int
-    return function
-
-
-_sync_file_range = _libc_sync_file_range()
+_sync_file_range = libc_function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
 def start_writeback(fd: int) -> None:
