@@ -24,6 +24,7 @@ skipped, and said so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -33,12 +34,37 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 ROWS = ("drain", "fsspec_w", "s3tc_w", "restore", "fsspec_r", "s3tc_r")
 WRITES = {"restore": "drain", "fsspec_r": "fsspec_w", "s3tc_r": "s3tc_w"}
 """Each reader reads what its own writer wrote in the same round."""
 TENSORS = 8
+
+
+@contextlib.contextmanager
+def bench_store(prefix: str) -> Iterator[tuple[dict[str, Any], dict[str, str], str]]:
+    """SeaweedFS on loopback in a fresh work directory, with a bucket ``bench``: the storage
+    options its rows take, the environment of the rows' processes, the work directory; the
+    store closed and the directory removed after."""
+    from dcp_nvme_harness.seaweed import SeaweedFS
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    # no AWS_* (the rows take the store's options); bytecode written, so no row compiles its imports
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(here, ".."), env.get("PYTHONPATH", "")])
+    work = tempfile.mkdtemp(prefix=prefix)
+    store = SeaweedFS(os.path.join(work, "weed"))
+    try:
+        store.start()
+        options = store.storage_options()
+        options.pop("skip_instance_cache", None)
+        store.s3fs().mkdir("bench")
+        yield options, env, work
+    finally:
+        store.close()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _cpu() -> float:
@@ -176,23 +202,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown row(s) {sorted(unknown)}")
     rows = [r for r in rows if _available(r)]
-    here = os.path.dirname(os.path.abspath(__file__))
-    from dcp_nvme_harness.seaweed import SeaweedFS, seaweed_unavailable
+    from dcp_nvme_harness.seaweed import seaweed_unavailable
 
     why = seaweed_unavailable()
     if why:
         raise SystemExit(f"s3_bench: SeaweedFS is not available ({why})")
-    work = tempfile.mkdtemp(prefix="s3-bench-")
-    store = SeaweedFS(os.path.join(work, "weed"))
     results: dict[str, list[dict[str, Any]]] = {r: [] for r in rows}
-    # no AWS_* (the rows take the store's options); bytecode written, so no row compiles its imports
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(here, ".."), env.get("PYTHONPATH", "")])
-    try:
-        store.start()
-        options = store.storage_options()
-        options.pop("skip_instance_cache", None)
-        store.s3fs().mkdir("bench")
+    with bench_store("s3-bench-") as (options, env, work):
         for round_ in range(args.rounds):
             local = os.path.join(work, f"local_{round_}")
             _save_local(local, nbytes, env)
@@ -213,9 +229,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"round {round_} {row:9s} {record['gbps']:.3f} GB/s {record['cpu_s_per_gb']:.2f} CPU s/GB",
                       flush=True)
             shutil.rmtree(local, ignore_errors=True)
-    finally:
-        store.close()
-        shutil.rmtree(work, ignore_errors=True)
     summary = {row: {"gbps": statistics.median(r["gbps"] for r in runs),
                      "cpu_s_per_gb": statistics.median(r["cpu_s_per_gb"] for r in runs),
                      "import_cpu_s": statistics.median(r["import_cpu_s"] for r in runs)}

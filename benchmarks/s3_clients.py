@@ -26,7 +26,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -144,20 +143,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from dcp_nvme.config import parse_size
 
     size, part = parse_size(args.size), parse_size(args.part_size)
-    here = os.path.dirname(os.path.abspath(__file__))
-    from dcp_nvme_harness.seaweed import SeaweedFS
+    from s3_bench import bench_store  # its sibling in benchmarks/, the script's own directory
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(here, ".."), env.get("PYTHONPATH", "")])
-    work = tempfile.mkdtemp(prefix="s3-clients-")
-    store = SeaweedFS(os.path.join(work, "weed"))
     runs: list[dict[str, Any]] = []
     clients = args.clients.split(",")
-    try:
-        store.start()
-        options = store.storage_options()
-        options.pop("skip_instance_cache", None)
-        store.s3fs().mkdir("bench")
+    with bench_store("s3-clients-") as (options, env, _):
         for round_ in range(args.rounds):
             for client in clients:
                 for op in ("put", "get"):
@@ -172,8 +162,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     runs.append(record)
                     print(f"round {round_} {client:8s} {op} {record['gbps']:.3f} GB/s "
                           f"{record['cpu_s_per_gb']:.2f} CPU s/GB", flush=True)
-    finally:
-        store.close()
     summary = {f"{c} {op}": {"gbps": statistics.median(r["gbps"] for r in runs if r["client"] == c and r["op"] == op),
                              "cpu_s_per_gb": statistics.median(r["cpu_s_per_gb"] for r in runs
                                                                if r["client"] == c and r["op"] == op)}
