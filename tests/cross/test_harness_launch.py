@@ -44,6 +44,9 @@ def _launch(tmp_path) -> subprocess.CompletedProcess:
     out.mkdir()
     argv = [sys.executable, "-m", "dcp_nvme_harness.launch", "--nnodes", "1", "--nproc-per-node", "4",
             "--master-addr", "127.0.0.1", "--master-port", str(reserve_port()), "--max-restarts", "0",
+            # ranks 1-3 fail within milliseconds of each other: a poll between their exits would
+            # report the first and stop the others (exit -15); one poll after all of them sees all
+            "--monitor-interval", "2",
             str(script), str(out), "an argument"]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
