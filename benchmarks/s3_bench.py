@@ -34,8 +34,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+Python = Callable[[list[str], dict[str, str]], "subprocess.CompletedProcess[str]"]
+"""Runs ``python ARGS`` in the environment given, its output captured as text."""
+
+
+def fresh_python(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter (the benchmark's rows: each pays its imports apart from its figures)."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env)
 
 ROWS = ("drain", "fsspec_w", "s3tc_w", "restore", "fsspec_r", "s3tc_r")
 WRITES = {"restore": "drain", "fsspec_r": "fsspec_w", "s3tc_r": "s3tc_w"}
@@ -175,8 +183,9 @@ def _machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark; the report (also written to --json)."""
+def main(argv: list[str] | None = None, python: Python = fresh_python) -> dict[str, Any]:
+    """Run the benchmark; the report (also written to --json). ``python`` runs each row's process
+    (the tests fork them from a process that imported torch: the figures exclude imports anyway)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="512MiB")
     parser.add_argument("--rounds", type=int, default=3)
@@ -211,15 +220,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with bench_store("s3-bench-") as (options, env, work):
         for round_ in range(args.rounds):
             local = os.path.join(work, f"local_{round_}")
-            _save_local(local, nbytes, env)
+            _save_local(local, nbytes, env, python)
             for row in rows:
                 writer = WRITES.get(row, row)
                 url = f"s3://bench/r{round_}/{writer}"
                 spec = {"url": url, "local": local, "options": options, "nbytes": nbytes,
                         "transfers": args.max_transfers, "part_size": parse_size(args.part_size),
                         "perf": f"{os.path.abspath(args.perf)}.{row}.perf" if args.perf else None}
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", row,
-                                      "--args", json.dumps(spec)], capture_output=True, text=True, env=env)
+                out = python([os.path.abspath(__file__), "--child", row, "--args", json.dumps(spec)], env)
                 if out.returncode != 0:
                     raise SystemExit(f"s3_bench: {row} failed:\n{out.stderr[-4000:]}")
                 record = json.loads(out.stdout.strip().splitlines()[-1])
@@ -283,9 +291,11 @@ dcp.save(bench._state(int(sys.argv[2])), storage_writer=NVMeWriter(sys.argv[1]),
 """
 
 
-def _save_local(local: str, nbytes: int, env: dict[str, str]) -> None:
+def _save_local(local: str, nbytes: int, env: dict[str, str], python: Python) -> None:
     """The committed local checkpoint the drain row mirrors (saved by a process of its own)."""
-    subprocess.run([sys.executable, "-c", _SAVE, local, str(nbytes), os.path.abspath(__file__)], check=True, env=env)
+    out = python(["-c", _SAVE, local, str(nbytes), os.path.abspath(__file__)], env)
+    if out.returncode != 0:
+        raise SystemExit(f"s3_bench: the local save failed:\n{out.stderr[-4000:]}")
 
 
 if __name__ == "__main__":

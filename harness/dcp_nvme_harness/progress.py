@@ -16,7 +16,7 @@ Each test belongs to one phase, from those markers: the integrations, else the o
 else the simulated clusters, else the unit tests. The process that reports (pytest-xdist's
 controller, or the one process with ``-n 0``) prints a line when a phase's first test starts and
 when its last one ends, a line every 60 s (``HARNESS_PROGRESS_EVERY`` seconds) with the tests done
-and the files running, and, at the end, the time of each phase. xdist's workers only mark and
+and the files running, and, at the end, the time of each phase and of the slowest files. xdist's workers only mark and
 tell the controller each test's phase (a file in a folder the controller hands them): the
 controller collects nothing itself.
 """
@@ -48,6 +48,7 @@ PHASES = {"unit": "unit tests", "objstore": "object stores", "cluster": "simulat
           "integration": "integrations"}
 """phase -> its name in the lines; in the order of the summary."""
 _BY_PRECEDENCE = ("integration", "objstore", "cluster")
+SLOWEST_FILES = 15
 _EXCHANGE = "dcp_nvme_progress_dir"
 """The workerinput key of the folder where each xdist worker writes its tests' phases."""
 
@@ -180,6 +181,7 @@ class Progress:
         self.done = Counter[str]()
         self.outcomes: dict[str, Counter[str]] = {p: Counter() for p in PHASES}
         self.test_time = Counter[str]()
+        self.file_time = Counter[str]()  # file -> its tests' seconds, set-ups and teardowns included
         self.first: dict[str, float] = {}  # phase -> when its first test started
         self.last: dict[str, float] = {}  # phase -> when its last test ended
         self.running: dict[str, float] = {}  # nodeid -> when it started
@@ -282,7 +284,9 @@ class Progress:
         with self.lock:
             result = yield
             phase = self._phase(report.nodeid)
-            self.test_time[phase] += getattr(report, "duration", 0.0) or 0.0
+            took = getattr(report, "duration", 0.0) or 0.0
+            self.test_time[phase] += took
+            self.file_time[report.nodeid.partition("::")[0]] += took
             seen = self.worst.get(report.nodeid)
             if report.failed:
                 self.worst[report.nodeid] = "failed"
@@ -360,6 +364,11 @@ class Progress:
                 f"{name}: {self.done[phase]}/{_tests(self.total[phase])} ({self._outcomes(phase)}); {span}; "
                 f"{_clock(self.test_time[phase])} in tests")
         terminalreporter.write_line(f"all: {_clock(time.monotonic() - self.t0)}")
+        slowest = self.file_time.most_common(SLOWEST_FILES)
+        if slowest:
+            terminalreporter.write_sep("-", f"the {len(slowest)} slowest files (their tests' seconds)")
+            for name, seconds in slowest:
+                terminalreporter.write_line(f"{_clock(seconds):>8} {name}")
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self.exchange is not None:
