@@ -17,6 +17,8 @@ each rank a third of their rows):
   drain to FS      every node drains its files to a directory on its weed mount, all at once
   drain to S3      the same to SeaweedFS's S3
   restore from S3  node 2's copy removed: NVMeReader(mirror=s3://...) on all ranks (the exchange: what no node holds comes from the mirror)
+  (whole spans)    with --whole-spans: the same restore with each span from the mirror checked and
+                   kept whole (as before exchange.KEEP_PIECE), just before it
   (before)         with --mirror-before (default): the same restore with the exchange's mirror
                    reads as the exchange made them before its ranged reads (a span at a time, one read each)
   drain cap        node 0 drains a third of the state at --cap-fraction x rate while every rank
@@ -287,6 +289,12 @@ class Bench:
                                 env_per_node={i: {"MIRROR_SEQUENTIAL": "1"} for i in range(NODES)})
             assert all(r["equal"] for r in seq), seq
             before = seq[2]
+        whole = None
+        if self.args.whole_spans:  # each span from the mirror checked and kept whole, after its last byte
+            kept = self.torchrun("s3restore", "--tag", "plain", timeout=self.args.timeout,
+                                 env_per_node={i: {"MIRROR_WHOLE_SPANS": "1"} for i in range(NODES)})
+            assert all(r["equal"] for r in kept), kept
+            whole = kept[2]
         recs = self.torchrun("s3restore", "--tag", "plain", timeout=self.args.timeout)
         assert all(r["equal"] for r in recs), recs
         r2 = recs[2]
@@ -305,6 +313,10 @@ class Bench:
                  note=f"plain: boto3 ranged GETs, {QUEUE_DEPTH} x {BLOCK >> 20} MiB in flight", sources=r2["sources"],
                  profile=r2.get("profile"), phases=r2.get("phases"),
                  per_rank=[{k: r.get(k) for k in ("rank", "seconds", "marks", "phases")} for r in recs])
+        if whole is not None:
+            self.row("the same, each span kept whole (the code before pieces of KEEP_PIECE)",
+                     whole["remote_bytes"] or whole["bytes_needed"], whole["seconds"], limit=link, plain=plain,
+                     note="the same launch of the bench, just before", profile=whole.get("profile"))
         if before is not None:
             self.row("the same, mirror spans read one at a time (the code before ranged mirror reads)",
                      before["remote_bytes"] or before["bytes_needed"], before["seconds"], limit=link, plain=plain,
@@ -362,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ar-iters", type=int, default=12)
     parser.add_argument("--mirror-before", action=argparse.BooleanOptionalAction, default=True,
                         help="also restore from S3 the way the exchange did before its ranged reads (a span at a time)")
+    parser.add_argument("--whole-spans", action=argparse.BooleanOptionalAction, default=False,
+                        help="also restore from S3 with each span kept whole (before pieces of exchange.KEEP_PIECE)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--dir", default=None, help="where the nodes' disks and SeaweedFS go (default: a temp dir)")
     parser.add_argument("--out", default=None, help="the JSON of every figure")

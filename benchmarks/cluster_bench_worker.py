@@ -330,6 +330,10 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
                 import dcp_nvme.peers.exchange as ex
 
                 ex.MIRROR_IN_FLIGHT, ex.MIRROR_RANGE = 1, 1 << 40
+            if os.environ.get("MIRROR_WHOLE_SPANS") == "1":  # as before pieces: a span checked and kept whole
+                import dcp_nvme.peers.exchange as ex
+
+                ex.KEEP_PIECE = 1 << 62
             timed_load(plain, mirror=f"{os.environ['S3_ROOT']}/{args.tag}", mirror_options=s3_options, peers=True)
         elif args.phase == "cap":
             tensor = torch.ones(args.ar_bytes // 4)

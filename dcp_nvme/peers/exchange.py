@@ -76,6 +76,8 @@ MIRROR_RANGE = 8 << 20
 MIRROR_IN_FLIGHT = 8
 """What no node holds comes from the mirror in ranged reads of ``MIRROR_RANGE`` bytes, this
 many at once (the reader's default ``block_size`` and ``queue_depth``)."""
+KEEP_PIECE = 32 << 20
+"""What comes from the mirror is checked and kept in pieces of about this many bytes."""
 
 _group: Any = None
 
@@ -475,8 +477,10 @@ def _from_mirror_spans(path: str, manifest: Manifest, records: dict[str, FileRec
                        mirror: MirrorSource | None, optional: bool, out: Arrivals) -> tuple[str | None, list[Span]]:
     """This rank's asks that no node holds, from the mirror: ranged reads of ``MIRROR_RANGE``
     bytes, ``MIRROR_IN_FLIGHT`` at once (one span at a time, one read each, left the link
-    mostly idle), each span checked and kept as soon as all of it came; at most
-    ``WAVE_BYTES`` of spans read ahead. Returns (why it stopped, the spans that came)."""
+    mostly idle), each span checked and kept in pieces of about ``KEEP_PIECE`` bytes as soon as
+    a piece came (a span kept whole was checked and written after its last byte: a tail the
+    link sat idle through); at most ``WAVE_BYTES`` read ahead. Returns (why it stopped, the
+    spans that came whole)."""
     got: list[Span] = []
     if mirror is None:
         for _index, span in mine:  # raises the error that names what is missing, unless optional
@@ -487,51 +491,78 @@ def _from_mirror_spans(path: str, manifest: Manifest, records: dict[str, FileRec
                     return f"{type(exc).__name__}: {exc}", got
         return None, got
 
-    def part(span: Span, offset: int, into: memoryview) -> None:
-        into[:] = mirror.read_range(span.file, span.start + offset, len(into))
+    def part(piece: Span, offset: int, into: memoryview) -> None:
+        mirror.read_into(piece.file, piece.start + offset, into)
 
-    def post(span: Span) -> tuple[memoryview, list[Future[None]]]:
-        view = memoryview(bytearray(span.length))
-        return view, [pool.submit(part, span, offset, view[offset:offset + MIRROR_RANGE])
-                      for offset in range(0, span.length, MIRROR_RANGE)]
+    def post(piece: Span) -> tuple[memoryview, list[Future[None]]]:
+        view = memoryview(bytearray(piece.length))
+        return view, [pool.submit(part, piece, offset, view[offset:offset + MIRROR_RANGE])
+                      for offset in range(0, piece.length, MIRROR_RANGE)]
 
-    def keep(index: int, span: Span, view: memoryview, parts: list[Future[None]]) -> str | None:
+    left: dict[int, int] = {}  # ask -> its pieces not kept yet
+    failed: set[int] = set()  # optional asks a piece of which failed: left out whole
+
+    def keep(index: int, span: Span, piece: Span, view: memoryview, parts: list[Future[None]]) -> str | None:
+        if index in failed:
+            return None
         try:
             for future in parts:
                 future.result()
-            record = records[span.file]
-            verify_piece(record, span.start, view, mirror.describe(span.file))
-            out.keep(record, span.start, view, "mirror")
-            out.chosen[index] = 0
-            got.append(span)
+            record = records[piece.file]
+            verify_piece(record, piece.start, view, mirror.describe(piece.file))
+            out.keep(record, piece.start, view, "mirror")
         except (DCPNVMeError, OSError) as exc:
             if not optional:
                 return f"{type(exc).__name__}: {exc}"
+            failed.add(index)
+            return None
+        left[index] -= 1
+        if not left[index]:
+            out.chosen[index] = 0
+            got.append(span)
         return None
 
-    # a sliding window: the next span's reads are queued as soon as one is kept (groups that
+    # a sliding window: the next piece's reads are queued as soon as one is kept (groups that
     # each waited for their last read left the link idle between them)
     with ThreadPoolExecutor(MIRROR_IN_FLIGHT, thread_name_prefix="dcp-nvme-mirror") as pool:
-        posted: deque[tuple[int, Span, memoryview, list[Future[None]]]] = deque()
+        posted: deque[tuple[int, Span, Span, memoryview, list[Future[None]]]] = deque()
         held = 0
         why = None
         for index, span in mine:
-            while posted and held + span.length > WAVE_BYTES and why is None:
-                oldest = posted.popleft()
-                held -= oldest[1].length
-                why = keep(*oldest)
+            pieces = keep_pieces(records[span.file], span)
+            left[index] = len(pieces)
+            for piece in pieces:
+                while posted and held + piece.length > WAVE_BYTES and why is None:
+                    oldest = posted.popleft()
+                    held -= oldest[2].length
+                    why = keep(*oldest)
+                if why is not None:
+                    break
+                posted.append((index, span, piece, *post(piece)))
+                held += piece.length
             if why is not None:
                 break
-            posted.append((index, span, *post(span)))
-            held += span.length
         while posted and why is None:
             why = keep(*posted.popleft())
-        for _, _, _, parts in posted:
+        for *_, parts in posted:
             for future in parts:
                 future.cancel()
         if why is not None:
             return why, got
     return None, got
+
+
+def keep_pieces(record: FileRecord, span: Span) -> list[Span]:
+    """``span`` cut at the file's ``KEEP_PIECE`` boundaries (whole checksum blocks from the data's
+    start), so that each piece is checked on its own."""
+    step = max(record.checksum_block, KEEP_PIECE - KEEP_PIECE % record.checksum_block)
+    pieces, at = [], span.start
+    cut = record.data_start + ((max(at, record.data_start) - record.data_start) // step + 1) * step
+    while cut < span.end:
+        pieces.append(Span(span.file, at, cut))
+        at, cut = cut, cut + step
+    pieces.append(Span(span.file, at, span.end))
+    return pieces
 
 
 def _from_mirror(path: str, manifest: Manifest, record: FileRecord, span: Span,

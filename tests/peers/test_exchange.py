@@ -224,6 +224,9 @@ class _Mirror:
         self.reads += 1
         return bytes(self.data[offset:offset + length])
 
+    def read_into(self, name: str, offset: int, into: memoryview) -> None:
+        into[:] = self.read_range(name, offset, len(into))
+
 
 @pytest.mark.parametrize("optional", [False, True])
 def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_path, monkeypatch, optional):
@@ -287,3 +290,42 @@ def test_a_manifest_written_in_place_is_logged_as_a_sentence(saved, tmp_path, ca
         exchange._keep_metadata(node, payload, key, "s3://bucket/run/step_1", "ManifestError: bad JSON")
     assert (f"{node}: this node's manifest could not be used (ManifestError: bad JSON), so the one from "
             "s3://bucket/run/step_1 was written in its place") in caplog.text
+
+
+@pytest.mark.parametrize("optional", [False, True])
+def test_a_span_from_the_mirror_is_kept_piece_by_piece(saved, tmp_path, monkeypatch, optional):
+    """One span of many checksum blocks: each piece is checked and kept as it comes (the link
+    is not idle while the whole span is checked and written); a damaged piece stops the load,
+    or leaves the rest of the span out when the ask is optional; the pieces before it are kept."""
+    path, name = saved
+    node = str(tmp_path / "node")
+    shutil.copytree(path, node)
+    manifest = read_manifest(LocalStore(node), node)
+    record = read_files(LocalStore(node), manifest, node)[name]
+    with open(os.path.join(node, name), "rb") as f:
+        data = f.read()
+    os.remove(os.path.join(node, name))
+    block = record.checksum_block
+    monkeypatch.setattr(exchange, "KEEP_PIECE", 2 * block + 1)  # two whole blocks a piece
+    whole = Span(name, 0, record.size)
+    pieces = exchange.keep_pieces(record, whole)
+    assert len(pieces) >= 3 and pieces[0].start == 0 and pieces[-1].end == record.size
+    assert all(a.end == b.start for a, b in zip(pieces, pieces[1:]))
+    assert all((p.start - record.data_start) % (2 * block) == 0 for p in pieces[1:])
+    inner = Span(name, record.data_start + block, record.data_start + 4 * block)  # starts mid-piece
+    assert exchange.keep_pieces(record, inner) == [Span(name, inner.start, record.data_start + 2 * block),
+                                                   Span(name, record.data_start + 2 * block, inner.end)]
+    bad = pieces[1].start + 10
+    mirror = _Mirror(name, data, bad)
+    out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
+    out.chosen = [9]
+    why, got = exchange._from_mirror_all(node, manifest, {name: record}, [(0, whole)], mirror, optional, out)
+    assert got == [] and out.chosen == [9]
+    if optional:
+        assert why is None
+    else:
+        assert why is not None and "ChecksumMismatchError" in why
+    # the piece before the damaged one is on disk; none after it (the ask is left out whole)
+    assert out.taken["mirror"]["bytes"] == pieces[0].length
+    with open(os.path.join(node, exchange.RANGES_DIR, name), "rb") as f:
+        assert f.read(pieces[0].end) == data[:pieces[0].end]
