@@ -339,14 +339,25 @@ def _plan(record: FileRecord, entry: dict[str, Any], part_size: int, sink: Sink)
     in_progress = bool(entry["pieces"]) or bool(entry.get("upload_id"))
     minimum = sink.min_part
     if not (in_progress and isinstance(planned, int) and planned >= minimum):
-        planned = part_size
+        planned = fitting_part(record, part_size, sink.max_parts)
     return planned, plan_pieces(record.size, record.data_start, record.checksum_block, planned)
+
+
+def fitting_part(record: FileRecord, part_size: int, max_parts: int | None) -> int:
+    """``part_size``, or the smallest multiple of the file's checksum block that cuts it into at
+    most ``max_parts`` pieces when ``part_size`` would cut it into more."""
+    if max_parts is None or len(plan_pieces(record.size, record.data_start, record.checksum_block,
+                                            part_size)) <= max_parts:
+        return part_size
+    block = record.checksum_block
+    return -(-(record.size - record.data_start) // (max_parts * block)) * block  # blocks, rounded up
 
 
 def _attempt(source: DrainSource | CompressedSource, sink: Sink, journal: Journal, options: DrainOptions,
              result: DrainResult, progress: Progress | None) -> None:
     manifest = source.manifest
-    part_size = max(options.part_size, sink.min_part)
+    options = options.for_target(sink.transfers, sink.part_size)
+    part_size = max(options.piece, sink.min_part)
     refuse_other_checkpoint(manifest.doc, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
@@ -535,7 +546,7 @@ def _send_all(source: DrainSource | CompressedSource, sink: Sink, journal: Journ
     if streamed:
         assert isinstance(source, CompressedSource)  # only files being coded stream
         coded = (partial(send, *found) for name, part_size in streamed for found in source.stream(name, part_size))
-    run_bounded(options.max_transfers, chain(tasks, coded), lambda task: task(), "dcp-nvme-drain-io")
+    run_bounded(options.transfers, chain(tasks, coded), lambda task: task(), "dcp-nvme-drain-io")
 
 
 def readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptions,
@@ -551,5 +562,5 @@ def readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptio
             data = sink.read_range(record.name, piece.offset, piece.offset + piece.length)
             verify_piece(record, piece.offset, data, where)
 
-    run_bounded(options.max_transfers, pieces, check, "dcp-nvme-readback")
+    run_bounded(options.for_target(sink.transfers, sink.part_size).transfers, pieces, check, "dcp-nvme-readback")
     result.bytes_verified_remote += record.size

@@ -245,3 +245,58 @@ def test_s3_part_listing_that_does_not_move_forward_is_refused_not_looped():
         with pytest.raises(IncompleteOnTarget, match="upload u1.*cannot be trusted"):
             sink._list_parts("f", "u1")
         assert sink.s3.calls == len(markers)
+
+
+def test_s3_mirror_reads_land_in_the_destination_and_a_short_object_is_named(s3_server, s3_bucket):
+    """The exchange's mirror reads (``MirrorSource.read_into``) go through botocore straight into
+    the memory they fill; an object shorter than the manifest says is named, not padded."""
+    from dcp_nvme.errors import ManifestError
+    from dcp_nvme.peers.fetching import MirrorSource
+    from dcp_nvme.storage.fsspec_dir import open_store
+
+    data = os.urandom(3 * MiB + 17)
+    s3_server.boto3_client().put_object(Bucket=s3_bucket, Key="ck/rank_0.safetensors", Body=data)
+    mirror = MirrorSource(open_store(f"s3://{s3_bucket}/ck", opts(s3_server)), opts(s3_server))
+    assert type(mirror.store).__name__ == "S3Store"
+    into = memoryview(bytearray(2 * MiB))
+    mirror.read_into("rank_0.safetensors", MiB + 5, into)
+    assert bytes(into) == data[MiB + 5:3 * MiB + 5]
+    with pytest.raises(ManifestError, match="rank_0.safetensors is shorter than its manifest says"):
+        mirror.read_into("rank_0.safetensors", 2 * MiB, memoryview(bytearray(2 * MiB)))
+
+
+def test_a_drain_left_to_its_target_takes_the_targets_pieces_and_a_file_fits_the_part_limit(
+        tmp_path, s3_server, s3_bucket, monkeypatch):
+    """Options that leave ``max_transfers``/``part_size`` unset take the target's (S3 through
+    botocore: 8 of 16 MiB; a directory: 4 of 64 MiB), given ones stay; a file that would need more
+    parts than the target takes gets larger parts (on checksum blocks) and still loads bitwise."""
+    plain = DrainOptions()
+    assert (plain.max_transfers, plain.part_size) == (None, None)
+    sink = open_sink(f"s3://{s3_bucket}/any", opts(s3_server))
+    assert isinstance(sink, BotoS3Sink)
+    left = plain.for_target(sink.transfers, sink.part_size)
+    assert (left.transfers, left.piece) == (8, 16 * MiB)
+    directory = open_sink(str(tmp_path / "dir"))
+    assert (plain.for_target(directory.transfers, directory.part_size).piece,
+            plain.for_target(directory.transfers, directory.part_size).transfers) == (64 * MiB, 4)
+    given = DrainOptions(max_transfers=2, part_size=5 * MiB).for_target(sink.transfers, sink.part_size)
+    assert (given.transfers, given.piece) == (2, 5 * MiB)
+    with pytest.raises(ValueError, match="for_target"):
+        _ = plain.piece
+
+    sd = make_state(23, floats=6_000_000)  # 24 MB: five 5 MiB parts at the given size
+    local = save(tmp_path / "step_23", sd)
+    name, _ = _data_file(local)
+    assert len(_pieces(local, name, 5 * MiB)) == 5
+    monkeypatch.setattr(BotoS3Sink, "max_parts", 3)
+    url = f"s3://{s3_bucket}/step_23"
+    start = len(s3_server.proxy.log)
+    drain(local, url, storage_options=opts(s3_server), options=DrainOptions(part_size=5 * MiB, retries=0))
+    planned = json.loads(open(os.path.join(local, JOURNAL)).read())["files"][name]["part_size"]
+    parts = _pieces(local, name, planned)
+    assert len(parts) == len(part_puts(s3_server, start)) <= 3 and planned > 5 * MiB
+    from dcp_nvme.tiers.source import DrainSource
+
+    record = DrainSource(local).record(name)
+    assert planned % record.checksum_block == 0  # every piece whole checksum blocks
+    assert_same(load(NVMeReader(url, storage_options=opts(s3_server)), sd), sd)
