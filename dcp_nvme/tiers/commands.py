@@ -29,11 +29,10 @@ def register(subparsers) -> None:
     parser.add_argument("--to", dest="target", help="target URL or directory (default: the journal's)")
     parser.add_argument("--storage-options", default=None,
                         help="JSON object of fsspec storage options, e.g. '{\"endpoint_url\": ...}'")
-    parser.add_argument("--max-transfers", type=int, default=None,
-                        help="pieces in flight at once (default: the target's: 8 to S3, else 4)")
-    parser.add_argument("--part-size", default=None,
-                        help="bytes per piece (default: the target's: 16MiB to S3, else 64MiB); a file an "
-                             "interrupted drain began keeps the part size it was planned with")
+    parser.add_argument("--max-transfers", type=int, default=DrainOptions.max_transfers,
+                        help=f"pieces in flight at once (default {DrainOptions.max_transfers})")
+    parser.add_argument("--part-size", default="64MiB", help="bytes per piece (default 64MiB); a file an interrupted drain began keeps the part "
+                             "size it was planned with")
     parser.add_argument("--bandwidth", default=None, help="cap, bytes per second, e.g. 200MiB")
     parser.add_argument("--verify", choices=("sent", "readback"), default="sent",
                         help="sent: check each piece as it is sent (default); readback: also read the "
@@ -70,7 +69,7 @@ def _drain(args: argparse.Namespace) -> int:
         kept = journal_options(args.path)
         storage_options = {**kept, **(storage_options or {})} if kept or storage_options else None
     options = DrainOptions(
-        max_transfers=args.max_transfers, part_size=parse_size(args.part_size) if args.part_size else None,
+        max_transfers=args.max_transfers, part_size=parse_size(args.part_size),
         bandwidth=parse_size(args.bandwidth) if args.bandwidth else None, verify=args.verify,
         retries=args.retries, backoff=args.backoff, compress=args.compress, delta_every=args.delta_every,
         link_rate=parse_size(args.link_rate) if args.link_rate else None, codec_threads=args.codec_threads,

@@ -356,8 +356,7 @@ def fitting_part(record: FileRecord, part_size: int, max_parts: int | None) -> i
 def _attempt(source: DrainSource | CompressedSource, sink: Sink, journal: Journal, options: DrainOptions,
              result: DrainResult, progress: Progress | None) -> None:
     manifest = source.manifest
-    options = options.for_target(sink.transfers, sink.part_size)
-    part_size = max(options.piece, sink.min_part)
+    part_size = max(options.part_size, sink.min_part)
     refuse_other_checkpoint(manifest.doc, sink)
     result.bytes_skipped = 0
     work: list[tuple[FileRecord, list[Piece], list[Piece]]] = []
@@ -546,7 +545,7 @@ def _send_all(source: DrainSource | CompressedSource, sink: Sink, journal: Journ
     if streamed:
         assert isinstance(source, CompressedSource)  # only files being coded stream
         coded = (partial(send, *found) for name, part_size in streamed for found in source.stream(name, part_size))
-    run_bounded(options.transfers, chain(tasks, coded), lambda task: task(), "dcp-nvme-drain-io")
+    run_bounded(options.max_transfers, chain(tasks, coded), lambda task: task(), "dcp-nvme-drain-io")
 
 
 def readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptions,
@@ -562,5 +561,5 @@ def readback(sink: Sink, record: FileRecord, part_size: int, options: DrainOptio
             data = sink.read_range(record.name, piece.offset, piece.offset + piece.length)
             verify_piece(record, piece.offset, data, where)
 
-    run_bounded(options.for_target(sink.transfers, sink.part_size).transfers, pieces, check, "dcp-nvme-readback")
+    run_bounded(options.max_transfers, pieces, check, "dcp-nvme-readback")
     result.bytes_verified_remote += record.size

@@ -3,7 +3,7 @@ that take options import them without importing the drain."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from dcp_nvme.config import COMPRESS_MODES
 from dcp_nvme.errors import InvalidInputError
@@ -16,13 +16,12 @@ VERIFY_MODES = ("sent", "readback")
 
 @dataclass(frozen=True)
 class DrainOptions:
-    """How a drain behaves. Defaults suit a shared network: the target's pieces in flight and
-    piece size (S3 through botocore: 8 of 16 MiB; every other target: 4 of 64 MiB), no cap.
+    """How a drain behaves. Defaults suit a shared network: 4 transfers, 64 MiB pieces, no cap.
 
-    max_transfers: pieces in flight at once (across files); None: the target's.
-    part_size: bytes per piece (multipart part on S3; at least 5 MiB there, and as large as a
-        file needs to fit S3's 10,000 parts); None: the target's. A file whose transfer an
-        interrupted drain began keeps the part size it was planned with.
+    max_transfers: pieces in flight at once (across files).
+    part_size: bytes per piece (multipart part on S3; at least 5 MiB there, and larger for a
+        file that would need more than S3's 10,000 parts). A file whose transfer an interrupted
+        drain began keeps the part size it was planned with.
     bandwidth: bytes/s cap for the whole drain (token bucket), None for no cap.
     verify: "sent" checks every piece's bytes against the blocks table before sending it;
         "readback" also reads every byte back from the target and checks it.
@@ -30,8 +29,8 @@ class DrainOptions:
     backoff, backoff_max: seconds of the first wait between attempts, and the cap (doubling).
     """
 
-    max_transfers: int | None = None
-    part_size: int | None = None
+    max_transfers: int = 4
+    part_size: int = 64 * MiB
     bandwidth: float | None = None
     verify: str = "sent"
     retries: int = 5
@@ -66,9 +65,9 @@ class DrainOptions:
             raise InvalidInputError(f"codec_threads must be >= 1, got {self.codec_threads}")
         if self.verify not in VERIFY_MODES:
             raise InvalidInputError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
-        if self.max_transfers is not None and self.max_transfers < 1:
+        if self.max_transfers < 1:
             raise InvalidInputError(f"max_transfers must be >= 1, got {self.max_transfers}")
-        if self.part_size is not None and self.part_size < 1:
+        if self.part_size < 1:
             raise InvalidInputError(f"part_size must be >= 1, got {self.part_size}")
         if self.retries < 0:
             raise InvalidInputError(f"retries must be >= 0, got {self.retries}")
@@ -77,21 +76,3 @@ class DrainOptions:
         if not self.node_silence > 0:
             raise InvalidInputError(f"node_silence must be > 0 seconds, got {self.node_silence}")
 
-    def for_target(self, transfers: int, part_size: int) -> DrainOptions:
-        """These options, with a target's pieces in flight and piece size where they leave them
-        to the target (None)."""
-        return replace(self, max_transfers=self.max_transfers or transfers, part_size=self.part_size or part_size)
-
-    @property
-    def transfers(self) -> int:
-        """``max_transfers`` of options made ``for_target``."""
-        if self.max_transfers is None:
-            raise ValueError("DrainOptions.max_transfers is the target's: call for_target first")
-        return self.max_transfers
-
-    @property
-    def piece(self) -> int:
-        """``part_size`` of options made ``for_target``."""
-        if self.part_size is None:
-            raise ValueError("DrainOptions.part_size is the target's: call for_target first")
-        return self.part_size

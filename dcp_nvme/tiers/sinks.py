@@ -67,9 +67,6 @@ class Sink:
     """The smallest part the target takes (S3: 5 MiB, except the last)."""
     max_parts: int | None = None
     """The most parts one file may have on the target (S3: 10,000), None for no limit."""
-    transfers = 4
-    part_size = 64 << 20
-    """A drain's pieces in flight and piece size where its options leave them to the target."""
     local_root: str | None = None
     """The target directory when it is on a local (or mounted) filesystem."""
 
@@ -355,9 +352,6 @@ class BotoS3Sink(Sink):
 
     min_part = S3_MIN_PART
     max_parts = S3_MAX_PARTS
-    # cheaper per byte than 4 x 64 MiB at the same rate (docs/benchmarks.md, "S3: the drain")
-    transfers = 8
-    part_size = 16 << 20
 
     def __init__(self, target: str, store: S3Store) -> None:
         super().__init__(target, store)

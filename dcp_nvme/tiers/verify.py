@@ -41,7 +41,6 @@ def _verify_locked(location: str, target: str, storage_options: dict[str, Any] |
     result = DrainResult(location, target, source.save_key, int(source.manifest.doc.get("total_bytes", 0)))
     started = time.perf_counter()
     sink = open_sink(target, storage_options, filesystem)
-    options = options.for_target(sink.transfers, sink.part_size)
     try:
         if not sink.has(MANIFEST):
             raise IncompleteOnTarget(f"{sink.location(MANIFEST)} is missing: the target holds no "
@@ -52,10 +51,10 @@ def _verify_locked(location: str, target: str, storage_options: dict[str, Any] |
                                      f"{source.save_key} (the target holds another save)")
         if remote != source.manifest_bytes:  # a compressed mirror: decode every chunk and check it
             result.bytes_verified_remote += readback_coded(sink.store, sink.target, source.files,
-                                                           options.piece)
+                                                           options.part_size)
         else:
             for name in source.manifest.file_names:
-                readback(sink, source.files[name], options.piece, options, result)
+                readback(sink, source.files[name], options.part_size, options, result)
     except Exception as exc:
         journal.update(state=FAILED, cause=classify(exc))
         raise

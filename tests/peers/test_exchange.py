@@ -329,3 +329,41 @@ def test_a_span_from_the_mirror_is_kept_piece_by_piece(saved, tmp_path, monkeypa
     assert out.taken["mirror"]["bytes"] == pieces[0].length
     with open(os.path.join(node, exchange.RANGES_DIR, name), "rb") as f:
         assert f.read(pieces[0].end) == data[:pieces[0].end]
+
+
+def test_a_span_larger_than_the_window_is_read_at_most_a_window_ahead(saved, tmp_path, monkeypatch):
+    """The mirror's read-ahead bound (``WAVE_BYTES``) holds for one span larger than it: a whole
+    rank file asked at once was read into memory whole before any of it was kept."""
+    path, name = saved
+    node = str(tmp_path / "node")
+    shutil.copytree(path, node)
+    manifest = read_manifest(LocalStore(node), node)
+    record = read_files(LocalStore(node), manifest, node)[name]
+    with open(os.path.join(node, name), "rb") as f:
+        data = f.read()
+    os.remove(os.path.join(node, name))
+    block = record.checksum_block
+    assert record.size > 6 * block
+    monkeypatch.setattr(exchange, "KEEP_PIECE", block)
+    monkeypatch.setattr(exchange, "WAVE_BYTES", 2 * block)
+    out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
+    out.chosen = [9]
+    kept_to, ahead = [0], [0]
+    keep = out.keep
+
+    def counted_keep(rec, start, view, kind):
+        keep(rec, start, view, kind)
+        kept_to[0] = max(kept_to[0], start + len(view))
+
+    class Counting(_Mirror):
+        def read_into(self, name, offset, into):
+            ahead[0] = max(ahead[0], offset + len(into) - kept_to[0])
+            super().read_into(name, offset, into)
+
+    monkeypatch.setattr(out, "keep", counted_keep)
+    mirror = Counting(name, data, len(data) - 1)
+    mirror.data[len(data) - 1] ^= 0xFF  # the byte _Mirror flipped, flipped back: nothing damaged
+    why, got = exchange._from_mirror_all(node, manifest, {name: record}, [(0, Span(name, 0, record.size))],
+                                         mirror, False, out)
+    assert why is None and got == [Span(name, 0, record.size)] and out.chosen == [0]
+    assert ahead[0] <= 2 * block + record.data_start + block, (ahead[0], record.size)

@@ -265,25 +265,11 @@ def test_s3_mirror_reads_land_in_the_destination_and_a_short_object_is_named(s3_
         mirror.read_into("rank_0.safetensors", 2 * MiB, memoryview(bytearray(2 * MiB)))
 
 
-def test_a_drain_left_to_its_target_takes_the_targets_pieces_and_a_file_fits_the_part_limit(
-        tmp_path, s3_server, s3_bucket, monkeypatch):
-    """Options that leave ``max_transfers``/``part_size`` unset take the target's (S3 through
-    botocore: 8 of 16 MiB; a directory: 4 of 64 MiB), given ones stay; a file that would need more
-    parts than the target takes gets larger parts (on checksum blocks) and still loads bitwise."""
-    plain = DrainOptions()
-    assert (plain.max_transfers, plain.part_size) == (None, None)
-    sink = open_sink(f"s3://{s3_bucket}/any", opts(s3_server))
-    assert isinstance(sink, BotoS3Sink)
-    left = plain.for_target(sink.transfers, sink.part_size)
-    assert (left.transfers, left.piece) == (8, 16 * MiB)
-    directory = open_sink(str(tmp_path / "dir"))
-    assert (plain.for_target(directory.transfers, directory.part_size).piece,
-            plain.for_target(directory.transfers, directory.part_size).transfers) == (64 * MiB, 4)
-    given = DrainOptions(max_transfers=2, part_size=5 * MiB).for_target(sink.transfers, sink.part_size)
-    assert (given.transfers, given.piece) == (2, 5 * MiB)
-    with pytest.raises(ValueError, match="for_target"):
-        _ = plain.piece
-
+def test_a_file_that_would_need_more_parts_than_s3_takes_gets_larger_parts(tmp_path, s3_server, s3_bucket,
+                                                                           monkeypatch):
+    """S3 takes at most ``max_parts`` parts in one upload (10,000): a file that ``part_size``
+    would cut into more is cut into larger parts, on checksum blocks, and still loads bitwise."""
+    assert BotoS3Sink.max_parts == S3Sink.max_parts == 10_000
     sd = make_state(23, floats=6_000_000)  # 24 MB: five 5 MiB parts at the given size
     local = save(tmp_path / "step_23", sd)
     name, _ = _data_file(local)
