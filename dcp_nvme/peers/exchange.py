@@ -478,9 +478,8 @@ def _from_mirror_spans(path: str, manifest: Manifest, records: dict[str, FileRec
     """This rank's asks that no node holds, from the mirror: ranged reads of ``MIRROR_RANGE``
     bytes, ``MIRROR_IN_FLIGHT`` at once (one span at a time, one read each, left the link
     mostly idle), each span checked and kept in pieces of about ``KEEP_PIECE`` bytes as soon as
-    a piece came (a span kept whole was checked and written after its last byte: a tail the
-    link sat idle through); at most ``WAVE_BYTES`` read ahead. Returns (why it stopped, the
-    spans that came whole)."""
+    a piece came; at most ``WAVE_BYTES`` read ahead, however large a span (a span read whole
+    held all of it in memory). Returns (why it stopped, the spans that came whole)."""
     got: list[Span] = []
     if mirror is None:
         for _index, span in mine:  # raises the error that names what is missing, unless optional

@@ -16,9 +16,9 @@ Each test belongs to one phase, from those markers: the integrations, else the o
 else the simulated clusters, else the unit tests. The process that reports (pytest-xdist's
 controller, or the one process with ``-n 0``) prints a line when a phase's first test starts and
 when its last one ends, a line every 60 s (``HARNESS_PROGRESS_EVERY`` seconds) with the tests done
-and the files running, and, at the end, the time of each phase and of the slowest files. xdist's workers only mark and
-tell the controller each test's phase (a file in a folder the controller hands them): the
-controller collects nothing itself.
+and the files running, and, at the end, the time of each phase and the ``SLOWEST_FILES`` files
+whose tests took longest. xdist's workers only mark and tell the controller each test's phase (a
+file in a folder the controller hands them): the controller collects nothing itself.
 """
 
 from __future__ import annotations
