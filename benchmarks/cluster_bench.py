@@ -18,7 +18,7 @@ each rank a third of their rows):
   drain to S3      the same to SeaweedFS's S3
   restore from S3  node 2's copy removed: NVMeReader(mirror=s3://...) on all ranks (the exchange: what no node holds comes from the mirror)
   (whole spans)    with --whole-spans: the same restore with each span from the mirror checked and
-                   kept whole (as before exchange.KEEP_PIECE), just before it
+                   kept whole (as before mirror_reads.KEEP_PIECE), just before it
   (before)         with --mirror-before (default): the same restore with the exchange's mirror
                    reads as the exchange made them before its ranged reads (a span at a time, one read each)
   drain cap        node 0 drains a third of the state at --cap-fraction x rate while every rank
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mirror-before", action=argparse.BooleanOptionalAction, default=True,
                         help="also restore from S3 the way the exchange did before its ranged reads (a span at a time)")
     parser.add_argument("--whole-spans", action=argparse.BooleanOptionalAction, default=False,
-                        help="also restore from S3 with each span kept whole (before pieces of exchange.KEEP_PIECE)")
+                        help="also restore from S3 with each span kept whole (before pieces of mirror_reads.KEEP_PIECE)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--dir", default=None, help="where the nodes' disks and SeaweedFS go (default: a temp dir)")
     parser.add_argument("--out", default=None, help="the JSON of every figure")

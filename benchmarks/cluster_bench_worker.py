@@ -327,11 +327,11 @@ def _phases() -> None:  # noqa: C901  one phase per launch, each short
                 shutil.rmtree(plain)
             dist.barrier()
             if os.environ.get("MIRROR_SEQUENTIAL") == "1":  # as before ranged mirror reads: a span at a time, one read each
-                import dcp_nvme.peers.exchange as ex
+                import dcp_nvme.peers.mirror_reads as ex
 
                 ex.MIRROR_IN_FLIGHT, ex.MIRROR_RANGE = 1, 1 << 40
             if os.environ.get("MIRROR_WHOLE_SPANS") == "1":  # as before pieces: a span checked and kept whole
-                import dcp_nvme.peers.exchange as ex
+                import dcp_nvme.peers.mirror_reads as ex
 
                 ex.KEEP_PIECE = 1 << 62
             timed_load(plain, mirror=f"{os.environ['S3_ROOT']}/{args.tag}", mirror_options=s3_options, peers=True)

@@ -21,7 +21,7 @@ from dcp_nvme.format.container import MANIFEST, RANGES_DIR
 from dcp_nvme.format.manifest import read_files, read_manifest
 from dcp_nvme.format.pieces import Span
 from dcp_nvme.format.tables import FileRecord
-from dcp_nvme.peers import exchange, streams
+from dcp_nvme.peers import exchange, mirror_reads, streams
 from dcp_nvme.peers.kept import ReceivedBytes
 from dcp_nvme.peers.restore import copy_pieces
 from dcp_nvme.storage.local_dir import LocalStore
@@ -246,13 +246,13 @@ def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_pa
     spans += [Span(name, at, min(at + block, record.size))
               for at in range(record.data_start + block, record.size, block)]
     assert len(spans) >= 4
-    monkeypatch.setattr(exchange, "WAVE_BYTES", 2 * block + record.data_start)  # two spans ahead at most
-    monkeypatch.setattr(exchange, "MIRROR_RANGE", block // 4)
+    monkeypatch.setattr(mirror_reads, "WAVE_BYTES", 2 * block + record.data_start)  # two spans ahead at most
+    monkeypatch.setattr(mirror_reads, "MIRROR_RANGE", block // 4)
     bad = 2  # the third span's bytes are damaged on the mirror
     mirror = _Mirror(name, data, spans[bad].start + 10)
     out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
     out.chosen = [9] * len(spans)
-    why, got = exchange._from_mirror_all(node, manifest, {name: record}, list(enumerate(spans)), mirror,
+    why, got = mirror_reads.from_mirror(node, manifest, {name: record}, list(enumerate(spans)), mirror,
                                          optional, out)
     if optional:
         assert why is None and got == spans[:bad] + spans[bad + 1:]
@@ -306,20 +306,20 @@ def test_a_span_from_the_mirror_is_kept_piece_by_piece(saved, tmp_path, monkeypa
         data = f.read()
     os.remove(os.path.join(node, name))
     block = record.checksum_block
-    monkeypatch.setattr(exchange, "KEEP_PIECE", 2 * block + 1)  # two whole blocks a piece
+    monkeypatch.setattr(mirror_reads, "KEEP_PIECE", 2 * block + 1)  # two whole blocks a piece
     whole = Span(name, 0, record.size)
-    pieces = exchange.keep_pieces(record, whole)
+    pieces = mirror_reads.keep_pieces(record, whole)
     assert len(pieces) >= 3 and pieces[0].start == 0 and pieces[-1].end == record.size
     assert all(a.end == b.start for a, b in zip(pieces, pieces[1:]))
     assert all((p.start - record.data_start) % (2 * block) == 0 for p in pieces[1:])
     inner = Span(name, record.data_start + block, record.data_start + 4 * block)  # starts mid-piece
-    assert exchange.keep_pieces(record, inner) == [Span(name, inner.start, record.data_start + 2 * block),
+    assert mirror_reads.keep_pieces(record, inner) == [Span(name, inner.start, record.data_start + 2 * block),
                                                    Span(name, record.data_start + 2 * block, inner.end)]
     bad = pieces[1].start + 10
     mirror = _Mirror(name, data, bad)
     out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
     out.chosen = [9]
-    why, got = exchange._from_mirror_all(node, manifest, {name: record}, [(0, whole)], mirror, optional, out)
+    why, got = mirror_reads.from_mirror(node, manifest, {name: record}, [(0, whole)], mirror, optional, out)
     assert got == [] and out.chosen == [9]
     if optional:
         assert why is None
@@ -344,8 +344,8 @@ def test_a_span_larger_than_the_window_is_read_at_most_a_window_ahead(saved, tmp
     os.remove(os.path.join(node, name))
     block = record.checksum_block
     assert record.size > 6 * block
-    monkeypatch.setattr(exchange, "KEEP_PIECE", block)
-    monkeypatch.setattr(exchange, "WAVE_BYTES", 2 * block)
+    monkeypatch.setattr(mirror_reads, "KEEP_PIECE", block)
+    monkeypatch.setattr(mirror_reads, "WAVE_BYTES", 2 * block)
     out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
     out.chosen = [9]
     kept_to, ahead = [0], [0]
@@ -363,7 +363,7 @@ def test_a_span_larger_than_the_window_is_read_at_most_a_window_ahead(saved, tmp
     monkeypatch.setattr(out, "keep", counted_keep)
     mirror = Counting(name, data, len(data) - 1)
     mirror.data[len(data) - 1] ^= 0xFF  # the byte _Mirror flipped, flipped back: nothing damaged
-    why, got = exchange._from_mirror_all(node, manifest, {name: record}, [(0, Span(name, 0, record.size))],
+    why, got = mirror_reads.from_mirror(node, manifest, {name: record}, [(0, Span(name, 0, record.size))],
                                          mirror, False, out)
     assert why is None and got == [Span(name, 0, record.size)] and out.chosen == [0]
     assert ahead[0] <= 2 * block + record.data_start + block, (ahead[0], record.size)
