@@ -228,11 +228,9 @@ class _Mirror:
         into[:] = self.read_range(name, offset, len(into))
 
 
-@pytest.mark.parametrize("optional", [False, True])
-def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_path, monkeypatch, optional):
-    """What no node holds comes from the mirror in ranged reads, a bounded window ahead of what
-    is kept; a range that fails its check stops the load (naming it), or is left out when the
-    asks are optional, and every range before it is kept."""
+def _without_its_file(saved, tmp_path):
+    """A copy of the saved checkpoint whose data file is gone (only the mirror has it): the copy's
+    directory, the file's name, the manifest, the file's record and its bytes."""
     path, name = saved
     node = str(tmp_path / "node")
     shutil.copytree(path, node)
@@ -241,6 +239,15 @@ def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_pa
     with open(os.path.join(node, name), "rb") as f:
         data = f.read()
     os.remove(os.path.join(node, name))
+    return node, name, manifest, record, data
+
+
+@pytest.mark.parametrize("optional", [False, True])
+def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_path, monkeypatch, optional):
+    """What no node holds comes from the mirror in ranged reads, a bounded window ahead of what
+    is kept; a range that fails its check stops the load (naming it), or is left out when the
+    asks are optional, and every range before it is kept."""
+    node, name, manifest, record, data = _without_its_file(saved, tmp_path)
     block = record.checksum_block
     spans = [Span(name, 0, record.data_start + block)]
     spans += [Span(name, at, min(at + block, record.size))
@@ -297,14 +304,7 @@ def test_a_span_from_the_mirror_is_kept_piece_by_piece(saved, tmp_path, monkeypa
     """One span of many checksum blocks: each piece is checked and kept as it comes (the link
     is not idle while the whole span is checked and written); a damaged piece stops the load,
     or leaves the rest of the span out when the ask is optional; the pieces before it are kept."""
-    path, name = saved
-    node = str(tmp_path / "node")
-    shutil.copytree(path, node)
-    manifest = read_manifest(LocalStore(node), node)
-    record = read_files(LocalStore(node), manifest, node)[name]
-    with open(os.path.join(node, name), "rb") as f:
-        data = f.read()
-    os.remove(os.path.join(node, name))
+    node, name, manifest, record, data = _without_its_file(saved, tmp_path)
     block = record.checksum_block
     monkeypatch.setattr(mirror_reads, "KEEP_PIECE", 2 * block + 1)  # two whole blocks a piece
     whole = Span(name, 0, record.size)
@@ -334,14 +334,7 @@ def test_a_span_from_the_mirror_is_kept_piece_by_piece(saved, tmp_path, monkeypa
 def test_a_span_larger_than_the_window_is_read_at_most_a_window_ahead(saved, tmp_path, monkeypatch):
     """The mirror's read-ahead bound (``WAVE_BYTES``) holds for one span larger than it: a whole
     rank file asked at once was read into memory whole before any of it was kept."""
-    path, name = saved
-    node = str(tmp_path / "node")
-    shutil.copytree(path, node)
-    manifest = read_manifest(LocalStore(node), node)
-    record = read_files(LocalStore(node), manifest, node)[name]
-    with open(os.path.join(node, name), "rb") as f:
-        data = f.read()
-    os.remove(os.path.join(node, name))
+    node, name, manifest, record, data = _without_its_file(saved, tmp_path)
     block = record.checksum_block
     assert record.size > 6 * block
     monkeypatch.setattr(mirror_reads, "KEEP_PIECE", block)
