@@ -80,7 +80,9 @@ install() {  # install ARGS...: pip install ARGS into .venv, under constraints.t
     [ "$installer" = uv ] || "$py" -m pip install -q --upgrade pip
   fi
   if [ "$installer" = uv ]; then
-    "$py" scripts/uv_pip.py "$venv/bin/uv" -q -c "$constraints" "$@"
+    # bytecode compiled now, as pip does: uv leaves none, and where PYTHONDONTWRITEBYTECODE is set
+    # every process of the suite compiled botocore, megatron, lightning... again on import
+    "$py" scripts/uv_pip.py "$venv/bin/uv" -q --compile-bytecode -c "$constraints" "$@"
   else
     "$py" -m pip install -q -c "$constraints" "$@"
   fi
