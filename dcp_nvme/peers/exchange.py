@@ -395,7 +395,7 @@ def _nowhere(path: str, manifest: Manifest, records: dict[str, FileRecord], aske
     source = mirror()
     mine = [(index, asked[needer][0][index][0])  # the mirror holds every file: the index's place
             for needer, index in nowhere if needer == me and not (optional and source is None)]
-    why, got = mirror_reads.from_mirror(path, manifest, records, mine, source, optional, out)
+    why, got = mirror_reads.from_mirror(manifest, records, mine, source, optional, out)
     reports = _gather((why, got))
     _raise_first(path, [w for w, _ in reports])
     for rank, (_, spans) in enumerate(reports):

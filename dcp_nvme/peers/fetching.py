@@ -143,13 +143,7 @@ class MirrorSource:
 
     def read_into(self, name: str, offset: int, into: memoryview) -> None:
         """``len(into)`` bytes at ``offset``, read straight into ``into`` (no copy of them on the way)."""
-        if hasattr(self.store, "read_into"):
-            got = self.store.read_into(name, offset, into)
-        else:
-            data = LocalSource(self.store.root).read_range(name, offset, len(into))
-            got = len(data)
-            into[:got] = data
-        if got != len(into):
+        if self.store.read_into(name, offset, into) != len(into):
             raise ManifestError(f"{self.describe(name)} is shorter than its manifest says")
 
     def read(self, name: str, max_size: int) -> bytes:

@@ -39,33 +39,30 @@ class Arrivals(Protocol):
     def keep(self, record: FileRecord, start: int, data: memoryview, kind: str) -> None: ...
 
 
-def from_mirror(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
-                     mirror: MirrorSource | None, optional: bool, out: Arrivals) -> tuple[str | None, list[Span]]:
+def from_mirror(manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
+                mirror: MirrorSource | None, optional: bool, out: Arrivals) -> tuple[str | None, list[Span]]:
     """This rank's asks that no node holds (``_spans``), the time counted as the mirror's in
     ``out.taken`` (last_stats)."""
     began = time.perf_counter()
     try:
-        return _spans(path, manifest, records, mine, mirror, optional, out)
+        return _spans(manifest, records, mine, mirror, optional, out)
     finally:
         if "mirror" in out.taken:
             out.taken["mirror"]["seconds"] += time.perf_counter() - began
 
 
-def _spans(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
-                       mirror: MirrorSource | None, optional: bool, out: Arrivals) -> tuple[str | None, list[Span]]:
+def _spans(manifest: Manifest, records: dict[str, FileRecord], mine: list[tuple[int, Span]],
+           mirror: MirrorSource | None, optional: bool, out: Arrivals) -> tuple[str | None, list[Span]]:
     """This rank's asks that no node holds, from the mirror: ranged reads of ``MIRROR_RANGE``
     bytes, ``MIRROR_IN_FLIGHT`` at once (one span at a time, one read each, left the link
     mostly idle), each span checked and kept in pieces of about ``KEEP_PIECE`` bytes as soon as
     a piece came; at most ``WAVE_BYTES`` read ahead, however large a span (a span read whole
     held all of it in memory). Returns (why it stopped, the spans that came whole)."""
     got: list[Span] = []
-    if mirror is None:
-        for _index, span in mine:  # raises the error that names what is missing, unless optional
-            try:
-                _one(path, manifest, records[span.file], span, mirror, out)
-            except (DCPNVMeError, OSError) as exc:
-                if not optional:
-                    return f"{type(exc).__name__}: {exc}", got
+    if mirror is None:  # the first ask names what is missing, unless the asks are optional
+        if mine and not optional:
+            _, span = mine[0]
+            return f"{CheckpointNotFoundError.__name__}: {_no_mirror_message(manifest, records[span.file], span)}", got
         return None, got
 
     def part(piece: Span, offset: int, into: memoryview) -> None:
@@ -113,7 +110,7 @@ def _spans(path: str, manifest: Manifest, records: dict[str, FileRecord], mine: 
                     oldest = posted.popleft()
                     held -= oldest[2].length
                     why = keep(*oldest)
-                if why is not None:
+                if why is not None or index in failed:  # an optional ask left out: no more of it read
                     break
                 posted.append((index, span, piece, *post(piece)))
                 held += piece.length
@@ -142,15 +139,9 @@ def keep_pieces(record: FileRecord, span: Span) -> list[Span]:
     return pieces
 
 
-def _one(path: str, manifest: Manifest, record: FileRecord, span: Span,
-                 mirror: MirrorSource | None, out: Arrivals) -> None:
-    """A range no node holds: from the mirror, checked, or the error that names it."""
-    if mirror is None:
-        writer = manifest.node_of(record.rank)
-        raise CheckpointNotFoundError(
-            f"{span.file} bytes [{span.start}, {span.end}) (rank {record.rank}'s data, written on node "
+def _no_mirror_message(manifest: Manifest, record: FileRecord, span: Span) -> str:
+    """Why a range no node holds cannot be loaded when the load has no mirror."""
+    writer = manifest.node_of(record.rank)
+    return (f"{span.file} bytes [{span.start}, {span.end}) (rank {record.rank}'s data, written on node "
             f"{writer}) are on no node of this job and the load has no mirror that holds them: restart "
             f"with node {writer} in the job, or give NVMeReader(mirror=...) where the checkpoint drained")
-    data = mirror.read_range(span.file, span.start, span.length)
-    verify_piece(record, span.start, memoryview(data), mirror.describe(span.file))
-    out.keep(record, span.start, memoryview(data), "mirror")

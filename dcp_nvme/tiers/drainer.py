@@ -334,23 +334,19 @@ def _refuse_overlap(location: str, target: str, sink: Sink) -> None:
 
 
 def _plan(record: FileRecord, entry: dict[str, Any], part_size: int, sink: Sink) -> tuple[int, list[Piece]]:
-    """The part size for one file: the one its unfinished transfer began with, else the option."""
+    """The part size for one file and its pieces: the size its unfinished transfer began with,
+    else the option's, made larger where the target takes fewer parts than that would cut."""
     planned = entry.get("part_size")
     in_progress = bool(entry["pieces"]) or bool(entry.get("upload_id"))
-    minimum = sink.min_part
-    if not (in_progress and isinstance(planned, int) and planned >= minimum):
-        planned = fitting_part(record, part_size, sink.max_parts)
-    return planned, plan_pieces(record.size, record.data_start, record.checksum_block, planned)
-
-
-def fitting_part(record: FileRecord, part_size: int, max_parts: int | None) -> int:
-    """``part_size``, or the smallest multiple of the file's checksum block that cuts it into at
-    most ``max_parts`` pieces when ``part_size`` would cut it into more."""
-    if max_parts is None or len(plan_pieces(record.size, record.data_start, record.checksum_block,
-                                            part_size)) <= max_parts:
-        return part_size
+    if in_progress and isinstance(planned, int) and planned >= sink.min_part:
+        return planned, plan_pieces(record.size, record.data_start, record.checksum_block, planned)
+    pieces = plan_pieces(record.size, record.data_start, record.checksum_block, part_size)
+    if sink.max_parts is None or len(pieces) <= sink.max_parts:
+        return part_size, pieces
+    # S3 numbers at most max_parts parts: the fewest whole checksum blocks a part that fit
     block = record.checksum_block
-    return -(-(record.size - record.data_start) // (max_parts * block)) * block  # blocks, rounded up
+    planned = -(-(record.size - record.data_start) // (sink.max_parts * block)) * block
+    return planned, plan_pieces(record.size, record.data_start, record.checksum_block, planned)
 
 
 def _attempt(source: DrainSource | CompressedSource, sink: Sink, journal: Journal, options: DrainOptions,

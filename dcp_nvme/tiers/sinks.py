@@ -46,7 +46,6 @@ LocalPiece = Callable[[FileRecord, Piece], bytes]
 """Reads one piece of a local data file, checked against the blocks table."""
 
 
-
 def next_parts_page(answer: dict[str, Any], page: dict[str, Any], where: str, upload: str) -> dict[str, Any]:
     """The next ListParts page after a truncated ``answer``. The server's marker is input: it must
     move forward within S3's part numbers, or a store answering "truncated" with the same page
@@ -57,6 +56,7 @@ def next_parts_page(answer: dict[str, Any], page: dict[str, Any], where: str, up
         raise IncompleteOnTarget(f"{where}: ListParts of upload {upload} answered a next marker {marker!r} "
                                  f"after {last}; the store's listing cannot be trusted")
     return {"PartNumberMarker": int(marker)}
+
 
 class Sink:
     """Interface (and the shared small-file side, through a store)."""

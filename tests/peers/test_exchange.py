@@ -259,7 +259,7 @@ def test_mirror_reads_move_as_a_window_and_stop_at_a_damaged_range(saved, tmp_pa
     mirror = _Mirror(name, data, spans[bad].start + 10)
     out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
     out.chosen = [9] * len(spans)
-    why, got = mirror_reads.from_mirror(node, manifest, {name: record}, list(enumerate(spans)), mirror,
+    why, got = mirror_reads.from_mirror(manifest, {name: record}, list(enumerate(spans)), mirror,
                                          optional, out)
     if optional:
         assert why is None and got == spans[:bad] + spans[bad + 1:]
@@ -319,7 +319,7 @@ def test_a_span_from_the_mirror_is_kept_piece_by_piece(saved, tmp_path, monkeypa
     mirror = _Mirror(name, data, bad)
     out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
     out.chosen = [9]
-    why, got = mirror_reads.from_mirror(node, manifest, {name: record}, [(0, whole)], mirror, optional, out)
+    why, got = mirror_reads.from_mirror(manifest, {name: record}, [(0, whole)], mirror, optional, out)
     assert got == [] and out.chosen == [9]
     if optional:
         assert why is None
@@ -356,7 +356,7 @@ def test_a_span_larger_than_the_window_is_read_at_most_a_window_ahead(saved, tmp
     monkeypatch.setattr(out, "keep", counted_keep)
     mirror = Counting(name, data, len(data) - 1)
     mirror.data[len(data) - 1] ^= 0xFF  # the byte _Mirror flipped, flipped back: nothing damaged
-    why, got = mirror_reads.from_mirror(node, manifest, {name: record}, [(0, Span(name, 0, record.size))],
+    why, got = mirror_reads.from_mirror(manifest, {name: record}, [(0, Span(name, 0, record.size))],
                                          mirror, False, out)
     assert why is None and got == [Span(name, 0, record.size)] and out.chosen == [0]
     assert ahead[0] <= 2 * block + record.data_start + block, (ahead[0], record.size)
