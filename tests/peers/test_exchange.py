@@ -360,3 +360,17 @@ def test_a_span_larger_than_the_window_is_read_at_most_a_window_ahead(saved, tmp
                                          mirror, False, out)
     assert why is None and got == [Span(name, 0, record.size)] and out.chosen == [0]
     assert ahead[0] <= 2 * block + record.data_start + block, (ahead[0], record.size)
+
+
+def test_without_a_mirror_what_no_node_holds_is_named_unless_optional(saved, tmp_path):
+    """A range no node holds and no mirror to read it from: the load's error names the file, its
+    bytes, the node that wrote them and what to do; optional asks are left out without one."""
+    node, name, manifest, record, _ = _without_its_file(saved, tmp_path)
+    spans = [Span(name, 0, record.data_start), Span(name, record.data_start, record.size)]
+    out = exchange.Arrivals(node, ReceivedBytes(1 << 30))
+    out.chosen = [9, 9]
+    why, got = mirror_reads.from_mirror(manifest, {name: record}, list(enumerate(spans)), None, False, out)
+    assert why is not None and why.startswith("CheckpointNotFoundError: ")
+    assert f"{name} bytes [0, {record.data_start})" in why and "NVMeReader(mirror=...)" in why
+    assert f"written on node {manifest.node_of(record.rank)}" in why and got == [] and out.chosen == [9, 9]
+    assert mirror_reads.from_mirror(manifest, {name: record}, list(enumerate(spans)), None, True, out) == (None, [])
